@@ -1,0 +1,21 @@
+"""Packaging: ``passes/`` and ``kernels/`` install as ``lynx_compile.passes`` / ``lynx_compile.kernels``.
+
+The packages are listed explicitly (no ``find_packages``) so that no top-level ``passes`` or
+``kernels`` import name leaks into site-packages.
+"""
+from setuptools import setup
+
+setup(
+    packages=[
+        "lynx_compile",
+        "lynx_compile.costs",
+        "lynx_compile.models",
+        "lynx_compile.passes",
+        "lynx_compile.kernels",
+    ],
+    package_dir={
+        "lynx_compile": "lynx_compile",
+        "lynx_compile.passes": "passes",
+        "lynx_compile.kernels": "kernels",
+    },
+)
