@@ -9,6 +9,7 @@ setup(
     packages=[
         "lynx_compile",
         "lynx_compile.costs",
+        "lynx_compile.memory",
         "lynx_compile.models",
         "lynx_compile.passes",
         "lynx_compile.kernels",

@@ -1,0 +1,18 @@
+"""lynx's graph passes, in the order they run. Each is ``(gm, ctx) -> gm``; see README.md here.
+
+``JOINT_PIPELINE`` runs on the aot_autograd joint graph before partitioning;
+``BACKWARD_PIPELINE`` on the partitioned backward graph. Disable one with
+``options={"disable_passes": ("<name>",)}``.
+"""
+from .annotate_costs import annotate_costs_pass
+from .context import GraphRecord, PassContext
+from .find_blocks import find_blocks_pass
+from .mark_recomputed import mark_recomputed_pass
+from .policies import select_recompute_pass
+from .runner import run_passes
+
+JOINT_PIPELINE = (annotate_costs_pass, find_blocks_pass, select_recompute_pass)
+BACKWARD_PIPELINE = (mark_recomputed_pass,)
+
+__all__ = ["JOINT_PIPELINE", "BACKWARD_PIPELINE", "GraphRecord", "PassContext", "run_passes",
+           "annotate_costs_pass", "find_blocks_pass", "select_recompute_pass", "mark_recomputed_pass"]

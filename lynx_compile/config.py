@@ -1,0 +1,121 @@
+"""The frozen configuration tree for one lynx compile, built from ``torch.compile(options=...)``.
+
+Unknown keys and bad values raise ``ValueError`` naming what is valid: a misspelt option must
+never silently fall back to a default.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+Policy = Literal["none", "full", "selective", "torch"]
+Solver = Literal["auto", "glpk", "highs", "heu"]
+CostSource = Literal["analytic", "measured"]
+Compiler = Literal["eager", "inductor"]
+
+#: Policies that issue B adds. Named here so the error for them is precise.
+FUTURE_POLICIES = {"lynx": "issue B (the recompute optimizer)"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LynxConfig:
+    """Options of the ``lynx`` backend. Every field is also a key of ``options={...}``."""
+
+    policy: Policy = "selective"
+    """What to save and what to recompute. ``none``: save every forward value the backward
+    reads (no recompute). ``full``: keep only each transformer block's input, recompute the rest
+    of the block. ``selective``: Megatron's selective recompute (the attention core QK^T, mask,
+    softmax, dropout; the s x s tensors). ``torch``: torch's min-cut partitioner under
+    ``activation_memory_budget`` (for side-by-side comparison)."""
+
+    memory_budget: float | int | None = None
+    """Peak activation memory allowed: a float in (0, 1] is a fraction of the no-recompute
+    peak, an int is bytes per device. For ``torch`` it is handed to torch's
+    ``activation_memory_budget`` (default 1.0); for ``none``/``full``/``selective`` it is a check:
+    a plan predicted above the budget is an error naming the smallest reachable budget."""
+
+    solver: Solver = "auto"
+    """MILP solver for the ``lynx`` policy (issue B): ``auto`` picks the fastest installed."""
+
+    plan: str | None = None
+    """Path of a saved plan to reuse without solving (issue B)."""
+
+    cost_source: CostSource = "analytic"
+    """Per-node costs: ``analytic`` (roofline over ``hardware``) or ``measured`` (each node run
+    on real tensors on the actual device, median of ``measure_repeats``)."""
+
+    hardware: str = "auto"
+    """Hardware profile for analytic costs: ``auto`` (the local CUDA device, else ``cpu``),
+    ``cpu``, ``a100-sxm4-80gb``, ``a100-pcie-80gb``, ``h100-sxm``, ``h200``, ``ascend-910b``."""
+
+    measure_repeats: int = 5
+    """Repeats per node when ``cost_source="measured"`` (the median is kept)."""
+
+    compiler: Compiler = "eager"
+    """What runs the partitioned fw/bw graphs: ``eager`` (aten ops from Python, what the memory
+    prediction models exactly) or ``inductor`` (fused kernels; peak memory then differs)."""
+
+    disable_passes: tuple[str, ...] = ()
+    """Names of passes to skip (see ``lynx_compile.passes.PIPELINE``)."""
+
+    dump_dir: str | None = field(default_factory=lambda: os.environ.get("LYNX_DUMP_DIR"))
+    """Directory for graph dumps before/after each pass (default: ``$LYNX_DUMP_DIR``)."""
+
+    verbose: bool = field(default_factory=lambda: os.environ.get("LYNX_DEBUG", "") not in ("", "0"))
+    """Log each graph's decisions at INFO (default: ``$LYNX_DEBUG``)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _choices(name: str) -> tuple[str, ...]:
+    hint = {f.name: f.type for f in dataclasses.fields(LynxConfig)}[name]
+    return get_args({"Policy": Policy, "Solver": Solver, "CostSource": CostSource,
+                     "Compiler": Compiler}[hint])
+
+
+def make_config(options: dict[str, Any] | None = None) -> LynxConfig:
+    """Validate ``options`` and return the frozen config. Raises ``ValueError`` on any bad key
+    or value, naming the valid ones."""
+    options = dict(options or {})
+    valid = [f.name for f in dataclasses.fields(LynxConfig)]
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown lynx option(s) {unknown}; valid options are {valid}")
+    for key in ("policy", "solver", "cost_source", "compiler"):
+        if key in options and options[key] not in _choices(key):
+            value = options[key]
+            extra = ""
+            if key == "policy" and value in FUTURE_POLICIES:
+                extra = f" (policy {value!r} arrives with {FUTURE_POLICIES[value]})"
+            raise ValueError(f"{key}={value!r} is not valid; choose one of {list(_choices(key))}{extra}")
+    if "memory_budget" in options:
+        options["memory_budget"] = _check_budget(options["memory_budget"])
+    if "disable_passes" in options:
+        options["disable_passes"] = tuple(options["disable_passes"])
+    if "measure_repeats" in options and int(options["measure_repeats"]) < 1:
+        raise ValueError("measure_repeats must be >= 1")
+    if "hardware" in options:
+        from lynx_compile.costs import PROFILES
+
+        names = ["auto", *PROFILES]
+        if options["hardware"] not in names:
+            raise ValueError(f"hardware={options['hardware']!r} is not valid; choose one of {names}")
+    return LynxConfig(**options)
+
+
+def _check_budget(budget: Any) -> float | int | None:
+    if budget is None:
+        return None
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise ValueError(f"memory_budget must be a float in (0, 1] or an int number of bytes, got {budget!r}")
+    if isinstance(budget, float):
+        if not 0.0 < budget <= 1.0:
+            raise ValueError(f"memory_budget={budget} as a fraction must lie in (0, 1]; "
+                             "pass an int for bytes per device")
+        return budget
+    if budget <= 0:
+        raise ValueError(f"memory_budget={budget} bytes must be positive")
+    return int(budget)

@@ -1,0 +1,5 @@
+"""Activation memory: predicted from graphs (``simulate``) and measured on a real step (``measure``)."""
+from .measure import StepMeasurement, measure_step
+from .simulate import StepMemory, simulate_graph, simulate_step, storage_keys
+
+__all__ = ["StepMeasurement", "measure_step", "StepMemory", "simulate_graph", "simulate_step", "storage_keys"]

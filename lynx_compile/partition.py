@@ -1,0 +1,179 @@
+"""lynx's ``partition_fn`` for aot_autograd: passes on the joint graph, then the partition.
+
+::
+
+    joint graph ──annotate_costs──find_blocks──select_recompute──▶ tagged joint graph
+        │                                                              │
+        └─ default_partition (untagged) = the no-recompute reference   │
+                                                                       ▼
+                       default_partition (tags → saved frontier + recompute, RNG replayed)
+                       or min-cut under activation_memory_budget (policy "torch")
+                                                                       │
+                                       mark_recomputed on the backward ▼
+                                simulate_step → RecomputePlan → budget check → (fw, bw)
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch.fx as fx
+
+from lynx_compile import _compat
+from lynx_compile.config import LynxConfig
+from lynx_compile.memory.simulate import StepMemory, simulate_step, storage_keys
+from lynx_compile.passes import BACKWARD_PIPELINE, JOINT_PIPELINE, GraphRecord, PassContext, meta, run_passes
+from lynx_compile.passes.find_blocks import structural_hash
+from lynx_compile.passes.policies import select_recompute_pass
+from lynx_compile.plan import BlockSummary, RecomputePlan, TensorDecision
+
+log = logging.getLogger("lynx_compile")
+
+
+class BudgetError(ValueError):
+    """The memory budget is below what the chosen policy (or any policy) reaches."""
+
+
+def _clear_tags(gm: fx.GraphModule) -> None:
+    for node in gm.graph.nodes:
+        for key in ("recompute", "ac_graph_id", meta.DECISION, meta.ROLE):
+            node.meta.pop(key, None)
+
+
+def _partition(joint: fx.GraphModule, joint_inputs: Any, policy: str, kw: dict, budget: float = 1.0):
+    if policy == "torch":
+        return _compat.min_cut_partition(joint, joint_inputs, memory_budget=budget, **kw)
+    return _compat.default_partition(joint, joint_inputs, **kw)
+
+
+def _peak_under(policy: str, joint: fx.GraphModule, ctx: PassContext, joint_inputs: Any, kw: dict) -> int:
+    """Predicted peak of ``joint`` under a baseline policy (re-tags the graph; restores nothing)."""
+    _clear_tags(joint)
+    sub = dataclasses.replace(ctx, config=dataclasses.replace(ctx.config, policy=policy),
+                              record=GraphRecord(graph_id=ctx.record.graph_id, policy=policy,
+                                                 blocks=ctx.record.blocks))
+    select_recompute_pass(joint, sub)
+    fw, bw = _partition(joint, joint_inputs, policy, kw)
+    return simulate_step(fw, bw).peak_bytes
+
+
+def _budget_bytes(config: LynxConfig, reference_peak: int) -> int | None:
+    b = config.memory_budget
+    if b is None:
+        return None
+    return int(b * reference_peak) if isinstance(b, float) else int(b)
+
+
+def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
+                   config: LynxConfig, record: GraphRecord,
+                   static_lifetime_input_indices: list[int] | None = None, **_: Any):
+    """Partition ``joint`` into (fw, bw) under ``config.policy``; fills ``record.plan``."""
+    kw = dict(num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static_lifetime_input_indices)
+    ctx = PassContext(config=config, record=record, num_fwd_outputs=num_fwd_outputs,
+                      joint_inputs=joint_inputs,
+                      forward_names=frozenset(_compat.forward_node_names(joint, num_fwd_outputs)))
+    ref_fw, ref_bw = _partition(joint, joint_inputs, "none", kw)
+    reference = simulate_step(ref_fw, ref_bw)
+    record.reference_peak_bytes = reference.peak_bytes
+    budget = _budget_bytes(config, reference.peak_bytes)
+
+    joint = run_passes(joint, ctx, JOINT_PIPELINE, "joint")
+    smallest = None
+    if budget is not None and config.policy == "torch":
+        smallest = _smallest_reachable(joint, ctx, joint_inputs, kw, reference.peak_bytes)
+        _clear_tags(joint)
+        if budget < smallest[1]:
+            raise _budget_error(config, budget, reference.peak_bytes, smallest, None)
+    if config.policy == "none":
+        fw, bw = ref_fw, ref_bw
+    else:
+        frac = min(1.0, budget / reference.peak_bytes) if budget is not None else 1.0
+        fw, bw = _partition(joint, joint_inputs, config.policy, kw, budget=frac)
+    bw = run_passes(bw, ctx, BACKWARD_PIPELINE, "backward")
+    mem = simulate_step(fw, bw)
+    record.plan = build_plan(config.policy, joint, fw, bw, mem, ctx, budget)
+
+    if budget is not None and mem.peak_bytes > budget:
+        if config.policy == "torch":
+            msg = (f"policy 'torch' at activation_memory_budget={frac:.3f} predicts a peak of "
+                   f"{mem.peak_bytes} B, above the budget {budget} B (torch budgets saved bytes, "
+                   "not the peak)")
+            log.warning("lynx: %s", msg)
+            record.notes.append(msg)
+        else:
+            smallest = _smallest_reachable(joint, ctx, joint_inputs, kw, reference.peak_bytes)
+            raise _budget_error(config, budget, reference.peak_bytes, smallest, mem.peak_bytes)
+    _log_plan(record)
+    return fw, bw
+
+
+def _smallest_reachable(joint, ctx, joint_inputs, kw, reference_peak) -> tuple[str, int]:
+    peaks = {"none": reference_peak}
+    if ctx.record.blocks:
+        for policy in ("selective", "full"):
+            peaks[policy] = _peak_under(policy, joint, ctx, joint_inputs, kw)
+    best = min(peaks, key=peaks.get)
+    return best, peaks[best]
+
+
+def _budget_error(config, budget, reference_peak, smallest, predicted) -> BudgetError:
+    policy, peak = smallest
+    have = f"policy {config.policy!r} predicts a peak of {predicted} B; " if predicted is not None else ""
+    return BudgetError(
+        f"memory_budget={config.memory_budget!r} ({budget} B) is below what can be reached: {have}"
+        f"the smallest reachable peak is {peak} B = {peak / reference_peak:.3f} of the "
+        f"no-recompute peak ({reference_peak} B), with policy {policy!r}. "
+        f"Use memory_budget >= {peak / reference_peak:.3f} (or >= {peak} bytes).")
+
+
+def build_plan(policy: str, joint: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule,
+               mem: StepMemory, ctx: PassContext, budget: int | None) -> RecomputePlan:
+    """Summarize what ``fw``/``bw`` save and recompute (names, bytes, blocks, seconds)."""
+    joint_nodes = {n.name: n for n in joint.graph.nodes}
+    fw_nodes = {n.name: n for n in fw.graph.nodes}
+    keys = storage_keys(fw, {})
+    from lynx_compile.memory.simulate import _nbytes
+
+    seen: set[str] = set()
+    saved = []
+    for ph in bw.graph.find_nodes(op="placeholder"):
+        src = fw_nodes.get(ph.name)
+        if ph.name.startswith("tangents") or (src is not None and src.op == "placeholder"):
+            continue
+        key = keys[src] if src is not None else ph.name
+        base = fw_nodes.get(key, ph)
+        nbytes = 0 if key in seen else _nbytes(base.meta.get("val"))
+        seen.add(key)
+        saved.append(TensorDecision(name=ph.name, block=ph.meta.get(meta.BLOCK), nbytes=nbytes))
+    recomputed = []
+    for node in bw.graph.nodes:
+        if not node.meta.get(meta.RECOMPUTED):
+            continue
+        src = joint_nodes.get(node.meta.get(meta.RECOMPUTED_FROM, ""))
+        cost = (src or node).meta.get(meta.COST)
+        recomputed.append(TensorDecision(
+            name=node.meta[meta.RECOMPUTED_FROM], block=node.meta.get(meta.BLOCK),
+            nbytes=_nbytes(node.meta.get("val")), recompute_s=cost.runtime_s if cost else 0.0))
+    blocks = []
+    for i, path in enumerate(ctx.record.blocks):
+        s = [d for d in saved if d.block == i]
+        r = [d for d in recomputed if d.block == i]
+        blocks.append(BlockSummary(block=i, path=path, saved_bytes=sum(d.nbytes for d in s),
+                                   saved=tuple(d.name for d in s), recomputed=tuple(d.name for d in r),
+                                   recompute_s=sum(d.recompute_s for d in r)))
+    return RecomputePlan(
+        policy=policy, graph_hash=structural_hash(list(joint.graph.nodes), frozenset()),
+        saved=tuple(saved), recomputed=tuple(recomputed), blocks=tuple(blocks),
+        saved_bytes=mem.saved_bytes, peak_bytes=mem.peak_bytes,
+        forward_peak_bytes=mem.forward_peak_bytes, backward_peak_bytes=mem.backward_peak_bytes,
+        peak_at=mem.peak_at, recompute_s=sum(d.recompute_s for d in recomputed),
+        reference_peak_bytes=ctx.record.reference_peak_bytes or 0, budget_bytes=budget,
+        notes=tuple(ctx.record.notes))
+
+
+def _log_plan(record: GraphRecord) -> None:
+    p = record.plan
+    log.info("lynx graph %d: policy=%s blocks=%d saved=%d B peak=%d B (%.2f of no-recompute) "
+             "recompute=%.3g s", record.graph_id, p.policy, len(record.blocks), p.saved_bytes,
+             p.peak_bytes, p.peak_fraction, p.recompute_s)

@@ -1,0 +1,78 @@
+"""``RecomputePlan``: what one compiled graph saves and recomputes, as plain data.
+
+Keyed by node *names*, frozen, JSON-serializable: the CLI prints it, tests compare it, and
+issue B's optimizer emits the same type (adding window placement).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorDecision:
+    """One forward value the plan saves or recomputes."""
+
+    name: str
+    block: int | None
+    nbytes: int
+    recompute_s: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockSummary:
+    """Per-block totals (bytes saved, nodes and seconds recomputed)."""
+
+    block: int
+    path: str
+    saved_bytes: int
+    saved: tuple[str, ...]
+    recomputed: tuple[str, ...]
+    recompute_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecomputePlan:
+    """The partition decision of one graph and its predicted memory and time."""
+
+    policy: str
+    graph_hash: str
+    saved: tuple[TensorDecision, ...]
+    recomputed: tuple[TensorDecision, ...]
+    blocks: tuple[BlockSummary, ...] = ()
+    saved_bytes: int = 0
+    peak_bytes: int = 0
+    forward_peak_bytes: int = 0
+    backward_peak_bytes: int = 0
+    peak_at: str = ""
+    recompute_s: float = 0.0
+    reference_peak_bytes: int = 0
+    budget_bytes: int | None = None
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def peak_fraction(self) -> float:
+        """Predicted peak as a fraction of the no-recompute peak."""
+        return self.peak_bytes / self.reference_peak_bytes if self.reference_peak_bytes else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RecomputePlan":
+        data = dict(data)
+        data["saved"] = tuple(TensorDecision(**d) for d in data["saved"])
+        data["recomputed"] = tuple(TensorDecision(**d) for d in data["recomputed"])
+        data["blocks"] = tuple(
+            BlockSummary(**{**b, "saved": tuple(b["saved"]), "recomputed": tuple(b["recomputed"])})
+            for b in data.get("blocks", ()))
+        data["notes"] = tuple(data.get("notes", ()))
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "RecomputePlan":
+        return cls.from_dict(json.loads(text))

@@ -1,0 +1,24 @@
+"""Annotate every joint-graph node with its cost (runtime, output bytes).
+
+Reads ``config.cost_source``, ``config.hardware``, ``config.measure_repeats``. Writes
+``meta.COST`` (a ``lynx_compile.costs.NodeCost``) on every node, and the totals into the record.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from .context import PassContext
+
+
+def annotate_costs_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    from lynx_compile.costs import annotate_costs, get_profile
+
+    cfg = ctx.config
+    profile = get_profile(cfg.hardware)
+    costs = annotate_costs(gm, profile, source=cfg.cost_source, repeats=cfg.measure_repeats)
+    fwd = ctx.forward_names
+    ctx.record.decisions["cost_source"] = cfg.cost_source
+    ctx.record.decisions["hardware"] = profile.name
+    ctx.record.decisions["forward_s"] = sum(c.runtime_s for n, c in costs.items() if n in fwd)
+    ctx.record.decisions["backward_s"] = sum(c.runtime_s for n, c in costs.items() if n not in fwd)
+    return gm

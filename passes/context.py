@@ -1,0 +1,51 @@
+"""What every pass receives besides the graph: the config, and the record it writes into."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from lynx_compile.config import LynxConfig
+
+
+@dataclass(kw_only=True)
+class PassTiming:
+    name: str
+    stage: str
+    seconds: float
+    skipped: bool = False
+
+
+@dataclass(kw_only=True)
+class GraphRecord:
+    """What lynx decided for one compiled graph, and why. One per dynamo subgraph.
+
+    Filled in by the passes and the partitioner; printed by ``lynx plan`` and kept on the
+    backend (``backend.records``) so users can inspect it after compiling."""
+
+    graph_id: int
+    policy: str
+    blocks: list[str] = field(default_factory=list)
+    block_hashes: list[str] = field(default_factory=list)
+    decisions: dict[str, Any] = field(default_factory=dict)
+    plan: Any = None  # lynx_compile.plan.RecomputePlan once partitioned
+    reference_peak_bytes: int | None = None  # no-recompute peak (the budget's 100%)
+    timings: list[PassTiming] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["plan"] = self.plan.to_dict() if self.plan is not None else None
+        return out
+
+
+@dataclass(kw_only=True)
+class PassContext:
+    """Per-graph state shared by passes. Passes read ``config`` and ``num_fwd_outputs`` and
+    write only into ``record`` and ``node.meta`` (keys from ``passes/meta.py``)."""
+
+    config: LynxConfig
+    record: GraphRecord
+    num_fwd_outputs: int
+    joint_inputs: Any = None
+    forward_names: frozenset[str] = frozenset()

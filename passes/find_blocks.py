@@ -1,0 +1,99 @@
+"""Find the transformer blocks of a joint graph from module-stack metadata.
+
+Reads ``nn_module_stack`` (forward nodes) and ``fwd_nn_module_stack`` (backward nodes), or a
+user annotation ``torch.fx.traceback.annotate({"lynx_block": k})`` (``meta["custom"]``).
+Writes ``meta.BLOCK`` (int) and ``meta.BLOCK_PATH`` (str) on every node inside a block, and the
+block list plus a structural hash per block (op sequence, shapes, dtypes; never names) into the
+record.
+
+A block is a child of a module list: a module path ending in ``.<int>``. No model class is
+hard-coded: ``model.blocks.3``, ``transformer.h.3`` and ``layers.3`` are all found. When lists
+nest (``layers.2.experts.5``) the outermost list wins, so a block is a whole layer.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from collections import defaultdict
+
+import torch
+import torch.fx as fx
+
+from . import meta
+from .context import PassContext
+
+_INDEXED = re.compile(r"^(?P<parent>.*)\.(?P<index>\d+)$")
+
+
+def normalize_module_path(path: str) -> str:
+    """``"L['self'].blocks._modules['0'].ln"`` → ``"blocks.0.ln"`` (dynamo's spellings vary)."""
+    path = re.sub(r"^L\[['\"][^'\"]*['\"]\]\.?", "", path)
+    path = re.sub(r"\._modules\[['\"]([^'\"]+)['\"]\]", r".\1", path)
+    path = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path)
+    return path.strip(".")
+
+
+def module_paths(node: fx.Node) -> list[str]:
+    """Module paths of the node's stack, outermost first (forward or backward node)."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    return [normalize_module_path(v[0]) for v in stack.values()]
+
+
+def _block_of(paths: list[str]) -> str | None:
+    """The outermost path in ``paths`` that ends in ``.<int>`` (a module-list child)."""
+    for path in paths:
+        for prefix in _prefixes(path):
+            if _INDEXED.match(prefix):
+                return prefix
+    return None
+
+
+def _prefixes(path: str) -> list[str]:
+    parts = path.split(".")
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def find_blocks_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Tag nodes with their block; record blocks in execution order with structural hashes."""
+    by_path: dict[str, list[fx.Node]] = defaultdict(list)
+    for node in gm.graph.nodes:
+        custom = node.meta.get("custom") or {}
+        path = custom.get("lynx_block")
+        path = str(path) if path is not None else _block_of(module_paths(node))
+        if path is not None:
+            by_path[path].append(node)
+    # Keep only the most common list parent: stray indexed paths (e.g. a Sequential head)
+    # must not become "blocks".
+    parents: dict[str, int] = defaultdict(int)
+    for path in by_path:
+        m = _INDEXED.match(path)
+        parents[m.group("parent") if m else ""] += 1
+    if not parents:
+        ctx.record.notes.append("no transformer blocks found (no module-list children in the module stack)")
+        return gm
+    parent = max(parents, key=lambda p: (parents[p], -len(p)))
+    paths = [p for p in by_path if (_INDEXED.match(p).group("parent") if _INDEXED.match(p) else "") == parent]
+    paths.sort(key=lambda p: int(_INDEXED.match(p).group("index")) if _INDEXED.match(p) else 0)
+    for index, path in enumerate(paths):
+        for node in by_path[path]:
+            node.meta[meta.BLOCK] = index
+            node.meta[meta.BLOCK_PATH] = path
+    ctx.record.blocks = paths
+    ctx.record.block_hashes = [structural_hash(by_path[p], ctx.forward_names) for p in paths]
+    return gm
+
+
+def structural_hash(nodes: list[fx.Node], forward_names: frozenset[str]) -> str:
+    """Hash of a block's forward op sequence with shapes and dtypes (names excluded), so that
+    identical layers hash equal."""
+    h = hashlib.sha1()
+    for node in nodes:
+        if forward_names and node.name not in forward_names:
+            continue
+        h.update(str(node.target).encode())
+        val = node.meta.get("val")
+        vals = val if isinstance(val, (tuple, list)) else (val,)
+        for v in vals:
+            if isinstance(v, torch.Tensor):
+                h.update(f"{tuple(v.shape)}{v.dtype}".encode())
+    return h.hexdigest()[:16]

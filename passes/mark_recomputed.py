@@ -1,0 +1,39 @@
+"""Name and tag the recompute nodes of a partitioned backward graph.
+
+Reads ``ctx.forward_names``. Writes, on every backward node that re-runs a forward node,
+``meta.RECOMPUTED = True`` and ``meta.RECOMPUTED_FROM = <forward name>``, and renames it
+``<forward name>_recomputed`` so dumps and traces show recomputation at a glance::
+
+    before:  addmm = aten.addmm(primals_2, getitem, t)         # copy of a forward node
+    after:   addmm_recomputed = aten.addmm(primals_2, getitem, t)
+
+RNG ops replayed from a saved state (``run_with_rng_state``) are tagged the same way.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from . import meta
+from .context import PassContext
+
+
+def _replays_rng(node: fx.Node) -> bool:
+    return node.target is getattr(torch._prims.rng_prims, "run_with_rng_state", None)
+
+
+def mark_recomputed_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.name in ctx.forward_names:
+            node.meta = dict(node.meta)  # the copy must not write into the forward node's meta
+            node.meta[meta.RECOMPUTED] = True
+            node.meta[meta.RECOMPUTED_FROM] = node.name
+            node._rename(f"{node.name}_recomputed")
+        elif _replays_rng(node):
+            node.meta = dict(node.meta)
+            node.meta[meta.RECOMPUTED] = True
+            op = node.args[1]
+            node.meta[meta.RECOMPUTED_FROM] = getattr(op, "__name__", str(op))
+    return gm

@@ -1,0 +1,54 @@
+"""The one pass runner: lint, recompile, time, record, and dump graphs when asked.
+
+A pass is a plain function ``(gm, ctx) -> gm``. ``run_passes`` runs a tuple of them in order,
+skips the ones named in ``config.disable_passes``, and writes each graph before/after to
+``$LYNX_DUMP_DIR/<graph_id>/<stage>_<nn>_<pass>_{before,after}.txt`` when dumping is on.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Callable, Sequence
+
+import torch.fx as fx
+
+from .context import PassContext, PassTiming
+
+log = logging.getLogger("lynx_compile")
+
+Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
+
+
+def pass_name(p: Pass) -> str:
+    return getattr(p, "__name__", repr(p))
+
+
+def dump_graph(gm: fx.GraphModule, ctx: PassContext, label: str) -> None:
+    """Write the readable graph to the dump directory (no-op when dumping is off)."""
+    if not ctx.config.dump_dir:
+        return
+    folder = os.path.join(ctx.config.dump_dir, f"graph_{ctx.record.graph_id}")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"{label}.txt"), "w") as f:
+        f.write(gm.print_readable(print_output=False))
+
+
+def run_passes(gm: fx.GraphModule, ctx: PassContext, pipeline: Sequence[Pass],
+               stage: str) -> fx.GraphModule:
+    """Run ``pipeline`` on ``gm``; returns the final graph module."""
+    for i, p in enumerate(pipeline):
+        name = pass_name(p)
+        if name in ctx.config.disable_passes:
+            ctx.record.timings.append(PassTiming(name=name, stage=stage, seconds=0.0, skipped=True))
+            log.info("lynx: pass %s disabled by config", name)
+            continue
+        dump_graph(gm, ctx, f"{stage}_{i:02d}_{name}_before")
+        start = time.perf_counter()
+        gm = p(gm, ctx)
+        gm.graph.lint()
+        gm.recompile()
+        ctx.record.timings.append(
+            PassTiming(name=name, stage=stage, seconds=time.perf_counter() - start))
+        dump_graph(gm, ctx, f"{stage}_{i:02d}_{name}_after")
+    return gm
