@@ -70,13 +70,17 @@ def min_cut_partition(joint_gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_ou
         )
 
 
-def forward_node_names(joint_gm: fx.GraphModule, num_fwd_outputs: int) -> set[str]:
-    """Names of the joint-graph nodes the forward outputs need (torch's ``classify_nodes``)."""
-    info = _call_by_keyword(
-        _partitioners.classify_nodes, joint_gm,
-        static_lifetime_input_indices=[], num_fwd_outputs=num_fwd_outputs,
-    )
-    return {n.name for n in info.required_fw_nodes}
+def forward_node_names(joint_gm: fx.GraphModule) -> set[str]:
+    """Names of the joint-graph nodes on the forward side: everything that does not depend on
+    a tangent (aot_autograd names its tangent inputs ``tangents_*``). This includes values that
+    only the backward reads (e.g. the ``detach`` of a softmax output), which torch's
+    ``classify_nodes`` leaves unclaimed."""
+    backward: set[fx.Node] = set()
+    for node in joint_gm.graph.nodes:
+        if (node.op == "placeholder" and str(node.target).startswith("tangents")) or any(
+                a in backward for a in node.all_input_nodes):
+            backward.add(node)
+    return {n.name for n in joint_gm.graph.nodes if n not in backward and n.op != "output"}
 
 
 def is_sym_node(node: fx.Node) -> bool:

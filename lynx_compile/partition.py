@@ -72,7 +72,7 @@ def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs:
     kw = dict(num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static_lifetime_input_indices)
     ctx = PassContext(config=config, record=record, num_fwd_outputs=num_fwd_outputs,
                       joint_inputs=joint_inputs,
-                      forward_names=frozenset(_compat.forward_node_names(joint, num_fwd_outputs)))
+                      forward_names=frozenset(_compat.forward_node_names(joint)))
     ref_fw, ref_bw = _partition(joint, joint_inputs, "none", kw)
     reference = simulate_step(ref_fw, ref_bw)
     record.reference_peak_bytes = reference.peak_bytes
@@ -143,7 +143,8 @@ def build_plan(policy: str, joint: fx.GraphModule, fw: fx.GraphModule, bw: fx.Gr
             continue
         key = keys[src] if src is not None else ph.name
         base = fw_nodes.get(key, ph)
-        nbytes = 0 if key in seen else _nbytes(base.meta.get("val"))
+        baseline = base.op == "placeholder" and base is not ph  # a view of a parameter or input
+        nbytes = 0 if key in seen or baseline else _nbytes(base.meta.get("val"))
         seen.add(key)
         saved.append(TensorDecision(name=ph.name, block=ph.meta.get(meta.BLOCK), nbytes=nbytes))
     recomputed = []
