@@ -24,6 +24,10 @@ log = logging.getLogger("lynx_compile")
 _graph_ids = itertools.count()
 
 
+class PlanningDone(Exception):
+    """Raised by a ``plan_only`` backend once the graph is partitioned and planned."""
+
+
 class LynxBackend:
     """A dynamo backend with a bound :class:`LynxConfig`.
 
@@ -31,9 +35,10 @@ class LynxBackend:
     gives several), each with its ``plan``: what was saved and recomputed and the predicted
     memory. ``plans`` is the list of those plans."""
 
-    def __init__(self, config: LynxConfig):
+    def __init__(self, config: LynxConfig, *, plan_only: bool = False):
         _compat.check_torch_version()
         self.config = config
+        self.plan_only = plan_only
         self.records: list[GraphRecord] = []
         self._lock = threading.Lock()
         self._warned_breaks = False
@@ -64,6 +69,8 @@ class LynxBackend:
                                     partition_fn=partition_fn)(gm, example_inputs)
 
     def _compiler(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
+        if self.plan_only:  # the partition (and so the plan) is done; nothing needs to run
+            raise PlanningDone()
         if self.config.compiler == "inductor":
             return _compat.inductor_compile(gm, example_inputs)
         return _compat.boxed(gm)
