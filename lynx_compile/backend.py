@@ -59,9 +59,9 @@ class LynxBackend:
             self.records.append(record)
             if len(self.records) == 2 and not self._warned_breaks:
                 self._warned_breaks = True
-                log.warning("lynx: compiling more than one graph for this model (graph breaks or "
-                            "recompiles); each subgraph gets its own plan. TORCH_LOGS=graph_breaks "
-                            "shows why dynamo split it.")
+                log.warning("lynx: compiling more than one graph with these options (graph breaks, "
+                            "recompiles, or another model); each graph gets its own plan, listed in "
+                            "backend.records. TORCH_LOGS=graph_breaks shows why dynamo split a model.")
         partition_fn = functools.partial(lynx_partition, config=self.config, record=record)
         compiler = self._compiler
         return _compat.aot_autograd(fw_compiler=compiler, bw_compiler=compiler,

@@ -1,0 +1,103 @@
+"""Bad input fails loudly with the fix in the message; nothing silently falls back."""
+import logging
+
+import pytest
+import torch
+
+import lynx_compile
+from lynx_compile.config import make_config
+from lynx_compile.models import build_model, example_batch
+from lynx_compile.partition import BudgetError
+
+NO_COSTS = ("annotate_costs_pass",)
+
+
+def test_unknown_option_names_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown lynx option\(s\) \['polcy'\]; valid options are .*'policy'"):
+        make_config({"polcy": "full"})
+
+
+def test_unknown_option_through_torch_compile():
+    model = build_model("gpt-tiny")
+    compiled = torch.compile(model, backend="lynx", options={"budget": 0.5})
+    with pytest.raises(Exception, match="valid options are"):
+        compiled(example_batch(model, 2))
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("policy", "fast", r"policy='fast' is not valid; choose one of \['none', 'full', 'selective', 'torch'\]"),
+    ("policy", "lynx", "arrives with issue B"),
+    ("solver", "cplex", "choose one of"),
+    ("memory_budget", 1.5, r"must lie in \(0, 1\]"),
+    ("memory_budget", 0.0, r"must lie in \(0, 1\]"),
+    ("memory_budget", -5, "must be positive"),
+    ("memory_budget", "half", "must be a float"),
+    ("hardware", "tpu-v9", "choose one of"),
+])
+def test_bad_values(key, value, match):
+    with pytest.raises(ValueError, match=match):
+        make_config({key: value})
+
+
+def test_budget_below_smallest_reachable_names_it():
+    model = build_model("gpt-tiny")
+    x = example_batch(model, 4)
+    compiled = torch.compile(model, backend="lynx",
+                             options={"policy": "full", "memory_budget": 0.05, "disable_passes": NO_COSTS})
+    with pytest.raises(Exception) as info:
+        compiled(x)
+    err = info.value
+    while not isinstance(err, BudgetError) and err is not None:
+        err = getattr(err, "inner_exception", None) or err.__cause__
+    assert isinstance(err, BudgetError), info.value
+    assert "smallest reachable peak is" in str(err) and "with policy 'full'" in str(err)
+    assert "Use memory_budget >=" in str(err)
+
+
+def test_budget_in_bytes_accepted_when_reachable():
+    model = build_model("gpt-tiny")
+    x = example_batch(model, 4)
+    backend = lynx_compile.backend(policy="full", memory_budget=10**9, disable_passes=NO_COSTS)
+    torch.compile(model, backend=backend)(x).loss.backward()
+    assert backend.plans[-1].budget_bytes == 10**9
+
+
+class _Broken(torch.nn.Module):
+    """A model with a graph break in the middle (a print)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = build_model("gpt-tiny", dropout=0.0)
+
+    def forward(self, x):
+        h = self.inner.wte(x)
+        torch._dynamo.graph_break()
+        return h.sum()
+
+
+def test_graph_breaks_compile_each_subgraph_and_say_so_once(caplog):
+    caplog.set_level(logging.WARNING, logger="lynx_compile")
+    model = _Broken()
+    x = example_batch(model.inner, 2)
+    backend = lynx_compile.backend(policy="none", disable_passes=NO_COSTS, verbose=False, dump_dir=None)
+    compiled = torch.compile(model, backend=backend)
+    out = compiled(x)
+    out.backward()
+    assert len(backend.records) >= 2
+    warnings = [r for r in caplog.records if "more than one graph" in r.getMessage()]
+    assert len(warnings) == 1
+    assert torch.allclose(out, model(x))
+
+
+def test_block_policy_without_blocks_explains():
+    class Flat(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.a(x).relu().sum()
+
+    compiled = torch.compile(Flat(), backend="lynx", options={"policy": "full", "disable_passes": NO_COSTS})
+    with pytest.raises(Exception, match="no blocks were found"):
+        compiled(torch.randn(4, 8, requires_grad=True))
