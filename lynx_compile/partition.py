@@ -83,6 +83,7 @@ def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs:
     if budget is not None and config.policy == "torch":
         smallest = _smallest_reachable(joint, ctx, joint_inputs, kw, reference.peak_bytes)
         _clear_tags(joint)
+        select_recompute_pass(joint, ctx)  # restore this policy's tags
         if budget < smallest[1]:
             raise _budget_error(config, budget, reference.peak_bytes, smallest, None)
     if config.policy == "none":

@@ -1,0 +1,35 @@
+# Set-up and checks. `make demo` and `make test` install whatever is missing first.
+# torch is always installed pinned, before the project, so pip never resolves a CUDA build
+# on its own (the project's own pin, torch>=2.11,<2.14, is then already satisfied).
+PYTHON ?= python3
+TORCH_VERSION ?= 2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: install install-test demo test bench plan clean
+
+install:
+	@$(PYTHON) -c "import torch, sys; v = tuple(map(int, torch.__version__.split('+')[0].split('.')[:2])); sys.exit(0 if (2, 11) <= v <= (2, 13) else 1)" 2>/dev/null \
+		|| $(PYTHON) -m pip install "torch==$(TORCH_VERSION)"
+	@command -v glpsol >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq glpk-utils; \
+		elif command -v sudo >/dev/null 2>&1; then sudo apt-get update -qq && sudo apt-get install -y -qq glpk-utils; \
+		else echo "warning: glpsol (GLPK) not found; install it with: apt-get install -y glpk-utils"; fi; }
+	$(PYTHON) -m pip install -q -e .
+
+install-test: install
+	$(PYTHON) -m pip install -q -e ".[test]"
+
+demo: install
+	lynx demo
+
+plan: install
+	lynx plan --model gpt-small --policy selective
+
+test: install-test
+	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+
+bench: install
+	$(PYTHON) benchmarks/bench_policies.py
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache
