@@ -1,0 +1,322 @@
+"""Hardware profiles: the peak numbers the roofline model divides by.
+
+GPU/NPU profiles are datasheet figures (sources next to each number); achievable fractions of
+those peaks are separate, stated factors. The ``"cpu"`` profile is not a datasheet: it is
+measured on this machine by :func:`calibrate_cpu_profile` (a couple of seconds, cached).
+
+    get_profile("h100-sxm")  -> datasheet profile
+    get_profile("cpu")       -> calibrated once per process
+    get_profile("auto")      -> CUDA device name -> profile, else "cpu"
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from collections.abc import Iterator, Mapping
+from typing import Any, Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+TERA = 1e12
+GIB = 1 << 30
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareProfile:
+    """One accelerator (or the local CPU) as the roofline model sees it."""
+
+    name: str
+    """Key in ``PROFILES`` (``"cpu"`` for the calibrated profile)."""
+    peak_flops: dict[str, float]
+    """Dense peak FLOP/s per dtype name ("float32", "bfloat16", "float16"; optional
+    "tfloat32"). On GPUs "float32" is the non-tensor-core FP32 rate: PyTorch runs fp32 matmuls
+    in full FP32 unless ``torch.set_float32_matmul_precision`` allows TF32."""
+    memory_bandwidth_bytes_per_s: float
+    """Peak device-memory bandwidth, bytes/s."""
+    memory_capacity_bytes: int
+    """Device memory, bytes."""
+    launch_overhead_s: float
+    """Fixed per-op cost added to every non-free node: kernel launch / dispatch, seconds."""
+    matmul_efficiency: float = 0.7
+    """Achievable fraction of ``peak_flops``. Large GEMMs reach ~70-80% of dense tensor-core
+    peak with cuBLAS; transformer-shaped ones (small K, odd sizes) less, so 0.7."""
+    memory_efficiency: float = 0.8
+    """Achievable fraction of memory bandwidth: streaming kernels (copies, pointwise) get
+    ~80-90% of HBM peak, so 0.8."""
+    default_link: str
+    """Key in ``comm.LINKS`` of the intra-node link collectives use when none is given."""
+
+    def peak_flops_for(self, dtype: torch.dtype | str, *, matmul: bool = True) -> float:
+        """Peak FLOP/s for ``dtype``; dtypes without an entry (float64, ints) use "float32".
+
+        Non-matmul ops always use the "float32" (vector unit) rate: they do not run on tensor
+        cores. fp32 matmuls use "tfloat32" when the float32 matmul precision allows TF32.
+        """
+        key = str(dtype).removeprefix("torch.")
+        if not matmul:
+            return self.peak_flops["float32"]
+        if key == "float32" and "tfloat32" in self.peak_flops:
+            if torch.get_float32_matmul_precision() != "highest":
+                return self.peak_flops["tfloat32"]
+        return self.peak_flops.get(key, self.peak_flops["float32"])
+
+    def __hash__(self) -> int:  # the dict field would make the generated hash fail
+        return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bandwidth_bytes_per_s))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-dict (JSON) form."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> HardwareProfile:
+        """Inverse of :meth:`to_dict`."""
+        return cls(**{**d, "peak_flops": dict(d["peak_flops"])})
+
+
+# Sources: "NVIDIA A100 Tensor Core GPU" datasheet (2021), "NVIDIA H100 Tensor Core GPU"
+# datasheet (2023), "NVIDIA H200 Tensor Core GPU" datasheet (2024). Tensor-core figures below
+# are the *dense* ones (datasheets headline the 2:4-sparsity numbers, which are 2x).
+DATASHEET_PROFILES: dict[str, HardwareProfile] = {
+    "a100-sxm4-80gb": HardwareProfile(
+        name="a100-sxm4-80gb",
+        peak_flops={
+            "float32": 19.5 * TERA,  # A100 datasheet: FP32 19.5 TFLOPS
+            "tfloat32": 156 * TERA,  # TF32 tensor core 156 (312 sparse)
+            "bfloat16": 312 * TERA,  # BF16 tensor core 312 (624 sparse)
+            "float16": 312 * TERA,  # FP16 tensor core 312 (624 sparse)
+        },
+        memory_bandwidth_bytes_per_s=2039e9,  # A100 80GB SXM: 2,039 GB/s HBM2e
+        memory_capacity_bytes=80 * GIB,  # 80GB HBM2e (5 stacks x 16 GiB)
+        launch_overhead_s=3e-6,  # GPU-timeline gap per kernel when the CPU runs ahead
+        default_link="nvlink3",  # NVLink 3: 600 GB/s
+    ),
+    "a100-pcie-80gb": HardwareProfile(
+        name="a100-pcie-80gb",
+        peak_flops={  # A100 datasheet, PCIe column: same compute peaks as SXM (at lower TDP,
+            "float32": 19.5 * TERA,  # so sustained clocks may be lower under load)
+            "tfloat32": 156 * TERA,
+            "bfloat16": 312 * TERA,
+            "float16": 312 * TERA,
+        },
+        memory_bandwidth_bytes_per_s=1935e9,  # A100 80GB PCIe: 1,935 GB/s
+        memory_capacity_bytes=80 * GIB,
+        launch_overhead_s=3e-6,
+        default_link="pcie4",  # PCIe Gen4 64 GB/s bidir (NVLink bridge pairs only 2 GPUs)
+    ),
+    "h100-sxm": HardwareProfile(
+        name="h100-sxm",
+        peak_flops={
+            "float32": 67 * TERA,  # H100 SXM datasheet: FP32 67 TFLOPS
+            "tfloat32": 494.5 * TERA,  # TF32 989 TFLOPS with sparsity -> 494.5 dense
+            "bfloat16": 989.5 * TERA,  # BF16 1,979 TFLOPS with sparsity -> 989.5 dense
+            "float16": 989.5 * TERA,  # FP16 1,979 TFLOPS with sparsity -> 989.5 dense
+        },
+        memory_bandwidth_bytes_per_s=3.35e12,  # 3.35 TB/s HBM3
+        memory_capacity_bytes=80 * GIB,  # 80GB HBM3
+        launch_overhead_s=3e-6,
+        default_link="nvlink4",  # NVLink 4: 900 GB/s
+    ),
+    "h200": HardwareProfile(
+        name="h200",
+        peak_flops={  # H200 SXM datasheet: same Hopper compute as H100 SXM
+            "float32": 67 * TERA,
+            "tfloat32": 494.5 * TERA,
+            "bfloat16": 989.5 * TERA,
+            "float16": 989.5 * TERA,
+        },
+        memory_bandwidth_bytes_per_s=4.8e12,  # 4.8 TB/s HBM3e
+        memory_capacity_bytes=141 * GIB,  # "141GB" HBM3e (about 139 GiB visible to CUDA)
+        launch_overhead_s=3e-6,
+        default_link="nvlink4",  # NVLink 900 GB/s
+    ),
+    # Huawei publishes few official 910B numbers; these are the commonly quoted public figures
+    # and are UNCERTAIN. FP16 is quoted 280-376 TFLOPS depending on SKU (910B4..910B2); we
+    # take ~313 (910B3). No FP32 figure is published: we assume 1/4 of FP16 (the Cube unit
+    # does FP16; FP32 goes through HF32 / the vector unit) -- a guess. 64 GB HBM2e is
+    # consistent across sources; bandwidth is quoted 1.2-1.8 TB/s, we take 1.6 TB/s.
+    "ascend-910b": HardwareProfile(
+        name="ascend-910b",
+        peak_flops={"float32": 78 * TERA, "bfloat16": 313 * TERA, "float16": 313 * TERA},
+        memory_bandwidth_bytes_per_s=1.6e12,
+        memory_capacity_bytes=64 * GIB,
+        launch_overhead_s=10e-6,  # NPU op dispatch is heavier than CUDA launch (guess)
+        default_link="hccs",
+    ),
+}
+
+#: Opt-in on-disk cache for the calibrated CPU profile.
+DEFAULT_CPU_PROFILE_CACHE = Path("~/.cache/lynx_compile/cpu_profile.json").expanduser()
+
+_cpu_profiles: dict[str, HardwareProfile] = {}  # per-process calibration cache, by machine key
+
+
+def _cpu_key() -> str:
+    return f"torch={torch.__version__};cpus={os.cpu_count()};threads={torch.get_num_threads()}"
+
+
+def calibrate_cpu_profile(
+    seconds_budget: float = 1.5, *, cache_file: str | os.PathLike | None = None, force: bool = False
+) -> HardwareProfile:
+    """Measure this CPU and return it as the ``"cpu"`` profile (cached per process).
+
+    Measures fp32 ``torch.mm`` FLOP/s (best over sizes 128, 256, 512), bf16/fp16 mm FLOP/s
+    (one size), memory bandwidth (best of a 64 MB copy and add), and per-op dispatch overhead
+    (median time of a 1-element add). Takes about ``seconds_budget`` seconds at most (plus
+    one-time warm-up). The numbers are achieved rates, so both efficiency factors are 1.0.
+
+    ``cache_file`` (e.g. ``DEFAULT_CPU_PROFILE_CACHE``) also persists the result as JSON keyed
+    by torch version, CPU count and torch thread count; ``force`` re-measures.
+    """
+    key = _cpu_key()
+    if not force and key in _cpu_profiles:
+        return _cpu_profiles[key]
+    path = Path(cache_file).expanduser() if cache_file is not None else None
+    if not force and path is not None and path.exists():
+        try:
+            stored = json.loads(path.read_text())
+            if key in stored:
+                _cpu_profiles[key] = HardwareProfile.from_dict(stored[key])
+                return _cpu_profiles[key]
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            log.warning("ignoring unreadable CPU profile cache %s: %s", path, e)
+    profile = _measure_cpu(seconds_budget)
+    _cpu_profiles[key] = profile
+    if path is not None:
+        _write_cache(path, key, profile)
+    return profile
+
+
+def _measure_cpu(budget: float) -> HardwareProfile:
+    fp32 = 0.0
+    for n in (128, 256, 512):
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        fp32 = max(fp32, 2 * n**3 / _best_time(lambda: torch.mm(a, b), 0.4 * budget / 3))
+    low: dict[str, float] = {}
+    for dt in (torch.bfloat16, torch.float16):
+        a, b = torch.randn(256, 256, dtype=dt), torch.randn(256, 256, dtype=dt)
+        low[str(dt).removeprefix("torch.")] = 2 * 256**3 / _best_time(lambda: torch.mm(a, b), 0.1 * budget)
+    n = 16 << 20  # 16M float32 = 64 MB per buffer, past typical last-level caches
+    src, dst, other = torch.randn(n), torch.empty(n), torch.randn(n)
+    copy_bw = 2 * 4 * n / _best_time(lambda: dst.copy_(src), 0.15 * budget)
+    add_bw = 3 * 4 * n / _best_time(lambda: torch.add(src, other, out=dst), 0.15 * budget)
+    x = torch.ones(1)
+    per_op = []
+    deadline = time.perf_counter() + 0.1 * budget
+    while time.perf_counter() < deadline or len(per_op) < 3:
+        t0 = time.perf_counter()
+        for _ in range(100):
+            torch.add(x, x)
+        per_op.append((time.perf_counter() - t0) / 100)
+    return HardwareProfile(
+        name="cpu",
+        peak_flops={"float32": fp32, **low},
+        memory_bandwidth_bytes_per_s=max(copy_bw, add_bw),
+        memory_capacity_bytes=_physical_memory(),
+        launch_overhead_s=statistics.median(per_op),
+        matmul_efficiency=1.0,  # measured rates are already achieved rates
+        memory_efficiency=1.0,
+        default_link="loopback-gloo",
+    )
+
+
+def _best_time(fn: Callable[[], Any], budget_s: float, max_reps: int = 50) -> float:
+    """Fastest of repeated ``fn()`` calls within ``budget_s`` (at least 2 timed runs)."""
+    fn()  # warm-up: first-call allocation, library init
+    best, reps, deadline = float("inf"), 0, time.perf_counter() + budget_s
+    while reps < 2 or (time.perf_counter() < deadline and reps < max_reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        reps += 1
+    return max(best, 1e-9)
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 * GIB
+
+
+def _write_cache(path: Path, key: str, profile: HardwareProfile) -> None:
+    try:
+        stored = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        stored = {}
+    stored[key] = profile.to_dict()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(stored, indent=2))
+    except OSError as e:
+        log.warning("could not write CPU profile cache %s: %s", path, e)
+
+
+class _ProfileTable(Mapping):
+    """Read-only name -> profile mapping whose dynamic entries (``"cpu"``) are computed on
+    first lookup, so listing the names never triggers a calibration."""
+
+    def __init__(self, static: dict[str, HardwareProfile], lazy: dict[str, Callable[[], HardwareProfile]]):
+        self._static, self._lazy = static, lazy
+
+    def __getitem__(self, name: str) -> HardwareProfile:
+        if name in self._static:
+            return self._static[name]
+        return self._lazy[name]()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([*self._static, *self._lazy])
+
+    def __len__(self) -> int:
+        return len(self._static) + len(self._lazy)
+
+    def __repr__(self) -> str:
+        return f"PROFILES({list(self)})"
+
+
+#: Every named profile: the datasheet ones plus ``"cpu"`` (calibrated on first lookup).
+PROFILES: Mapping[str, HardwareProfile] = _ProfileTable(DATASHEET_PROFILES, {"cpu": calibrate_cpu_profile})
+
+
+def profile_name_for_device(device_name: str) -> str:
+    """Map a CUDA device name (``torch.cuda.get_device_name()``) to a ``PROFILES`` key."""
+    up = device_name.upper()
+    if "H200" in up:
+        return "h200"
+    if "H100" in up or "H800" in up:
+        if "PCIE" in up:
+            log.warning("%s: using the h100-sxm profile (PCIe parts are slower)", device_name)
+        return "h100-sxm"
+    if "A100" in up or "A800" in up:
+        return "a100-pcie-80gb" if "PCIE" in up else "a100-sxm4-80gb"
+    log.warning("no profile for device %r; falling back to a100-sxm4-80gb", device_name)
+    return "a100-sxm4-80gb"
+
+
+def get_profile(name: str) -> HardwareProfile:
+    """Profile by name: a ``PROFILES`` key (``"cpu"`` is calibrated once), or ``"auto"``.
+
+    ``"auto"``: the current CUDA device mapped by :func:`profile_name_for_device`, an Ascend
+    NPU (torch_npu) as ``"ascend-910b"``, else ``"cpu"``. Unknown names raise ValueError.
+    """
+    if name in PROFILES:
+        return PROFILES[name]
+    if name == "auto":
+        if torch.cuda.is_available():
+            return PROFILES[profile_name_for_device(torch.cuda.get_device_name())]
+        npu = getattr(torch, "npu", None)
+        if npu is not None and npu.is_available():
+            return PROFILES["ascend-910b"]
+        return calibrate_cpu_profile()
+    raise ValueError(f"unknown hardware profile {name!r}; valid: {[*PROFILES, 'auto']}")
+
+
+def with_overrides(profile: HardwareProfile, **changes: Any) -> HardwareProfile:
+    """A copy of ``profile`` with some fields replaced (e.g. a measured bandwidth)."""
+    return replace(profile, **changes)

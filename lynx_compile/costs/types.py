@@ -1,0 +1,126 @@
+"""The record the cost model attaches to every node, and the size helpers it is built on.
+
+``NodeCost`` is what ``annotate_costs`` stores under ``node.meta[COST]``: plain numbers, so a
+plan that copies costs out of a graph stays picklable and JSON-serializable.
+
+The helpers read ``node.meta["val"]`` as produced by aot_autograd / make_fx: a FakeTensor, a
+tuple/list of them (``None`` entries allowed), a SymInt/int/float, or ``None``. Symbolic sizes
+are replaced by their size hints (``optimization_hint``), so every number here is a plain int.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Iterator, Literal
+
+import torch
+import torch.fx
+from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+#: Where a ``NodeCost.runtime_s`` came from.
+CostSource = Literal["analytic", "measured", "zero"]
+COST_SOURCES: frozenset[str] = frozenset({"analytic", "measured", "zero"})
+
+#: Size hint used for an unbacked SymInt (data-dependent size with no hint at trace time).
+UNBACKED_SIZE_HINT = 4096
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """Cost of executing one FX node once.
+
+    Contract: all fields are non-negative; ``source == "zero"`` means the node does no work
+    (placeholder, output, getitem, view, wait) and then ``runtime_s == 0``.
+    """
+
+    runtime_s: float
+    """Seconds to run the node (roofline estimate, measurement, or communication time)."""
+    out_bytes: int
+    """Bytes of new storage the node allocates (0 for views, aliases and in-place ops)."""
+    flops: float
+    """Floating point operations (torch's flop_counter formulas, else ~1 per element)."""
+    bytes_moved: int
+    """Bytes read plus bytes written (for collectives: the payload sent over the link)."""
+    source: str
+    """``"analytic"``, ``"measured"`` or ``"zero"``."""
+
+    def __post_init__(self) -> None:
+        if self.source not in COST_SOURCES:
+            raise ValueError(f"NodeCost.source must be one of {sorted(COST_SOURCES)}, got {self.source!r}")
+
+    @classmethod
+    def zero(cls) -> NodeCost:
+        """The cost of a node that does no work."""
+        return cls(runtime_s=0.0, out_bytes=0, flops=0.0, bytes_moved=0, source="zero")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-dict form (JSON-serializable)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> NodeCost:
+        """Inverse of :meth:`to_dict`; ignores unknown keys so old records still load."""
+        return cls(
+            runtime_s=float(d["runtime_s"]),
+            out_bytes=int(d["out_bytes"]),
+            flops=float(d["flops"]),
+            bytes_moved=int(d["bytes_moved"]),
+            source=str(d["source"]),
+        )
+
+
+def hint_int(x: Any) -> int:
+    """A plain int for an int or SymInt (its size hint; unbacked ones get ``UNBACKED_SIZE_HINT``)."""
+    if isinstance(x, torch.SymInt):
+        return int(optimization_hint(x, fallback=UNBACKED_SIZE_HINT))
+    return int(x)
+
+
+def hint_shape(t: torch.Tensor) -> torch.Size:
+    """``t.shape`` with every symbolic dimension replaced by its hint."""
+    return torch.Size(hint_int(s) for s in t.shape)
+
+
+def iter_tensors(val: Any) -> Iterator[torch.Tensor]:
+    """Yield the tensors inside a meta val (tensor, nested tuples/lists; other things skipped)."""
+    if isinstance(val, torch.Tensor):
+        yield val
+    elif isinstance(val, (tuple, list)):
+        for v in val:
+            yield from iter_tensors(v)
+
+
+def input_tensors(node: torch.fx.Node) -> list[torch.Tensor]:
+    """Meta-val tensors of the distinct nodes ``node`` reads (args and kwargs, nested)."""
+    seen: dict[torch.fx.Node, None] = {}
+    torch.fx.node.map_arg((node.args, node.kwargs), lambda n: seen.setdefault(n))
+    return [t for n in seen for t in iter_tensors(n.meta.get("val"))]
+
+
+def numel(t: torch.Tensor) -> int:
+    """Number of elements of ``t`` (hinted)."""
+    n = 1
+    for s in t.shape:
+        n *= hint_int(s)
+    return n
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    """Logical size of ``t`` in bytes: numel × element size (hinted)."""
+    return numel(t) * t.element_size()
+
+
+def tensor_read_bytes(t: torch.Tensor) -> int:
+    """Bytes an op has to read to consume ``t``: the memory span its strides cover.
+
+    Equal to :func:`tensor_nbytes` for dense tensors; smaller for broadcast views (stride 0),
+    e.g. a bias expanded to (B, T, C) is read as C elements, not B·T·C.
+    """
+    sizes = [hint_int(s) for s in t.shape]
+    if any(s == 0 for s in sizes):
+        return 0
+    try:
+        strides = [hint_int(s) for s in t.stride()]
+    except (RuntimeError, NotImplementedError):  # sparse / nested tensors have no strides
+        return tensor_nbytes(t)
+    span = 1 + sum((s - 1) * abs(st) for s, st in zip(sizes, strides))
+    return min(span, numel(t)) * t.element_size()
