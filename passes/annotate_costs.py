@@ -15,7 +15,10 @@ def annotate_costs_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
     cfg = ctx.config
     profile = get_profile(cfg.hardware)
-    costs = annotate_costs(gm, profile, source=cfg.cost_source, repeats=cfg.measure_repeats)
+    from lynx_compile import _compat
+
+    with _compat.eager_dispatch():
+        costs = annotate_costs(gm, profile, source=cfg.cost_source, repeats=cfg.measure_repeats)
     fwd = ctx.forward_names
     ctx.record.decisions["cost_source"] = cfg.cost_source
     ctx.record.decisions["hardware"] = profile.name
