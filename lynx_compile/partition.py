@@ -165,7 +165,7 @@ def build_plan(policy: str, joint: fx.GraphModule, fw: fx.GraphModule, bw: fx.Gr
                                    saved=tuple(d.name for d in s), recomputed=tuple(d.name for d in r),
                                    recompute_s=sum(d.recompute_s for d in r)))
     return RecomputePlan(
-        policy=policy, graph_hash=structural_hash(list(joint.graph.nodes), frozenset()),
+        policy=policy, graph_hash=structural_hash(list(joint.graph.nodes)),
         saved=tuple(saved), recomputed=tuple(recomputed), blocks=tuple(blocks),
         saved_bytes=mem.saved_bytes, peak_bytes=mem.peak_bytes,
         forward_peak_bytes=mem.forward_peak_bytes, backward_peak_bytes=mem.backward_peak_bytes,

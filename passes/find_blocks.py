@@ -28,7 +28,7 @@ _INDEXED = re.compile(r"^(?P<parent>.*)\.(?P<index>\d+)$")
 def normalize_module_path(path: str) -> str:
     """``"L['self'].blocks._modules['0'].ln"`` → ``"blocks.0.ln"`` (dynamo's spellings vary)."""
     path = re.sub(r"^L\[['\"][^'\"]*['\"]\]\.?", "", path)
-    path = re.sub(r"\._modules\[['\"]([^'\"]+)['\"]\]", r".\1", path)
+    path = re.sub(r"\.?_modules\[['\"]([^'\"]+)['\"]\]", r".\1", path)
     path = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path)
     return path.strip(".")
 
@@ -79,17 +79,17 @@ def find_blocks_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             node.meta[meta.BLOCK] = index
             node.meta[meta.BLOCK_PATH] = path
     ctx.record.blocks = paths
-    ctx.record.block_hashes = [structural_hash(by_path[p], ctx.forward_names) for p in paths]
+    ctx.record.block_hashes = [structural_hash([n for n in by_path[p] if "nn_module_stack" in n.meta])
+                               for p in paths]
     return gm
 
 
-def structural_hash(nodes: list[fx.Node], forward_names: frozenset[str]) -> str:
-    """Hash of a block's forward op sequence with shapes and dtypes (names excluded), so that
-    identical layers hash equal."""
+def structural_hash(nodes: list[fx.Node]) -> str:
+    """Hash of an op sequence with shapes and dtypes (names excluded), so that identical layers
+    hash equal. For blocks, only forward ops are passed in (nodes traced in the forward carry
+    ``nn_module_stack``; the first block's backward lacks the input-gradient ops)."""
     h = hashlib.sha1()
     for node in nodes:
-        if forward_names and node.name not in forward_names:
-            continue
         h.update(str(node.target).encode())
         val = node.meta.get("val")
         vals = val if isinstance(val, (tuple, list)) else (val,)

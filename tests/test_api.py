@@ -1,0 +1,64 @@
+"""Public surface: entry point, bound backends, plans as JSON, packaging, CLI."""
+import importlib
+import importlib.metadata
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import lynx_compile
+from lynx_compile.cli import main
+from lynx_compile.plan import RecomputePlan
+
+
+def test_entry_point_registers_lynx():
+    eps = importlib.metadata.entry_points(group="torch_dynamo_backends")
+    assert any(ep.name == "lynx" and ep.value == "lynx_compile.backend:lynx_backend" for ep in eps)
+    assert "lynx" in torch._dynamo.list_backends()
+
+
+def test_backend_binds_options_and_is_shared():
+    a = lynx_compile.backend(policy="full")
+    assert a.config.policy == "full"
+    assert lynx_compile.backend(policy="full") is a
+    assert lynx_compile.backend(policy="none") is not a
+
+
+def test_no_top_level_passes_or_kernels_leak(tmp_path):
+    code = ("import importlib.util as u, lynx_compile.passes, lynx_compile.kernels;"
+            "print(u.find_spec('passes') is None and u.find_spec('kernels') is None)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert out.stdout.strip() == "True", out.stderr
+
+
+def test_plan_roundtrips_through_json(tmp_path):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt-tiny", "--policy", "full", "--out", str(out)]) == 0
+    plans = [RecomputePlan.from_dict(d) for d in json.loads(out.read_text())]
+    assert plans and plans[0].policy == "full"
+    assert RecomputePlan.from_json(plans[0].to_json()) == plans[0]
+    assert len(plans[0].blocks) == 2 and all(b.recomputed for b in plans[0].blocks)
+
+
+def test_cli_plan_prints_blocks(capsys):
+    assert main(["plan", "--model", "llama-tiny", "--policy", "selective", "-v"]) == 0
+    out = capsys.readouterr().out
+    assert "blocks.0" in out and "blocks.1" in out
+    assert "peak activation memory" in out and "recomputes" in out
+
+
+def test_cli_plan_meta_device_for_paper_scale(capsys):
+    assert main(["plan", "--model", "gpt-1.3b", "--policy", "full", "--seq-len", "256",
+                 "--batch-size", "1", "--hardware", "h100-sxm"]) == 0
+    out = capsys.readouterr().out
+    assert "blocks.23" in out and "hardware=h100-sxm" in out
+
+
+def test_cli_bad_input_is_one_line_exit_2(capsys):
+    assert main(["plan", "--model", "gpt-nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert "gpt-small" in err  # names the valid presets
+    with pytest.raises(SystemExit):
+        main(["plan", "--policy", "fastest"])
