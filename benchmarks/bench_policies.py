@@ -4,7 +4,7 @@
 
 Writes benchmarks/results/policies.csv and policies.md (machine, versions, date included).
 A benchmark measures; it asserts nothing about speed. Each policy trains a copy of the same
-model (same seed, batches and dropout seeds) for --steps AdamW steps; step time is the median
+model (same seed, batches and dropout seeds), in its own process, for --steps AdamW steps; step time is the median
 of the steps after the first (compile excluded); the peak is one extra fw+bw measured at the
 allocator level (lynx_compile.memory.measure_step).
 """
@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
+import subprocess
 import sys
 
 import torch
@@ -24,32 +26,40 @@ from lynx_compile.report import csv_text, environment, markdown_table
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def bench(preset: str, batch: int, steps: int, torch_budgets: list[float]) -> list[dict]:
+RUNS = {"eager": (None, {}), "none": ("none", {}), "selective": ("selective", {}), "full": ("full", {})}
+
+
+def run_one(preset: str, label: str, batch: int, steps: int) -> dict:
+    """Train one (model, policy) and return its measurements (run in a fresh process)."""
+    policy, options = RUNS[label] if label in RUNS else ("torch", {"memory_budget": float(label.split("@")[1])})
     torch.manual_seed(0)
     base = build_model(preset)
     g = torch.Generator().manual_seed(0)
     batches = [example_batch(base, batch, generator=g) for _ in range(steps)]
-    runs = [("eager", None, None), ("none", "none", {}), ("selective", "selective", {}),
-            ("full", "full", {})]
-    runs += [(f"torch@{b}", "torch", {"memory_budget": b}) for b in torch_budgets]
-    rows = []
-    eager_losses = None
-    none_peak = None
-    for label, policy, options in runs:
+    r = run_policy(policy, base, batches, options=options)
+    return {"losses": r.losses, "step_s": r.step_s, "peak": r.peak_bytes,
+            "predicted": r.predicted_peak_bytes, "saved": r.saved_bytes}
+
+
+def bench(preset: str, batch: int, steps: int, torch_budgets: list[float]) -> list[dict]:
+    # One process per run: CPU step times depend on the allocator's state (glibc's mmap
+    # threshold adapts to earlier allocations), so runs sharing a process disturb each other.
+    labels = [*RUNS, *(f"torch@{b}" for b in torch_budgets)]
+    rows, eager, none_peak = [], None, None
+    for label in labels:
         print(f"  {preset}: {label} ...", file=sys.stderr, flush=True)
-        r = run_policy(policy, base, batches, options=options)
-        if eager_losses is None:
-            eager_losses = r.losses
-        if label == "none":
-            none_peak = r.peak_bytes
+        out = subprocess.run([sys.executable, __file__, "--one", preset, label, str(batch), str(steps)],
+                             check=True, capture_output=True, text=True).stdout
+        r = json.loads(out.strip().splitlines()[-1])
+        eager = eager or r["losses"]
+        none_peak = r["peak"] if label == "none" else none_peak
+        mib = lambda b: round(b / 2**20, 3) if b is not None else None  # noqa: E731
         rows.append({
-            "model": preset, "batch": batch, "policy": label,
-            "step_ms": round(r.step_s * 1e3, 2),
-            "peak_MiB": round(r.peak_bytes / 2**20, 3),
-            "peak_vs_none": round(r.peak_bytes / none_peak, 3) if none_peak else None,
-            "predicted_peak_MiB": round(r.predicted_peak_bytes / 2**20, 3) if r.predicted_peak_bytes else None,
-            "saved_MiB": round(r.saved_bytes / 2**20, 3) if r.saved_bytes is not None else None,
-            "loss_equals_eager": all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(r.losses, eager_losses)),
+            "model": preset, "batch": batch, "policy": label, "step_ms": round(r["step_s"] * 1e3, 2),
+            "peak_MiB": mib(r["peak"]),
+            "peak_vs_none": round(r["peak"] / none_peak, 3) if none_peak else None,
+            "predicted_peak_MiB": mib(r["predicted"]), "saved_MiB": mib(r["saved"]),
+            "loss_equals_eager": all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(r["losses"], eager)),
         })
     return rows
 
@@ -58,10 +68,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["gpt-small", "gpt-medium"])
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--torch-budgets", type=float, nargs="+", default=[0.5])
     ap.add_argument("--out", default=RESULTS)
+    ap.add_argument("--one", nargs=4, metavar=("MODEL", "POLICY", "BATCH", "STEPS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.one:
+        preset, label, batch, steps = args.one
+        print(json.dumps(run_one(preset, label, int(batch), int(steps))))
+        return
     rows = []
     for preset in args.models:
         rows += bench(preset, args.batch, args.steps, args.torch_budgets)

@@ -133,6 +133,11 @@ def node_is_random(node: fx.Node) -> bool:
             and torch.Tag.nondeterministic_seeded in target.tags)
 
 
+def is_rng_replay(node: fx.Node) -> bool:
+    """A backward node that re-runs an RNG op from its saved state (``run_with_rng_state``)."""
+    return node.target is getattr(torch._prims.rng_prims, "run_with_rng_state", None)
+
+
 @contextlib.contextmanager
 def eager_dispatch():
     """Run real ops at eager speed from inside a compile.

@@ -42,6 +42,8 @@ class LynxBackend:
         self.records: list[GraphRecord] = []
         self._lock = threading.Lock()
         self._warned_breaks = False
+        if config.verbose:
+            _log_to_stderr()
 
     @property
     def plans(self) -> list:
@@ -74,6 +76,15 @@ class LynxBackend:
         if self.config.compiler == "inductor":
             return _compat.inductor_compile(gm, example_inputs)
         return _compat.boxed(gm)
+
+
+def _log_to_stderr() -> None:
+    """``verbose=True`` / ``LYNX_DEBUG=1``: show lynx's INFO lines (one per graph decision)."""
+    log.setLevel(logging.INFO)
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
 
 
 @functools.lru_cache(maxsize=None)

@@ -7,8 +7,6 @@ import json
 import sys
 import time
 
-from lynx_compile.config import LynxConfig
-
 
 def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="selective", choices=["none", "full", "selective", "torch"])

@@ -11,15 +11,12 @@ RNG ops replayed from a saved state (``run_with_rng_state``) are tagged the same
 """
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
+
+from lynx_compile import _compat
 
 from . import meta
 from .context import PassContext
-
-
-def _replays_rng(node: fx.Node) -> bool:
-    return node.target is getattr(torch._prims.rng_prims, "run_with_rng_state", None)
 
 
 def mark_recomputed_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -31,7 +28,7 @@ def mark_recomputed_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
             node.meta[meta.RECOMPUTED] = True
             node.meta[meta.RECOMPUTED_FROM] = node.name
             node._rename(f"{node.name}_recomputed")
-        elif _replays_rng(node):
+        elif _compat.is_rng_replay(node):
             node.meta = dict(node.meta)
             node.meta[meta.RECOMPUTED] = True
             op = node.args[1]

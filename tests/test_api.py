@@ -62,3 +62,17 @@ def test_cli_bad_input_is_one_line_exit_2(capsys):
     assert "gpt-small" in err  # names the valid presets
     with pytest.raises(SystemExit):
         main(["plan", "--policy", "fastest"])
+
+
+def test_dump_dir_writes_graphs_before_and_after_each_pass(tmp_path):
+    from lynx_compile.models import build_model, example_batch
+
+    model = build_model("gpt-tiny")
+    backend = lynx_compile.backend(policy="full", dump_dir=str(tmp_path), disable_passes=("annotate_costs_pass",))
+    torch.compile(model, backend=backend)(example_batch(model, 2)).loss.backward()
+    folder = tmp_path / f"graph_{backend.records[-1].graph_id}"
+    names = sorted(p.name for p in folder.iterdir())
+    assert "joint_02_select_recompute_pass_after.txt" in names
+    assert "backward_00_mark_recomputed_pass_after.txt" in names
+    assert "_recomputed" in (folder / "backward_00_mark_recomputed_pass_after.txt").read_text()
+    assert any(t.skipped and t.name == "annotate_costs_pass" for t in backend.records[-1].timings)
