@@ -120,6 +120,13 @@ def boxed(gm: fx.GraphModule) -> Callable[[list], Any]:
     return run
 
 
+def inductor_decompositions() -> dict:
+    """The decomposition table Inductor expects its aten graphs to be traced with."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
 def inductor_compile(gm: fx.GraphModule, example_inputs: list) -> Callable:
     """Compile an aten-level fw/bw graph with Inductor (``compile_fx_inner``)."""
     from torch._inductor.compile_fx import compile_fx_inner

@@ -66,9 +66,12 @@ class LynxBackend:
                             "backend.records. TORCH_LOGS=graph_breaks shows why dynamo split a model.")
         partition_fn = functools.partial(lynx_partition, config=self.config, record=record)
         compiler = self._compiler
+        extra = {}
+        if self.config.compiler == "inductor":  # Inductor lowers only its own decomposed aten
+            extra["decompositions"] = _compat.inductor_decompositions()
         return _compat.aot_autograd(fw_compiler=compiler, bw_compiler=compiler,
                                     inference_compiler=compiler,
-                                    partition_fn=partition_fn)(gm, example_inputs)
+                                    partition_fn=partition_fn, **extra)(gm, example_inputs)
 
     def _compiler(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
         if self.plan_only:  # the partition (and so the plan) is done; nothing needs to run
