@@ -31,6 +31,10 @@ class StepMeasurement:
     device: str
     method: str
     """``cuda-allocator`` or ``cpu-profiler-memory-events``."""
+    predicted_peak_bytes: int | None = None
+    """The plan's predicted peak (when a plan was passed), for side-by-side reporting."""
+    predicted_saved_bytes: int | None = None
+    """The plan's predicted saved-activation bytes (when a plan was passed)."""
 
 
 def _sync(device: torch.device) -> None:
@@ -64,7 +68,7 @@ def cuda_peak_bytes(fn: Callable[[], Any], device: torch.device) -> int:
 
 
 def measure_step(step_fn: Callable[[], Any], *, device: str | torch.device = "cpu",
-                 repeats: int = 3, warmup: int = 1) -> StepMeasurement:
+                 repeats: int = 3, warmup: int = 1, plan: Any = None) -> StepMeasurement:
     """Run ``step_fn`` (a forward + backward) ``warmup`` times, then time it ``repeats`` times
     and measure its peak memory once more.
 
@@ -85,4 +89,6 @@ def measure_step(step_fn: Callable[[], Any], *, device: str | torch.device = "cp
     else:
         peak, method = cpu_peak_bytes(step_fn), "cpu-profiler-memory-events"
     return StepMeasurement(peak_bytes=peak, step_s=statistics.median(times),
-                           step_times_s=tuple(times), device=str(device), method=method)
+                           step_times_s=tuple(times), device=str(device), method=method,
+                           predicted_peak_bytes=plan.peak_bytes if plan is not None else None,
+                           predicted_saved_bytes=plan.saved_bytes if plan is not None else None)
