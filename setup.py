@@ -10,6 +10,7 @@ setup(
         "lynx_compile",
         "lynx_compile.costs",
         "lynx_compile.memory",
+        "lynx_compile.remat",
         "lynx_compile.models",
         "lynx_compile.passes",
         "lynx_compile.kernels",

@@ -1,0 +1,167 @@
+"""``RematProblem`` and ``RematSolution``: the recompute optimizer's input and output, plain data.
+
+No torch.fx in here (the solvers never see a graph): a problem is extracted from the joint
+graph by ``lynx_compile.passes.remat_problem`` and serializes to JSON.
+
+The model the solvers implement
+-------------------------------
+Time is a sequence of *events*: ``num_fw_events`` forward events (0 .. F-1), then
+``num_bw_events`` backward events (0 .. B-1) in the order the backward runs.
+
+A *unit* a is one forward tensor storage the backward may need (directly, or as the input of a
+recomputation), with bytes m_a and recompute time c_a. Per unit exactly one of:
+
+- keep    s_a : saved by the forward; live from its production (``fw_pos``) to the end of the
+                forward, and in the backward from event 0 to ``need_end``;
+- demand  r_a : recomputed on demand, right before it is first needed; live in the backward
+                over [``need_start``, ``need_end``]; costs c_a on the critical path;
+- window  o_aw: recomputed inside communication window w (a collective in flight, backward
+                events [``start``, ``end``]), only if ``end <= need_start``; live over
+                [``start``, ``need_end``]; costs nothing up to the window's capacity;
+- none        : only for units that nothing needs (no direct use and no recomputed consumer).
+
+Units with ``first_use`` set are read directly by the backward: s + r + Σ_w o = 1.
+Units without it are intermediates: s + r + Σ_w o ≤ 1.
+``must_keep`` units (impure ops, collectives, RNG state) have s = 1.
+
+[Inputs available] a recomputed unit needs each input b (``inputs``) kept or recomputed no
+later: demand(a) ≤ s_b + r_b + Σ_w o_bw (``need_start`` of an input is never later than its
+consumers'), and o_aw ≤ s_b + Σ_{w' ≤ w} o_bw' (windows are ordered by ``start``).
+
+[Window capacity] Σ_a κ·c_a·o_aw ≤ τ_w + over_w, over_w ≥ 0 (κ = ``kappa``, the slowdown of
+compute running beside a collective).
+
+[Memory] at every forward event t:
+    fw_base[t] + Σ_a m_a·([fw_pos ≤ t ≤ fw_last] + s_a·[t > fw_last]) ≤ budget
+(a unit not kept is still live in the forward from fw_pos to its last forward use fw_last),
+and at every backward event t:
+    bw_base[t] + Σ_a m_a·(s_a·[t ≤ need_end] + r_a·[need_start ≤ t ≤ need_end]
+                         + Σ_w o_aw·[start_w ≤ t ≤ need_end]) ≤ budget.
+``fw_base``/``bw_base`` are the bytes live at each event that belong to no unit (gradients,
+backward temporaries, outputs), from the no-recompute schedule.
+
+[Objective] minimize exposed recompute time Σ_a c_a·r_a + Σ_w over_w.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class Unit:
+    """One forward tensor storage the backward may need."""
+
+    id: int
+    name: str
+    """Joint-graph name of the node that produces the storage."""
+    nbytes: int
+    compute_s: float
+    """Time to recompute it (its op, plus the views that lead to what the backward reads)."""
+    inputs: tuple[int, ...] = ()
+    """Unit ids its recomputation reads (parameters and inputs are always available)."""
+    block: int | None = None
+    fw_pos: int = 0
+    fw_last: int = 0
+    """Last forward event that reads it (== fw_pos when only the backward reads it)."""
+    first_use: int | None = None
+    """First backward event that reads it directly; None for intermediates."""
+    need_start: int = 0
+    """First backward event at which it must exist if recomputed on demand."""
+    need_end: int = 0
+    """Last backward event at which it must exist (direct reads and recomputed consumers)."""
+    must_keep: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Window:
+    """A communication window of the backward: a collective in flight."""
+
+    id: int
+    start: int
+    """Backward event at which the collective is issued."""
+    end: int
+    """Backward event of its wait."""
+    duration_s: float
+    kind: str = "collective"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RematProblem:
+    units: tuple[Unit, ...]
+    num_fw_events: int
+    num_bw_events: int
+    fw_base: tuple[int, ...]
+    bw_base: tuple[int, ...]
+    windows: tuple[Window, ...] = ()
+    block_groups: tuple[tuple[int, ...], ...] = ()
+    """Blocks (indices) that are structurally identical, one tuple per group."""
+    kappa: float = 1.0
+    reference_peak: int = 0
+    """Peak bytes with no recompute (the budget's 100%)."""
+    graph_hash: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RematProblem":
+        d = dict(d)
+        d["units"] = tuple(Unit(**{**u, "inputs": tuple(u["inputs"])}) for u in d["units"])
+        d["windows"] = tuple(Window(**w) for w in d.get("windows", ()))
+        d["block_groups"] = tuple(tuple(g) for g in d.get("block_groups", ()))
+        d["fw_base"], d["bw_base"] = tuple(d["fw_base"]), tuple(d["bw_base"])
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, text: str) -> "RematProblem":
+        return cls.from_dict(json.loads(text))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RematSolution:
+    """Per unit: keep, recompute on demand, or recompute in a window."""
+
+    keep: tuple[int, ...]
+    demand: tuple[int, ...]
+    window: tuple[tuple[int, int], ...] = ()
+    """(unit id, window id) pairs."""
+    exposed_s: float = 0.0
+    """Objective: recompute time on the critical path (demand + window overflow)."""
+    recompute_s: float = 0.0
+    """All recompute time, hidden or not."""
+    peak_bytes: int = 0
+    """Peak under the problem's memory model."""
+    solver: str = ""
+    status: str = ""
+    """"optimal", "feasible" (stopped at the gap/time limit with an incumbent), "heuristic"."""
+    solve_s: float = 0.0
+    gap: float | None = None
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RematSolution":
+        d = dict(d)
+        d["keep"], d["demand"] = tuple(d["keep"]), tuple(d["demand"])
+        d["window"] = tuple(tuple(p) for p in d.get("window", ()))
+        d["notes"] = tuple(d.get("notes", ()))
+        return cls(**d)
+
+
+class InfeasibleBudget(ValueError):
+    """No assignment fits the budget; ``smallest`` is the smallest peak any assignment reaches."""
+
+    def __init__(self, budget: int, smallest: int, reference: int):
+        self.budget, self.smallest, self.reference = budget, smallest, reference
+        frac = f" = {smallest / reference:.3f} of the no-recompute peak" if reference else ""
+        super().__init__(
+            f"memory budget {budget} B is infeasible: the smallest reachable peak is {smallest} B{frac}; "
+            f"use memory_budget >= {smallest / reference:.3f}" if reference else
+            f"memory budget {budget} B is infeasible: the smallest reachable peak is {smallest} B")
