@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from lynx_compile import _compat
 from lynx_compile.config import LynxConfig
-from lynx_compile.memory.simulate import StepMemory, simulate_step, storage_keys
+from lynx_compile.memory.simulate import StepMemory, _nbytes, backward_inputs, simulate_step
 from lynx_compile.passes import BACKWARD_PIPELINE, JOINT_PIPELINE, GraphRecord, PassContext, meta, run_passes
 from lynx_compile.passes.find_blocks import structural_hash
 from lynx_compile.passes.policies import select_recompute_pass
@@ -133,19 +133,15 @@ def build_plan(policy: str, joint: fx.GraphModule, fw: fx.GraphModule, bw: fx.Gr
     """Summarize what ``fw``/``bw`` save and recompute (names, bytes, blocks, seconds)."""
     joint_nodes = {n.name: n for n in joint.graph.nodes}
     fw_nodes = {n.name: n for n in fw.graph.nodes}
-    keys = storage_keys(fw, {})
-    from lynx_compile.memory.simulate import _nbytes
-
+    input_keys, live = backward_inputs(fw, bw)
     seen: set[str] = set()
     saved = []
     for ph in bw.graph.find_nodes(op="placeholder"):
         src = fw_nodes.get(ph.name)
         if ph.name.startswith("tangents") or (src is not None and src.op == "placeholder"):
             continue
-        key = keys[src] if src is not None else ph.name
-        base = fw_nodes.get(key, ph)
-        baseline = base.op == "placeholder" and base is not ph  # a view of a parameter or input
-        nbytes = 0 if key in seen or baseline else _nbytes(base.meta.get("val"))
+        key = input_keys[ph.name]
+        nbytes = 0 if key in seen else live.get(key, 0)
         seen.add(key)
         saved.append(TensorDecision(name=ph.name, block=ph.meta.get(meta.BLOCK), nbytes=nbytes))
     recomputed = []

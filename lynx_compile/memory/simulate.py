@@ -65,15 +65,36 @@ class GraphMemory:
     timeline: list[tuple[str, int]] = field(default_factory=list)
 
 
+def _is_multi_output(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), (tuple, list)) and aliased_input(node) is None
+
+
 def storage_keys(gm: fx.GraphModule, inputs: dict[str, str]) -> dict[fx.Node, str]:
+    """Storage key per node: its own name when it allocates; its base's key when it aliases;
+    ``"<op>[i]"`` for output i of a multi-output op, taken by ``getitem(op, i)``."""
     keys: dict[fx.Node, str] = {}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             keys[node] = inputs.get(node.name, node.name)
             continue
+        if node.target is operator.getitem and isinstance(node.args[0], fx.Node) \
+                and _is_multi_output(node.args[0]):
+            keys[node] = f"{node.args[0].name}[{node.args[1]}]"
+            continue
         base = aliased_input(node)
         keys[node] = keys[base] if base is not None else node.name
     return keys
+
+
+def allocations(node: fx.Node) -> list[tuple[str, int]]:
+    """(storage key, bytes) of what ``node`` allocates when it runs: nothing for views,
+    placeholders and getitems; one storage per tensor output of a multi-output op."""
+    if node.op != "call_function" or aliased_input(node) is not None or node.target is operator.getitem:
+        return []
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        return [(f"{node.name}[{i}]", _nbytes(v)) for i, v in enumerate(val) if _nbytes(v)]
+    return [(node.name, _nbytes(val))]
 
 
 def simulate_graph(gm: fx.GraphModule, *, live_inputs: dict[str, int], input_keys: dict[str, str],
@@ -89,6 +110,8 @@ def simulate_graph(gm: fx.GraphModule, *, live_inputs: dict[str, int], input_key
     output = nodes[-1]
     last_use: dict[str, int] = {}
     for node in nodes:
+        for key, _ in allocations(node):  # an output nobody takes dies right away
+            last_use[key] = pos[node]
         for user in node.users:
             if user is not output:
                 last_use[keys[node]] = max(last_use.get(keys[node], -1), pos[user])
@@ -104,9 +127,7 @@ def simulate_graph(gm: fx.GraphModule, *, live_inputs: dict[str, int], input_key
         if key not in pinned:
             frees.setdefault(i, []).append(key)
     for i, node in enumerate(nodes):
-        key = keys[node]
-        if node.op == "call_function" and key == node.name:
-            size = _nbytes(node.meta.get("val"))
+        for key, size in allocations(node):
             live[key] = size
             total += size
         if total > mem.peak_bytes:
@@ -129,27 +150,31 @@ class StepMemory:
     peak_at: str
 
 
-def simulate_step(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule) -> StepMemory:
-    """Peak activation memory of forward then backward, and the bytes saved between them."""
-    fw_mem = simulate_graph(fw_gm, live_inputs={}, input_keys={})
+def backward_inputs(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule) -> tuple[dict[str, str], dict[str, int]]:
+    """Map the backward's placeholders onto forward storages.
+
+    Returns (placeholder name → storage key, storage key → bytes live when the backward
+    starts). Saved tensors keep their forward storage identity, so two saved views of one
+    tensor count once; parameters and inputs (and views of them) count zero; placeholders that
+    are no forward value (tangents, replayed RNG states) count their own size."""
     fw_keys = storage_keys(fw_gm, {})
     fw_by_name = {n.name: n for n in fw_gm.graph.nodes}
-
-    # Saved tensors: backward placeholders that are not tangents. They keep their forward
-    # storage identity, so two saved views of one tensor are counted once.
+    fw_alloc = {k: b for n in fw_gm.graph.nodes for k, b in allocations(n)}
     input_keys: dict[str, str] = {}
-    live_inputs: dict[str, int] = {}
+    live: dict[str, int] = {}
     for ph in bw_gm.graph.find_nodes(op="placeholder"):
         src = fw_by_name.get(ph.name)
         key = fw_keys[src] if src is not None else f"bw:{ph.name}"
         input_keys[ph.name] = key
-        if key in live_inputs:
-            continue
-        base = fw_by_name.get(key)
-        if base is None:  # not a forward value: a tangent or a replayed RNG state
-            live_inputs[key] = _nbytes(ph.meta.get("val"))
-        elif base.op != "placeholder":  # parameters and inputs are baseline, not activations
-            live_inputs[key] = _nbytes(base.meta.get("val"))
+        if key not in live:
+            live[key] = fw_alloc.get(key, 0) if src is not None else _nbytes(ph.meta.get("val"))
+    return input_keys, live
+
+
+def simulate_step(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule) -> StepMemory:
+    """Peak activation memory of forward then backward, and the bytes saved between them."""
+    fw_mem = simulate_graph(fw_gm, live_inputs={}, input_keys={})
+    input_keys, live_inputs = backward_inputs(fw_gm, bw_gm)
     saved = sum(v for k, v in live_inputs.items() if not k.startswith("bw:tangents"))
     bw_mem = simulate_graph(bw_gm, live_inputs=live_inputs, input_keys=input_keys)
     peak = max(fw_mem.peak_bytes, bw_mem.peak_bytes)
