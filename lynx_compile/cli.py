@@ -9,7 +9,11 @@ import time
 
 
 def _add_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--policy", default="selective", choices=["none", "full", "selective", "torch"])
+    p.add_argument("--policy", default="lynx", choices=["lynx", "none", "full", "selective", "torch"])
+    p.add_argument("--solver", default="auto", choices=["auto", "glpk", "highs", "heu"],
+                   help="policy lynx: MILP solver (Lynx-OPT) or the block heuristic (heu)")
+    p.add_argument("--time-limit", type=float, default=60.0, help="MILP time limit in seconds")
+    p.add_argument("--mip-gap", type=float, default=1e-4, help="relative MIP gap")
     p.add_argument("--memory-budget", type=_budget, default=None,
                    help="fraction in (0, 1] of the no-recompute peak, or an integer number of bytes")
     p.add_argument("--cost-source", default="analytic", choices=["analytic", "measured"])
@@ -21,14 +25,20 @@ def _budget(text: str) -> float | int:
 
 
 def _options(args: argparse.Namespace) -> dict:
-    opts = {"policy": args.policy, "cost_source": args.cost_source, "hardware": args.hardware}
+    opts = {"policy": args.policy, "cost_source": args.cost_source, "hardware": args.hardware,
+            "solver": args.solver, "time_limit_s": args.time_limit, "mip_gap": args.mip_gap}
     if args.memory_budget is not None:
         opts["memory_budget"] = args.memory_budget
     return opts
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    import torch
+    import logging
+
+    from lynx_compile.backend import _log_to_stderr
+
+    _log_to_stderr()  # solver progress and per-graph decisions
+    logging.getLogger("lynx_compile").handlers[0].setFormatter(logging.Formatter("%(message)s"))
 
     from lynx_compile.models import example_batch, load_model_spec, num_parameters, PRESETS
     from lynx_compile.planning import plan_model
@@ -65,6 +75,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
               f"peak activation memory: {human_bytes(plan.peak_bytes)} "
               f"({plan.peak_fraction:.2f} of no-recompute {human_bytes(plan.reference_peak_bytes)}, "
               f"at {plan.peak_at})   recompute time: {plan.recompute_s * 1e3:.3f} ms")
+        if plan.policy == "lynx":
+            counts = {}
+            for d in plan.decisions.values():
+                kind = d.split(":")[0]
+                counts[kind] = counts.get(kind, 0) + 1
+            print(f"solver: {plan.solver} ({plan.solver_status})   plan time: {plan.plan_time_s:.3f} s   "
+                  f"exposed recompute: {plan.exposed_s * 1e3:.3f} ms   tensors: "
+                  + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
         for note in plan.notes:
             print(f"note: {note}")
     if args.out:

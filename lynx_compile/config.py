@@ -10,21 +10,22 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-Policy = Literal["none", "full", "selective", "torch"]
+Policy = Literal["lynx", "none", "full", "selective", "torch"]
 Solver = Literal["auto", "glpk", "highs", "heu"]
 CostSource = Literal["analytic", "measured"]
 Compiler = Literal["eager", "inductor"]
 
-#: Policies that issue B adds. Named here so the error for them is precise.
-FUTURE_POLICIES = {"lynx": "issue B (the recompute optimizer)"}
 
 
 @dataclass(frozen=True, kw_only=True)
 class LynxConfig:
     """Options of the ``lynx`` backend. Every field is also a key of ``options={...}``."""
 
-    policy: Policy = "selective"
-    """What to save and what to recompute. ``none``: save every forward value the backward
+    policy: Policy = "lynx"
+    """What to save and what to recompute. ``lynx`` (default): the recompute optimizer chooses,
+    per tensor, keep / recompute on demand / recompute inside a communication window, to fit
+    ``memory_budget`` at the least exposed recompute time (with no budget it recomputes
+    nothing). ``none``: save every forward value the backward
     reads (no recompute). ``full``: keep only each transformer block's input, recompute the rest
     of the block. ``selective``: Megatron's selective recompute (the attention core QK^T, mask,
     softmax, dropout; the s x s tensors). ``torch``: torch's min-cut partitioner under
@@ -37,10 +38,22 @@ class LynxConfig:
     a plan predicted above the budget is an error naming the smallest reachable budget."""
 
     solver: Solver = "auto"
-    """MILP solver for the ``lynx`` policy (issue B): ``auto`` picks the fastest installed."""
+    """Optimizer for ``policy="lynx"``: ``glpk`` / ``highs`` solve the MILP (Lynx-OPT), ``heu``
+    runs the block heuristic (Lynx-HEU), ``auto`` picks HiGHS when installed, else GLPK, else
+    HEU (with a warning)."""
+
+    time_limit_s: float = 60.0
+    """MILP time limit; at the limit the best plan found so far is used, with a warning."""
+
+    mip_gap: float = 1e-4
+    """Relative MIP gap at which the MILP stops."""
 
     plan: str | None = None
-    """Path of a saved plan to reuse without solving (issue B)."""
+    """Path of a saved plan (``lynx plan --out``) to reuse without solving; it must come from the
+    same graph (its hash is checked)."""
+
+    plan_cache: bool = True
+    """Reuse plans solved earlier in this process for the same graph, budget and solver."""
 
     cost_source: CostSource = "analytic"
     """Per-node costs: ``analytic`` (roofline over ``hardware``) or ``measured`` (each node run
@@ -87,16 +100,22 @@ def make_config(options: dict[str, Any] | None = None) -> LynxConfig:
     for key in ("policy", "solver", "cost_source", "compiler"):
         if key in options and options[key] not in _choices(key):
             value = options[key]
-            extra = ""
-            if key == "policy" and value in FUTURE_POLICIES:
-                extra = f" (policy {value!r} arrives with {FUTURE_POLICIES[value]})"
-            raise ValueError(f"{key}={value!r} is not valid; choose one of {list(_choices(key))}{extra}")
+            raise ValueError(f"{key}={value!r} is not valid; choose one of {list(_choices(key))}")
     if "memory_budget" in options:
         options["memory_budget"] = _check_budget(options["memory_budget"])
     if "disable_passes" in options:
         options["disable_passes"] = tuple(options["disable_passes"])
     if "measure_repeats" in options and int(options["measure_repeats"]) < 1:
         raise ValueError("measure_repeats must be >= 1")
+    if "time_limit_s" in options and not float(options["time_limit_s"]) > 0:
+        raise ValueError("time_limit_s must be > 0 seconds")
+    if "mip_gap" in options and not 0 <= float(options["mip_gap"]) < 1:
+        raise ValueError("mip_gap must lie in [0, 1)")
+    if options.get("plan") is not None:
+        import os
+
+        if not os.path.isfile(options["plan"]):
+            raise ValueError(f"plan={options['plan']!r}: no such file; write one with `lynx plan --out`")
     if "hardware" in options:
         from lynx_compile.costs import PROFILES
 

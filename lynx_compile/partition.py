@@ -27,6 +27,7 @@ from lynx_compile.passes import BACKWARD_PIPELINE, JOINT_PIPELINE, GraphRecord, 
 from lynx_compile.passes.find_blocks import structural_hash
 from lynx_compile.passes.policies import select_recompute_pass
 from lynx_compile.plan import BlockSummary, RecomputePlan, TensorDecision
+from lynx_compile.optimize import plan_lynx
 
 log = logging.getLogger("lynx_compile")
 
@@ -86,22 +87,36 @@ def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs:
         select_recompute_pass(joint, ctx)  # restore this policy's tags
         if budget < smallest[1]:
             raise _budget_error(config, budget, reference.peak_bytes, smallest, None)
-    if config.policy == "none":
-        fw, bw = ref_fw, ref_bw
+    outcome = None
+    if config.policy == "lynx":
+        def partition_and_place(j: fx.GraphModule):
+            fw, bw = _partition(j, joint_inputs, "lynx", kw)
+            return fw, run_passes(bw, ctx, BACKWARD_PIPELINE, "backward")
+
+        outcome = plan_lynx(joint, ctx, ref_fw, ref_bw, budget, partition_and_place, _clear_tags)
+        fw, bw, mem = outcome.fw, outcome.bw, outcome.mem
     else:
-        frac = min(1.0, budget / reference.peak_bytes) if budget is not None else 1.0
-        fw, bw = _partition(joint, joint_inputs, config.policy, kw, budget=frac)
-    bw = run_passes(bw, ctx, BACKWARD_PIPELINE, "backward")
-    mem = simulate_step(fw, bw)
-    record.plan = build_plan(config.policy, joint, fw, bw, mem, ctx, budget)
+        if config.policy == "none":
+            fw, bw = ref_fw, ref_bw
+        else:
+            frac = min(1.0, budget / reference.peak_bytes) if budget is not None else 1.0
+            fw, bw = _partition(joint, joint_inputs, config.policy, kw, budget=frac)
+        bw = run_passes(bw, ctx, BACKWARD_PIPELINE, "backward")
+        mem = simulate_step(fw, bw)
+    record.plan = build_plan(config.policy, joint, fw, bw, mem, ctx, budget, outcome)
 
     if budget is not None and mem.peak_bytes > budget:
         if config.policy == "torch":
+            frac = min(1.0, budget / reference.peak_bytes)
             msg = (f"policy 'torch' at activation_memory_budget={frac:.3f} predicts a peak of "
                    f"{mem.peak_bytes} B, above the budget {budget} B (torch budgets saved bytes, "
                    "not the peak)")
             log.warning("lynx: %s", msg)
             record.notes.append(msg)
+        elif config.policy == "lynx":  # only a plan from a file can get here
+            raise BudgetError(f"the plan in {config.plan!r} peaks at {mem.peak_bytes} B, above the "
+                              f"budget {budget} B; re-plan with `lynx plan --policy lynx --memory-budget "
+                              f"{config.memory_budget} --out {config.plan}`")
         else:
             smallest = _smallest_reachable(joint, ctx, joint_inputs, kw, reference.peak_bytes)
             raise _budget_error(config, budget, reference.peak_bytes, smallest, mem.peak_bytes)
@@ -129,7 +144,7 @@ def _budget_error(config, budget, reference_peak, smallest, predicted) -> Budget
 
 
 def build_plan(policy: str, joint: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule,
-               mem: StepMemory, ctx: PassContext, budget: int | None) -> RecomputePlan:
+               mem: StepMemory, ctx: PassContext, budget: int | None, outcome=None) -> RecomputePlan:
     """Summarize what ``fw``/``bw`` save and recompute (names, bytes, blocks, seconds)."""
     joint_nodes = {n.name: n for n in joint.graph.nodes}
     fw_nodes = {n.name: n for n in fw.graph.nodes}
@@ -167,7 +182,11 @@ def build_plan(policy: str, joint: fx.GraphModule, fw: fx.GraphModule, bw: fx.Gr
         forward_peak_bytes=mem.forward_peak_bytes, backward_peak_bytes=mem.backward_peak_bytes,
         peak_at=mem.peak_at, recompute_s=sum(d.recompute_s for d in recomputed),
         reference_peak_bytes=ctx.record.reference_peak_bytes or 0, budget_bytes=budget,
-        notes=tuple(ctx.record.notes))
+        notes=tuple(ctx.record.notes),
+        decisions=outcome.decisions if outcome else {}, solver=outcome.solver if outcome else "",
+        solver_status=outcome.status if outcome else "",
+        exposed_s=outcome.exposed_s if outcome else sum(d.recompute_s for d in recomputed),
+        plan_time_s=outcome.plan_time_s if outcome else 0.0)
 
 
 def _log_plan(record: GraphRecord) -> None:

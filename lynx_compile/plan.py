@@ -50,6 +50,14 @@ class RecomputePlan:
     reference_peak_bytes: int = 0
     budget_bytes: int | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    decisions: dict[str, str] = field(default_factory=dict)
+    """policy "lynx": unit (forward op) name → "keep" | "demand" | "window:<w>" | "none"."""
+    solver: str = ""
+    solver_status: str = ""
+    exposed_s: float = 0.0
+    """Predicted recompute time on the critical path (demand + window overflow)."""
+    plan_time_s: float = 0.0
+    """Time spent extracting and solving (0 when reused from a file or the cache)."""
 
     @property
     def peak_fraction(self) -> float:
@@ -71,6 +79,7 @@ class RecomputePlan:
             BlockSummary(**{**b, "saved": tuple(b["saved"]), "recomputed": tuple(b["recomputed"])})
             for b in data.get("blocks", ()))
         data["notes"] = tuple(data.get("notes", ()))
+        data["decisions"] = dict(data.get("decisions", {}))
         return cls(**data)
 
     @classmethod

@@ -14,10 +14,10 @@ def annotate_costs_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     from lynx_compile.costs import annotate_costs, get_profile
 
     cfg = ctx.config
-    profile = get_profile(cfg.hardware)
     from lynx_compile import _compat
 
-    with _compat.eager_dispatch():
+    with _compat.eager_dispatch():  # CPU calibration and measurement must see eager op speed
+        profile = get_profile(cfg.hardware)
         costs = annotate_costs(gm, profile, source=cfg.cost_source, repeats=cfg.measure_repeats)
     fwd = ctx.forward_names
     ctx.record.decisions["cost_source"] = cfg.cost_source

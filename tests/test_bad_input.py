@@ -25,8 +25,9 @@ def test_unknown_option_through_torch_compile():
 
 
 @pytest.mark.parametrize("key,value,match", [
-    ("policy", "fast", r"policy='fast' is not valid; choose one of \['none', 'full', 'selective', 'torch'\]"),
-    ("policy", "lynx", "arrives with issue B"),
+    ("policy", "fast", r"policy='fast' is not valid; choose one of \['lynx', 'none', 'full', 'selective', 'torch'\]"),
+    ("plan", "/nonexistent/plan.json", "no such file"),
+    ("mip_gap", 1.5, "mip_gap"),
     ("solver", "cplex", "choose one of"),
     ("memory_budget", 1.5, r"must lie in \(0, 1\]"),
     ("memory_budget", 0.0, r"must lie in \(0, 1\]"),

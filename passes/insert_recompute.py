@@ -1,0 +1,48 @@
+"""Place window recomputation inside its communication window.
+
+Reads ``meta.ROLE`` (``"window:<w>"``, set by ``apply_remat_decisions`` on the joint nodes and
+copied onto their backward copies) and ``meta.RECOMPUTED``. torch's partitioner already put
+every recompute on demand, right before its first use; this pass moves the ones the plan
+assigned to window w right after the w-th collective of the backward is issued, so they run
+while it is in flight::
+
+    before:  ar = all_reduce(g) ... x_recomputed = gelu(h) ... wait_tensor(ar) ... use(x_recomputed)
+    after:   ar = all_reduce(g); x_recomputed = gelu(h) ... wait_tensor(ar) ... use(x_recomputed)
+
+The plan guarantees a window unit's inputs are kept or recomputed in the same or an earlier
+window, so the move keeps the graph topologically valid (checked by lint; a violation is a
+planner bug and raises).
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from lynx_compile.costs import is_collective_node
+
+from . import meta
+from .context import PassContext
+
+
+def insert_recompute_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    collectives = [n for n in gm.graph.nodes if is_collective_node(n)]
+    moved = 0
+    for w, coll in enumerate(collectives):
+        role = f"window:{w}"
+        group = [n for n in gm.graph.nodes if n.meta.get(meta.RECOMPUTED) and n.meta.get(meta.ROLE) == role]
+        anchor = coll
+        for node in group:
+            anchor.append(node)
+            anchor = node
+            moved += 1
+    stray = [n.name for n in gm.graph.nodes if n.meta.get(meta.RECOMPUTED)
+             and str(n.meta.get(meta.ROLE, "")).startswith("window:")
+             and int(n.meta[meta.ROLE].split(":")[1]) >= len(collectives)]
+    if stray:
+        raise RuntimeError(f"plan assigns {stray} to windows this backward does not have "
+                           f"({len(collectives)} collectives); the plan is stale for this graph")
+    try:
+        gm.graph.lint()
+    except Exception as e:  # a window unit read something produced after its collective
+        raise RuntimeError(f"lynx planner bug: window placement broke the graph order: {e}") from e
+    ctx.record.decisions["recompute_nodes_in_windows"] = moved
+    return gm

@@ -1,0 +1,212 @@
+"""Extract the recompute optimizer's ``RematProblem`` from a cost-annotated joint graph.
+
+Reads ``meta.COST``, ``meta.BLOCK``, the record's block hashes, and the no-recompute partition
+(``fw_ref``, ``bw_ref``: torch's default partition of the untagged joint graph), whose node
+order is the event order of the problem. Returns the problem (plain data, no fx objects) and a
+``UnitIndex`` mapping each unit back to the joint-graph nodes that make it up (its op, and the
+views and getitems that alias its storage), which ``apply_remat_solution`` tags.
+
+    joint ──(default partition, untagged)──▶ fw_ref, bw_ref ──simulate──▶ timelines
+                                                   │
+      units = forward storages (views folded into their base; a multi-output op is one unit)
+      events = fw_ref nodes, then bw_ref nodes; need intervals from direct backward reads,
+      closed over recompute consumers; windows = collective issue → wait in bw_ref
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from lynx_compile import _compat
+from lynx_compile.costs import is_collective_node, is_wait_node
+from lynx_compile.memory.simulate import allocations, backward_inputs, simulate_graph, storage_keys
+from lynx_compile.remat.problem import RematProblem, Unit, Window
+
+from . import meta
+from .context import PassContext
+from .find_blocks import structural_hash
+
+
+@dataclass(frozen=True)
+class UnitIndex:
+    """unit id → names of the joint nodes to tag when the unit is recomputed."""
+
+    nodes: tuple[tuple[str, ...], ...]
+
+
+def _cost(node: fx.Node | None) -> float:
+    c = node.meta.get(meta.COST) if node is not None else None
+    return c.runtime_s if c is not None else 0.0
+
+
+def extract_remat_problem(joint: fx.GraphModule, fw_ref: fx.GraphModule, bw_ref: fx.GraphModule,
+                          ctx: PassContext) -> tuple[RematProblem, UnitIndex]:
+    fw_nodes = list(fw_ref.graph.nodes)
+    bw_nodes = list(bw_ref.graph.nodes)
+    joint_by_name = {n.name: n for n in joint.graph.nodes}
+    fw_keys = storage_keys(fw_ref, {})
+
+    # Units: forward ops that allocate. key (storage) → unit op.
+    unit_ops = [n for n in fw_nodes if allocations(n) and n.name in ctx.forward_names]
+    owner: dict[str, fx.Node] = {k: op for op in unit_ops for k, _ in allocations(op)}
+    owner.update({op.name: op for op in unit_ops})  # a multi-output op's own key
+    members: dict[fx.Node, list[str]] = defaultdict(list)  # unit op → itself, views, getitems
+    for n in fw_nodes:
+        if n.op == "call_function" and fw_keys[n] in owner:
+            members[owner[fw_keys[n]]].append(n.name)
+    pos_fw = {n: i for i, n in enumerate(fw_nodes)}
+
+    # Forward reads, and the unit inputs of each unit's recomputation.
+    fw_last: dict[fx.Node, int] = {op: pos_fw[op] for op in unit_ops}
+    inputs: dict[fx.Node, set[fx.Node]] = defaultdict(set)
+    for n in fw_nodes[:-1]:
+        for a in n.all_input_nodes:
+            src = owner.get(fw_keys[a])
+            if src is None:
+                continue
+            fw_last[src] = max(fw_last[src], pos_fw[n])
+            user_unit = owner.get(fw_keys[n]) if n.op == "call_function" else None
+            if user_unit is not None and user_unit is not src:
+                inputs[user_unit].add(src)
+
+    # Direct backward reads of each unit's storage.
+    input_keys, _ = backward_inputs(fw_ref, bw_ref)
+    bw_keys = storage_keys(bw_ref, input_keys)
+    uses: dict[fx.Node, list[int]] = defaultdict(list)
+    for p, n in enumerate(bw_nodes[:-1]):
+        for a in n.all_input_nodes:
+            src = owner.get(bw_keys[a])
+            if src is not None:
+                uses[src].append(p)
+
+    region = {op: joint_by_name[op.name].meta.get(meta.BLOCK) if op.name in joint_by_name else None
+              for op in unit_ops}
+    # A tensor that crosses a block boundary (the residual stream into the next block) stays
+    # saved, as every block-wise checkpointing scheme does: it keeps each block's recompute
+    # local, so need intervals are closed over consumers of the same block only.
+    boundary = {i for op, ins in inputs.items() for i in ins if region[i] != region[op]}
+    local_inputs = {op: {i for i in ins if region[i] == region[op]} for op, ins in inputs.items()}
+    need = _need_intervals(unit_ops, local_inputs, uses)
+    kept = [op for op in unit_ops if op in need]
+    ids = {op: i for i, op in enumerate(kept)}
+    units = []
+    for op in kept:
+        joint_node = joint_by_name.get(op.name)
+        start, end = need[op]
+        units.append(Unit(
+            id=ids[op], name=op.name,
+            nbytes=sum(b for k, b in allocations(op) if _taken(k, op, fw_keys, fw_nodes)),
+            compute_s=sum(_cost(joint_by_name.get(m)) for m in members[op]),
+            inputs=tuple(sorted(ids[i] for i in inputs[op] if i in ids)),
+            block=region[op], fw_pos=pos_fw[op], fw_last=fw_last[op],
+            first_use=min(uses[op]) if uses[op] else None, need_start=start, need_end=end,
+            must_keep=op in boundary or not _recomputable(joint_node, ctx)))
+
+    fw_base = _base(simulate_graph(fw_ref, live_inputs={}, input_keys={}).timeline,
+                    [(u.fw_pos, len(fw_nodes) - 1 if u.first_use is not None else u.fw_last, u.nbytes)
+                     for u in units])
+    _, live = backward_inputs(fw_ref, bw_ref)
+    bw_mem = simulate_graph(bw_ref, live_inputs=live, input_keys=input_keys)
+    bw_base = _base(bw_mem.timeline, [(0, max(uses[op]), u.nbytes) for op, u in zip(kept, units) if uses[op]])
+    problem = RematProblem(
+        units=tuple(units), num_fw_events=len(fw_nodes), num_bw_events=len(bw_nodes),
+        fw_base=fw_base, bw_base=bw_base, windows=_windows(bw_nodes, joint_by_name),
+        block_groups=_block_groups(ctx.record.block_hashes), reference_peak=ctx.record.reference_peak_bytes or 0,
+        graph_hash=structural_hash(list(joint.graph.nodes)))
+    return problem, UnitIndex(nodes=tuple(tuple(members[op]) for op in kept))
+
+
+def _taken(key: str, op: fx.Node, keys: dict, nodes: list) -> bool:
+    """Whether output ``key`` of ``op`` outlives the op (some getitem takes it)."""
+    return not key.endswith("]") or any(keys.get(n) == key for n in op.users)
+
+
+def _need_intervals(unit_ops, inputs, uses) -> dict[fx.Node, tuple[int, int]]:
+    """[need_start, need_end] per unit needed by the backward, directly or through a
+    recomputed consumer (consumers first: reverse forward order)."""
+    consumers: dict[fx.Node, list[fx.Node]] = defaultdict(list)
+    for op, ins in inputs.items():
+        for i in ins:
+            consumers[i].append(op)
+    need: dict[fx.Node, tuple[int, int]] = {}
+    for op in reversed(unit_ops):
+        starts = [need[c][0] for c in consumers[op] if c in need]
+        direct = uses.get(op, [])
+        if not direct and not starts:
+            continue
+        need[op] = (min([*direct, *starts]), max([*direct, *starts]))
+    return need
+
+
+def _recomputable(node: fx.Node | None, ctx: PassContext) -> bool:
+    from .policies import _recomputable as policy_recomputable
+
+    return node is not None and policy_recomputable(node, ctx) and not is_collective_node(node)
+
+
+def _base(timeline: list[tuple[str, int]], intervals: list[tuple[int, int, int]]) -> tuple[int, ...]:
+    """Timeline bytes minus the units' own bytes over their no-recompute live intervals."""
+    delta = [0] * (len(timeline) + 1)
+    for start, end, nbytes in intervals:
+        delta[start] += nbytes
+        delta[end + 1] -= nbytes
+    out, running = [], 0
+    for t, (_, total) in enumerate(timeline):
+        running += delta[t]
+        out.append(max(0, total - running))
+    return tuple(out)
+
+
+def _windows(bw_nodes: list[fx.Node], joint_by_name: dict) -> tuple[Window, ...]:
+    pos = {n: i for i, n in enumerate(bw_nodes)}
+    windows = []
+    for n in bw_nodes:
+        if not is_collective_node(n):
+            continue
+        waits = [u for u in n.users if is_wait_node(u)]
+        if not waits:
+            continue
+        windows.append(Window(id=len(windows), start=pos[n], end=min(pos[w] for w in waits),
+                              duration_s=_cost(joint_by_name.get(n.name) or n), kind=str(n.target)))
+    return tuple(windows)
+
+
+def _block_groups(hashes: list[str]) -> tuple[tuple[int, ...], ...]:
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, h in enumerate(hashes):
+        groups[h].append(i)
+    return tuple(tuple(g) for g in groups.values())
+
+
+def unit_decisions(problem: RematProblem, solution) -> dict[str, str]:
+    """unit name → "keep" | "demand" | "window:<id>" (units in neither set: "none")."""
+    out = {u.name: "none" for u in problem.units}
+    for i in solution.keep:
+        out[problem.units[i].name] = "keep"
+    for i in solution.demand:
+        out[problem.units[i].name] = "demand"
+    for i, w in solution.window:
+        out[problem.units[i].name] = f"window:{w}"
+    return out
+
+
+def apply_remat_decisions(joint: fx.GraphModule, problem: RematProblem, index: UnitIndex,
+                          decisions: dict[str, str]) -> int:
+    """Tag the joint nodes of every recomputed unit (its op, views and getitems). Returns the
+    number of units tagged. One checkpoint region (id 0) for all, so torch's partitioner saves
+    exactly the untagged producers of tagged nodes, i.e. the kept units."""
+    by_name = {n.name: n for n in joint.graph.nodes}
+    tagged = 0
+    for unit, names in zip(problem.units, index.nodes):
+        decision = decisions.get(unit.name, "keep")
+        if decision in ("keep", "none"):
+            continue
+        tagged += 1
+        for name in names:
+            node = by_name[name]
+            _compat.tag_recompute(node, 0)
+            node.meta[meta.DECISION] = "recompute"
+            node.meta[meta.ROLE] = decision
+    return tagged

@@ -1,0 +1,110 @@
+"""policy="lynx": the optimizer's plans train exactly like eager and fit their budget.
+
+Budgets sweep from the smallest reachable peak to 100%; for each plan the loss and every
+gradient equal eager (fp32, dropout on, same seeds), the allocator-measured peak is within the
+budget (+2%) and within 5% of the prediction, and peaks do not grow as the budget shrinks."""
+import copy
+
+import pytest
+import torch
+
+import lynx_compile
+from lynx_compile.memory import measure_step
+from lynx_compile.models import build_model, example_batch
+from lynx_compile.partition import BudgetError
+
+BUDGETS = [1.0, 0.8, 0.65, 0.5]
+
+
+def _grads(model):
+    return {n.removeprefix("_orig_mod."): p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def _run(preset, options, batch=4, seed=7):
+    torch.manual_seed(0)
+    eager = build_model(preset, dropout=0.1)
+    twin = copy.deepcopy(eager)
+    x = example_batch(eager, batch, generator=torch.Generator().manual_seed(seed))
+    torch.manual_seed(seed)
+    ref = eager(x).loss
+    ref.backward()
+    backend = lynx_compile.backend(**options)
+    compiled = torch.compile(twin, backend=backend)
+    torch.manual_seed(seed)
+    loss = compiled(x).loss
+    loss.backward()
+    assert _rel(loss.detach(), ref.detach()) <= 1e-5
+    ref_grads, grads = _grads(eager), _grads(twin)
+    for name, g in ref_grads.items():
+        assert _rel(grads[name], g) <= 1e-5, name
+    twin.zero_grad(set_to_none=False)
+    measured = measure_step(lambda: compiled(x).loss.backward(), repeats=1, warmup=0)
+    return backend.plans[-1], measured
+
+
+@pytest.mark.parametrize("preset", ["gpt-tiny", "llama-tiny"])
+@pytest.mark.parametrize("solver", ["heu", "highs"])
+def test_budget_sweep_equals_eager_fits_and_is_monotone(preset, solver):
+    peaks = []
+    for i, budget in enumerate(BUDGETS):
+        torch._dynamo.reset()
+        options = {"policy": "lynx", "memory_budget": budget, "solver": solver, "plan_cache": False}
+        try:
+            plan, measured = _run(preset, options, seed=11 + i)
+        except Exception as e:  # below the smallest reachable budget: must say so
+            assert "smallest reachable peak" in str(e), e
+            break
+        budget_bytes = plan.budget_bytes
+        assert measured.peak_bytes <= budget_bytes * 1.02, (budget, measured.peak_bytes, budget_bytes)
+        assert abs(measured.peak_bytes - plan.peak_bytes) <= 0.05 * measured.peak_bytes
+        peaks.append(measured.peak_bytes)
+    assert len(peaks) >= 3, "the sweep should reach at least three budgets"
+    assert all(b <= a for a, b in zip(peaks, peaks[1:])), peaks
+
+
+def test_budget_below_smallest_reachable_is_an_error_naming_it():
+    model = build_model("gpt-tiny")
+    compiled = torch.compile(model, backend="lynx",
+                             options={"policy": "lynx", "memory_budget": 0.05, "solver": "heu"})
+    with pytest.raises(Exception) as info:
+        compiled(example_batch(model, 4))
+    err = info.value
+    while err is not None and not isinstance(err, BudgetError):
+        err = getattr(err, "inner_exception", None) or err.__cause__
+    assert isinstance(err, BudgetError)
+    assert "smallest reachable peak is" in str(err) and "Use memory_budget >=" in str(err)
+
+
+def test_no_budget_recomputes_nothing():
+    plan, _ = _run("gpt-tiny", {"policy": "lynx", "solver": "heu"})
+    assert not plan.recomputed and plan.peak_fraction == pytest.approx(1.0, abs=0.01)
+
+
+def test_plan_file_is_reused_without_solving(tmp_path):
+    from lynx_compile.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt-tiny", "--batch-size", "4", "--policy", "lynx", "--solver", "heu",
+                 "--memory-budget", "0.7", "--out", str(out)]) == 0
+    torch._dynamo.reset()
+    plan, _ = _run("gpt-tiny", {"policy": "lynx", "memory_budget": 0.7, "plan": str(out)})
+    assert plan.solver == "file" and plan.plan_time_s == 0.0
+    import json
+    saved = json.loads(out.read_text())[0]
+    assert plan.decisions == saved["decisions"]
+
+
+def test_plan_for_another_graph_is_rejected(tmp_path):
+    from lynx_compile.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "llama-tiny", "--policy", "lynx", "--solver", "heu",
+                 "--memory-budget", "0.8", "--out", str(out)]) == 0
+    model = build_model("gpt-tiny")
+    compiled = torch.compile(model, backend="lynx", options={"policy": "lynx", "plan": str(out)})
+    with pytest.raises(Exception, match="made for a different graph"):
+        compiled(example_batch(model, 2))
