@@ -71,16 +71,24 @@ def min_cut_partition(joint_gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_ou
 
 
 def forward_node_names(joint_gm: fx.GraphModule) -> set[str]:
-    """Names of the joint-graph nodes on the forward side: everything that does not depend on
-    a tangent (aot_autograd names its tangent inputs ``tangents_*``). This includes values that
-    only the backward reads (e.g. the ``detach`` of a softmax output), which torch's
-    ``classify_nodes`` leaves unclaimed."""
+    """Names of the joint-graph nodes traced in the forward.
+
+    aot_autograd traces the forward first and appends the backward, whose first node reads a
+    tangent (named ``tangents_*``). Forward nodes are the ones before that point that do not
+    depend on a tangent. This includes values only the backward reads (e.g. the ``detach`` of a
+    softmax output saved by autograd), which torch's ``classify_nodes`` leaves unclaimed, and
+    excludes backward-generated nodes that happen not to read a tangent (``t(weight)``)."""
     backward: set[fx.Node] = set()
+    forward: set[str] = set()
+    seen_backward = False
     for node in joint_gm.graph.nodes:
         if (node.op == "placeholder" and str(node.target).startswith("tangents")) or any(
                 a in backward for a in node.all_input_nodes):
             backward.add(node)
-    return {n.name for n in joint_gm.graph.nodes if n not in backward and n.op != "output"}
+            seen_backward = seen_backward or node.op != "placeholder"
+        elif not seen_backward and node.op != "output":
+            forward.add(node.name)
+    return forward
 
 
 def is_sym_node(node: fx.Node) -> bool:

@@ -48,6 +48,8 @@ class LynxOutcome:
     status: str = ""
     exposed_s: float = 0.0
     plan_time_s: float = 0.0
+    node_unit: dict[str, str] | None = None
+    """joint node name → name of the unit it belongs to (the op itself, its views, getitems)."""
 
 
 def load_plan_decisions(path: str, graph_hash: str) -> dict[str, str]:
@@ -82,8 +84,10 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, ref_fw: fx.GraphModule, r
     target = budget if budget is not None else problem.reference_peak
     key = (problem.graph_hash, budget, cfg.solver, cfg.mip_gap)
     fixed = load_plan_decisions(cfg.plan, problem.graph_hash) if cfg.plan else None
+    if fixed is None and budget is None:  # nothing to fit: recompute nothing, solve nothing
+        fixed = {u.name: "keep" for u in problem.units}
     decisions = fixed or (_CACHE.get(key) if cfg.plan_cache else None)
-    source = "file" if fixed else ("cache" if decisions else "solver")
+    source = ("file" if cfg.plan else "no budget") if fixed else ("cache" if decisions else "solver")
     solver = status = ""
     exposed = 0.0
     for _ in range(MAX_ROUNDS):
@@ -94,14 +98,14 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, ref_fw: fx.GraphModule, r
             except InfeasibleBudget as e:
                 raise BudgetError(_infeasible_message(cfg, budget, e, problem)) from e
             decisions, solver, status, exposed = unit_decisions(problem, sol), sol.solver, sol.status, sol.exposed_s
-            for note in sol.notes:
-                log.warning("lynx: %s", note)
+            for note in sol.notes:  # a time-limited MILP is a warning; the rest is information
+                (log.warning if sol.status == "feasible" else log.info)("lynx: %s", note)
                 ctx.record.notes.append(note)
         clear_tags(joint)
         apply_remat_decisions(joint, problem, index, decisions)
         fw, bw = partition(joint)
         mem = simulate_step(fw, bw)
-        if budget is None or mem.peak_bytes <= budget or source == "file":
+        if budget is None or mem.peak_bytes <= budget or source == "file":  # a file plan is checked by the caller
             break
         log.info("lynx: plan peaks at %d B > budget %d B; re-solving with %d B less",
                  mem.peak_bytes, budget, mem.peak_bytes - budget)
@@ -116,7 +120,8 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, ref_fw: fx.GraphModule, r
     ctx.record.decisions["plan_source"] = source
     return LynxOutcome(fw=fw, bw=bw, mem=mem, problem=problem, decisions=decisions,
                        solver=solver or source, status=status or source, exposed_s=exposed,
-                       plan_time_s=time.perf_counter() - start if source == "solver" else 0.0)
+                       plan_time_s=time.perf_counter() - start if source == "solver" else 0.0,
+                       node_unit={m: u.name for u, names in zip(problem.units, index.nodes) for m in names})
 
 
 def _infeasible_message(cfg: LynxConfig, budget: int | None, e: InfeasibleBudget, problem: RematProblem) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 from typing import Any
 
 import torch.fx as fx
@@ -186,7 +187,21 @@ def build_plan(policy: str, joint: fx.GraphModule, fw: fx.GraphModule, bw: fx.Gr
         decisions=outcome.decisions if outcome else {}, solver=outcome.solver if outcome else "",
         solver_status=outcome.status if outcome else "",
         exposed_s=outcome.exposed_s if outcome else sum(d.recompute_s for d in recomputed),
-        plan_time_s=outcome.plan_time_s if outcome else 0.0)
+        plan_time_s=outcome.plan_time_s if outcome else 0.0,
+        block_ops=_block_ops(joint, ctx, outcome) if outcome else {})
+
+
+def _block_ops(joint: fx.GraphModule, ctx: PassContext, outcome) -> dict[str, list[tuple[str, str]]]:
+    """Per block, its forward aten ops in order with the decision of the unit each belongs to."""
+    out: dict[str, list[tuple[str, str]]] = {path: [] for path in ctx.record.blocks}
+    for node in joint.graph.nodes:
+        block = node.meta.get(meta.BLOCK)
+        if block is None or node.op != "call_function" or "nn_module_stack" not in node.meta \
+                or node.name not in ctx.forward_names or node.target is operator.getitem:
+            continue
+        unit = outcome.node_unit.get(node.name)
+        out[ctx.record.blocks[block]].append((str(node.target), outcome.decisions.get(unit, "keep")))
+    return out
 
 
 def _log_plan(record: GraphRecord) -> None:

@@ -58,6 +58,9 @@ class RecomputePlan:
     """Predicted recompute time on the critical path (demand + window overflow)."""
     plan_time_s: float = 0.0
     """Time spent extracting and solving (0 when reused from a file or the cache)."""
+    block_ops: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
+    """policy "lynx": per block path, its forward aten ops in order with each op's decision
+    ("keep" / "demand" / "window:<w>" / "none"); what ``lynx_compile.sac`` exports."""
 
     @property
     def peak_fraction(self) -> float:
@@ -80,6 +83,7 @@ class RecomputePlan:
             for b in data.get("blocks", ()))
         data["notes"] = tuple(data.get("notes", ()))
         data["decisions"] = dict(data.get("decisions", {}))
+        data["block_ops"] = {k: [tuple(x) for x in v] for k, v in data.get("block_ops", {}).items()}
         return cls(**data)
 
     @classmethod

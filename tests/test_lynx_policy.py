@@ -13,7 +13,7 @@ from lynx_compile.memory import measure_step
 from lynx_compile.models import build_model, example_batch
 from lynx_compile.partition import BudgetError
 
-BUDGETS = [1.0, 0.8, 0.65, 0.5]
+BUDGETS = [1.0, 0.9, 0.8, 0.7, 0.6, 0.5]
 
 
 def _grads(model):

@@ -1,0 +1,249 @@
+"""``evaluate``: the reference evaluator of the model in ``problem.py`` (numpy, no solver).
+
+Given a problem and an assignment (keep set, demand set, (unit, window) pairs) it returns the
+memory at every forward and backward event, the peak, the objective (exposed seconds) and the
+list of rule violations. Both solvers report their ``peak_bytes``/``exposed_s`` through it, and
+the tests check both solvers against it.
+
+The per-problem arrays (``ProblemArrays``: bytes, intervals, window order, the forward profile
+that does not depend on the assignment, edges for the input rule) are built once and cached
+by ``problem_arrays`` (keyed by the problem's id, dropped when the problem is collected); an
+evaluation is then a few difference-array cumsums, O(units + events).
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import numpy as np
+
+from .problem import RematProblem
+
+NONE, KEEP, DEMAND, WINDOW = 0, 1, 2, 3
+"""Per-unit states of the internal assignment arrays (``state``; ``win`` holds window order)."""
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    peak_bytes: int
+    peak_event: str
+    """``"fw:t"`` or ``"bw:t"``, the first event reaching the peak ("" without events)."""
+    fw_memory: tuple[int, ...]
+    bw_memory: tuple[int, ...]
+    exposed_s: float
+    """Objective: demand recompute time + Σ_w window overflow."""
+    recompute_s: float
+    """All recompute time (demand + window), unscaled by kappa."""
+    feasible_inputs: bool
+    """True when no rule other than the budget is broken (``violations`` is empty)."""
+    violations: tuple[str, ...]
+
+
+class ProblemArrays:
+    """A problem as numpy arrays, indexed by unit position ``i`` in ``problem.units``.
+
+    Windows are indexed by their *order* (sorted by (start, id)), the order the input rule uses.
+    Raises ValueError when the problem is malformed (sizes, event ranges, unknown ids).
+    """
+
+    def __init__(self, p: RematProblem):
+        us = p.units
+        self.n, self.F, self.B, self.kappa = len(us), p.num_fw_events, p.num_bw_events, p.kappa
+        self.reference = p.reference_peak
+        self.index = {u.id: i for i, u in enumerate(us)}
+        if len(self.index) != self.n:
+            raise ValueError("RematProblem: duplicate unit ids")
+        if len(p.fw_base) != self.F or len(p.bw_base) != self.B:
+            raise ValueError(f"RematProblem: fw_base/bw_base have {len(p.fw_base)}/{len(p.bw_base)} "
+                             f"entries for {self.F}/{self.B} events")
+        self.names = tuple(u.name for u in us)
+        self.ids = np.array([u.id for u in us], dtype=np.int64)
+        self.m = np.array([u.nbytes for u in us], dtype=np.int64)
+        self.c = np.array([u.compute_s for u in us], dtype=np.float64)
+        self.fw_pos = np.array([u.fw_pos for u in us], dtype=np.int64)
+        self.fw_last = np.array([u.fw_last for u in us], dtype=np.int64)
+        self.ns = np.array([u.need_start for u in us], dtype=np.int64)
+        self.ne = np.array([u.need_end for u in us], dtype=np.int64)
+        self.needed = np.array([u.first_use is not None for u in us], dtype=bool)
+        self.must = np.array([u.must_keep for u in us], dtype=bool)
+        self.block = np.array([-1 if u.block is None else u.block for u in us], dtype=np.int64)
+        for u in us:
+            if not (0 <= u.fw_pos <= u.fw_last < max(self.F, 1)) or \
+                    not (0 <= u.need_start <= u.need_end < max(self.B, 1)):
+                raise ValueError(f"RematProblem: unit {u.name!r} has events out of range")
+            missing = [b for b in u.inputs if b not in self.index]
+            if missing:
+                raise ValueError(f"RematProblem: unit {u.name!r} reads unknown unit ids {missing}")
+        self.inputs = tuple(tuple(self.index[b] for b in u.inputs) for u in us)
+        cons: list[list[int]] = [[] for _ in us]
+        for i, ins in enumerate(self.inputs):
+            for b in ins:
+                cons[b].append(i)
+        self.consumers = tuple(tuple(c) for c in cons)
+        self.edge_a = np.array([i for i, ins in enumerate(self.inputs) for _ in ins], dtype=np.int64)
+        self.edge_b = np.array([b for ins in self.inputs for b in ins], dtype=np.int64)
+        self.topo = self._topological()
+        self._windows(p)
+        fw = np.zeros(self.F + 1, dtype=np.int64)
+        np.add.at(fw, self.fw_pos, self.m)
+        np.add.at(fw, self.fw_last + 1, -self.m)
+        self.fw_const = np.asarray(p.fw_base, dtype=np.int64) + np.cumsum(fw)[:self.F]
+        self.bw_base = np.asarray(p.bw_base, dtype=np.int64)
+        self.cache: dict[str, Any] = {}
+        """Other modules' per-problem results (e.g. ``smallest_peak``)."""
+
+    def _topological(self) -> tuple[int, ...]:
+        indeg = [len(ins) for ins in self.inputs]
+        ready = [i for i in range(self.n) if indeg[i] == 0]
+        order: list[int] = []
+        while ready:
+            i = ready.pop()
+            order.append(i)
+            for c in self.consumers[i]:
+                indeg[c] -= 1
+                if indeg[c] == 0:
+                    ready.append(c)
+        if len(order) != self.n:
+            raise ValueError("RematProblem: the units' inputs form a cycle")
+        return tuple(order)
+
+    def _windows(self, p: RematProblem) -> None:
+        ws = sorted(p.windows, key=lambda w: (w.start, w.id))
+        for w in ws:
+            if not 0 <= w.start <= w.end < self.B:
+                raise ValueError(f"RematProblem: window {w.id} is out of the backward's range")
+        self.W = len(ws)
+        self.win_ids = np.array([w.id for w in ws], dtype=np.int64)
+        self.win_index = {w.id: k for k, w in enumerate(ws)}
+        self.win_start = np.array([w.start for w in ws], dtype=np.int64)
+        self.win_end = np.array([w.end for w in ws], dtype=np.int64)
+        self.win_tau = np.array([w.duration_s for w in ws], dtype=np.float64)
+        # eligible[i]: window orders with end <= need_start, latest start first
+        self.eligible = tuple(np.flatnonzero(self.win_end <= ns)[::-1] for ns in self.ns)
+
+    def profile(self, state: np.ndarray, win: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Memory at every forward and backward event (int64 arrays) of an assignment."""
+        keep = state == KEEP
+        fw = self.fw_const.copy()
+        if self.F:
+            d = np.zeros(self.F + 1, dtype=np.int64)
+            np.add.at(d, self.fw_last[keep] + 1, self.m[keep])
+            fw += np.cumsum(d)[:self.F]
+        live = state != NONE
+        start = np.where(state == DEMAND, self.ns, 0)
+        if self.W:
+            ws = self.win_start[np.maximum(win, 0)]
+            start = np.where(state == WINDOW, np.minimum(ws, self.ne), start)
+        d = np.zeros(self.B + 1, dtype=np.int64)
+        np.add.at(d, start[live], self.m[live])
+        np.add.at(d, self.ne[live] + 1, -self.m[live])
+        return fw, self.bw_base + np.cumsum(d)[:self.B]
+
+    def window_load(self, state: np.ndarray, win: np.ndarray) -> np.ndarray:
+        """κ·Σ c_a per window order."""
+        inw = state == WINDOW
+        return np.bincount(win[inw], weights=self.kappa * self.c[inw], minlength=self.W)
+
+    def times(self, state: np.ndarray, win: np.ndarray) -> tuple[float, float]:
+        """(exposed_s, recompute_s) of an assignment."""
+        dem = float(self.c[state == DEMAND].sum())
+        over = float(np.maximum(self.window_load(state, win) - self.win_tau, 0.0).sum()) if self.W else 0.0
+        return dem + over, dem + float(self.c[state == WINDOW].sum())
+
+    def violations(self, state: np.ndarray, win: np.ndarray) -> list[str]:
+        """Every broken rule except the budget, as readable lines."""
+        out = [f"{self.names[i]}: must_keep but not kept"
+               for i in np.flatnonzero(self.must & (state != KEEP))]
+        out += [f"{self.names[i]}: read by the backward but neither kept nor recomputed"
+                for i in np.flatnonzero(self.needed & (state == NONE))]
+        inw = np.flatnonzero(state == WINDOW)
+        out += [f"{self.names[i]}: window {self.win_ids[win[i]]} ends after its need_start"
+                for i in inw[self.win_end[win[inw]] > self.ns[inw]]]
+        a, b = self.edge_a, self.edge_b
+        bad = (state[a] == DEMAND) & (state[b] == NONE)
+        bad |= (state[a] == WINDOW) & ~((state[b] == KEEP) | ((state[b] == WINDOW) & (win[b] <= win[a])))
+        out += [f"{self.names[i]}: recomputed but its input {self.names[j]} is not available"
+                for i, j in zip(a[bad], b[bad])]
+        return out
+
+    def to_state(self, assignment: Any) -> tuple[np.ndarray, np.ndarray, list[str]]:
+        """(state, win, parse problems) from a solution, a mapping or a (keep, demand, window)."""
+        keep, demand, window = _parts(assignment)
+        state = np.zeros(self.n, dtype=np.int8)
+        win = np.full(self.n, -1, dtype=np.int64)
+        bad: list[str] = []
+        pairs = [(u, KEEP, -1) for u in keep] + [(u, DEMAND, -1) for u in demand]
+        pairs += [(u, WINDOW, w) for u, w in window]
+        for uid, st, wid in pairs:
+            i = self.index.get(uid)
+            if i is None or (st == WINDOW and wid not in self.win_index):
+                bad.append(f"unknown unit/window id in ({uid}, {wid})")
+                continue
+            if state[i] != NONE:
+                bad.append(f"{self.names[i]}: assigned more than once")
+            state[i] = st
+            win[i] = self.win_index[wid] if st == WINDOW else -1
+        return state, win, bad
+
+    def to_sets(self, state: np.ndarray, win: np.ndarray):
+        """(keep, demand, window pairs) in unit-id order."""
+        ids = self.ids
+        keep = tuple(int(x) for x in sorted(ids[state == KEEP]))
+        demand = tuple(int(x) for x in sorted(ids[state == DEMAND]))
+        inw = np.flatnonzero(state == WINDOW)
+        window = tuple(sorted((int(ids[i]), int(self.win_ids[win[i]])) for i in inw))
+        return keep, demand, window
+
+
+def _parts(a: Any) -> tuple[Iterable[int], Iterable[int], Iterable[tuple[int, int]]]:
+    if isinstance(a, dict):
+        return a.get("keep", ()), a.get("demand", ()), a.get("window", ())
+    if isinstance(a, (tuple, list)):
+        keep, demand, *rest = a
+        return keep, demand, rest[0] if rest else ()
+    return a.keep, a.demand, getattr(a, "window", ())
+
+
+_CACHE: dict[int, tuple[weakref.ref, ProblemArrays]] = {}
+
+
+def problem_arrays(problem: RematProblem) -> ProblemArrays:
+    """The cached ``ProblemArrays`` of ``problem`` (built on first use)."""
+    key = id(problem)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0]() is problem:
+        return hit[1]
+    arrays = ProblemArrays(problem)
+    _CACHE[key] = (weakref.ref(problem), arrays)
+    weakref.finalize(problem, _CACHE.pop, key, None)
+    return arrays
+
+
+def evaluate_state(arr: ProblemArrays, state: np.ndarray, win: np.ndarray,
+                   extra: Iterable[str] = ()) -> Evaluation:
+    fw, bw = arr.profile(state, win)
+    exposed, recompute = arr.times(state, win)
+    viol = tuple(extra) + tuple(arr.violations(state, win))
+    peak, where = 0, ""
+    if fw.size and (not bw.size or fw.max() >= bw.max()):
+        peak, where = int(fw.max()), f"fw:{int(fw.argmax())}"
+    elif bw.size:
+        peak, where = int(bw.max()), f"bw:{int(bw.argmax())}"
+    return Evaluation(peak_bytes=peak, peak_event=where, fw_memory=tuple(fw.tolist()),
+                      bw_memory=tuple(bw.tolist()), exposed_s=exposed, recompute_s=recompute,
+                      feasible_inputs=not viol, violations=viol)
+
+
+def evaluate(problem: RematProblem, solution_or_assignment: Any) -> Evaluation:
+    """Memory profile, peak, objective and rule violations of an assignment.
+
+    ``solution_or_assignment``: a ``RematSolution`` (or anything with ``keep``, ``demand``,
+    ``window``), a dict with those keys, or a tuple ``(keep, demand[, window])`` of unit ids
+    and (unit id, window id) pairs. Units in none of them are "none". Never raises on a bad
+    assignment: unknown ids, double assignments, must_keep, completeness, window eligibility
+    and input availability problems are listed in ``violations``. The budget is not checked.
+    """
+    arr = problem_arrays(problem)
+    state, win, bad = arr.to_state(solution_or_assignment)
+    return evaluate_state(arr, state, win, bad)

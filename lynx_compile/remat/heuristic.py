@@ -1,0 +1,260 @@
+"""Lynx-HEU: representative blocks solved exactly, replicated, then repaired on the exact model.
+
+Steps (each a function below; all on the (state, win) arrays of ``evaluate.ProblemArrays``):
+
+1. ``initial_state``: everything kept (intermediates nothing reads: none); units outside blocks
+   stay like this unless the repair moves them.
+2. ``representative.solve_representatives``: one MILP over the positions of every group of
+   identical blocks (needs highspy; without it, or without ``block_groups``, HEU starts from
+   step 1 and the greedy steps do all the work), replicated onto each block by position.
+3. ``fix_inputs`` / ``cleanup``: make recomputes' inputs available, drop unread intermediates.
+4. ``repair``: while the peak exceeds the budget, switch the candidate with the best
+   (bytes freed at the peak event) / (added exposed seconds) from keep (or window) to demand,
+   with the input closure; ties by unit id.
+5. ``hide``: move demanded recomputes into windows with spare capacity where memory allows.
+6. ``refill``: with slack left, switch demanded units back to keep, most seconds saved per byte
+   first, while the peak stays within the budget.
+Deterministic: no randomness, ties broken by unit id.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable
+
+import numpy as np
+
+from .evaluate import DEMAND, KEEP, NONE, WINDOW, ProblemArrays, evaluate_state, problem_arrays
+from .milp_solvers import highs_installed
+from .problem import InfeasibleBudget, RematProblem, RematSolution
+from .representative import solve_positions
+
+TOP_K = 6   # candidates whose switch is scored exactly (closure included) per repair step
+
+
+def initial_state(arr: ProblemArrays) -> tuple[np.ndarray, np.ndarray]:
+    used = arr.needed | arr.must
+    used[arr.edge_b] = True
+    return np.where(used, KEEP, NONE).astype(np.int8), np.full(arr.n, -1, dtype=np.int64)
+
+
+def fix_inputs(arr: ProblemArrays, state: np.ndarray, win: np.ndarray) -> None:
+    """In place: an input a demanded unit needs becomes demand when it was none; a window
+    recompute whose input is not kept or in a window no later becomes demand. To a fixpoint."""
+    a, b = arr.edge_a, arr.edge_b
+    state[arr.must] = KEEP
+    state[arr.needed & (state == NONE)] = DEMAND
+    while True:
+        need_b = (state[a] == DEMAND) & (state[b] == NONE)
+        bad_a = (state[a] == WINDOW) & ~((state[b] == KEEP) | ((state[b] == WINDOW) & (win[b] <= win[a])))
+        if not need_b.any() and not bad_a.any():
+            return
+        state[b[need_b]] = DEMAND
+        state[a[bad_a]], win[a[bad_a]] = DEMAND, -1
+
+
+def cleanup(arr: ProblemArrays, state: np.ndarray, win: np.ndarray) -> None:
+    """In place: intermediates that no recomputed consumer reads become none."""
+    while True:
+        used = np.zeros(arr.n, dtype=bool)
+        rec = (state[arr.edge_a] == DEMAND) | (state[arr.edge_a] == WINDOW)
+        used[arr.edge_b[rec]] = True
+        drop = ~arr.needed & ~arr.must & (state != NONE) & ~used
+        if not drop.any():
+            return
+        state[drop], win[drop] = NONE, -1
+
+
+def _peak(arr, state, win):
+    fw, bw = arr.profile(state, win)
+    fpk, bpk = (int(fw.max()) if fw.size else -1), (int(bw.max()) if bw.size else -1)
+    return fw, bw, max(fpk, bpk), ("fw", int(fw.argmax())) if fpk >= bpk else ("bw", int(bw.argmax()))
+
+
+def _switch(arr, state, win, i):
+    st, wn = state.copy(), win.copy()
+    st[i], wn[i] = DEMAND, -1
+    fix_inputs(arr, st, wn)
+    cleanup(arr, st, wn)
+    return st, wn
+
+
+def repair(arr: ProblemArrays, budget: int, state: np.ndarray, win: np.ndarray):
+    """Greedy keep/window -> demand until the peak fits; (state, win, peak) (peak > budget: stuck)."""
+    exposed = arr.times(state, win)[0]
+    while True:
+        fw, bw, peak, (where, t) = _peak(arr, state, win)
+        if peak <= budget:
+            return state, win, peak
+        m = arr.m.astype(np.float64)
+        if where == "fw":
+            freed = m * ((state == KEEP) & (arr.fw_last < t))
+        else:
+            ws = arr.win_start[np.maximum(win, 0)] if arr.W else np.zeros(arr.n, dtype=np.int64)
+            freed = m * ((state == KEEP) & (t < arr.ns))
+            freed += m * ((state == WINDOW) & (ws <= t) & (t < arr.ns))
+        freed[arr.must] = 0
+        cand = np.flatnonzero(freed > 0)
+        if cand.size == 0:
+            return state, win, peak
+        ratio = freed[cand] / np.maximum(arr.c[cand], 1e-15)
+        order = cand[np.lexsort((arr.ids[cand], -ratio))][:TOP_K]
+        best = None
+        for i in order:
+            st, wn = _switch(arr, state, win, i)
+            f2, b2 = arr.profile(st, wn)
+            gain = peak - int((f2 if where == "fw" else b2)[t])
+            cost = max(arr.times(st, wn)[0] - exposed, 1e-15)
+            key = (-gain / cost, int(arr.ids[i]))
+            if gain > 0 and (best is None or key < best[0]):
+                best = (key, st, wn)
+        if best is None:
+            return state, win, peak
+        state, win = best[1], best[2]
+        exposed = arr.times(state, win)[0]
+
+
+def hide(arr: ProblemArrays, budget: int, state: np.ndarray, win: np.ndarray, tries: int = 4) -> None:
+    """In place: demanded units (largest c first) into one of their ``tries`` latest eligible
+    windows with capacity left for kappa*c, inputs kept or in windows no later, memory fitting."""
+    if not arr.W:
+        return
+    _, bw = arr.profile(state, win)
+    left = arr.win_tau - arr.window_load(state, win)
+    dem = np.flatnonzero(state == DEMAND)
+    for i in dem[np.lexsort((arr.ids[dem], -arr.c[dem]))]:
+        load, ins = arr.kappa * arr.c[i], arr.inputs[i]
+        if any(state[c] == WINDOW for c in arr.consumers[i]):
+            continue
+        for w in arr.eligible[i][:tries]:
+            s, e = int(arr.win_start[w]), int(arr.ns[i])
+            if load > left[w] or (e > s and bw[s:e].max() + arr.m[i] > budget):
+                continue
+            if all(state[b] == KEEP or (state[b] == WINDOW and win[b] <= w) for b in ins):
+                state[i], win[i] = WINDOW, w
+                left[w] -= load
+                bw[s:e] += arr.m[i]
+                break
+
+
+def refill(arr: ProblemArrays, budget: int, state: np.ndarray, win: np.ndarray) -> None:
+    """In place: demanded units back to keep (most seconds per byte first) while they fit."""
+    fw, bw = arr.profile(state, win)
+    dem = np.flatnonzero(state == DEMAND)
+    dens = arr.c[dem] / np.maximum(arr.m[dem], 1)
+    for i in dem[np.lexsort((arr.ids[dem], -dens))]:
+        m, e, f = int(arr.m[i]), int(arr.ns[i]), int(arr.fw_last[i]) + 1
+        if (e and bw[:e].max() + m > budget) or (f < arr.F and fw[f:].max() + m > budget):
+            continue
+        if any(state[c] == WINDOW for c in arr.consumers[i]):
+            continue                               # keeping is fine for them too, but stay simple
+        state[i] = KEEP
+        bw[:e] += m
+        fw[f:] += m
+
+
+def all_demand(arr: ProblemArrays) -> tuple[np.ndarray, np.ndarray]:
+    """Everything recomputable on demand (inputs closed, unread intermediates none)."""
+    state, win = initial_state(arr)
+    state[(state == KEEP) & ~arr.must] = DEMAND
+    fix_inputs(arr, state, win)
+    cleanup(arr, state, win)
+    return state, win
+
+
+def heuristic_bound(problem: RematProblem) -> int:
+    """The heuristic's smallest peak: everything recomputable recomputed on demand. Not a
+    proof of optimality (the MILP's ``smallest_peak`` is exact); cached per problem."""
+    arr = problem_arrays(problem)
+    if "heuristic_bound" not in arr.cache:
+        arr.cache["heuristic_bound"] = _peak(arr, *all_demand(arr))[2]
+    return arr.cache["heuristic_bound"]
+
+
+def block_positions(problem: RematProblem, arr: ProblemArrays) -> tuple[list[np.ndarray], list[str]]:
+    """One (blocks x units-per-block) index array per usable group, and notes on unusable ones."""
+    members: dict[int, list[int]] = {}
+    for i, b in enumerate(arr.block.tolist()):
+        if b >= 0:
+            members.setdefault(b, []).append(i)
+    out, notes = [], []
+    for group in problem.block_groups:
+        lists = [members.get(b, []) for b in group]
+        if len({len(x) for x in lists}) != 1 or not lists[0]:
+            notes.append(f"block group {group} skipped: blocks have different unit counts")
+            continue
+        out.append(np.array(lists, dtype=np.int64))
+    return out, notes
+
+
+def _rep_positions(arr: ProblemArrays, groups: list[np.ndarray]) -> list[np.ndarray]:
+    """Positions of the representative MILP: each group's k-th units, then every other unit."""
+    out = [P[:, k] for P in groups for k in range(P.shape[1])]
+    inside = np.zeros(arr.n, dtype=bool)
+    for P in groups:
+        inside[P.ravel()] = True
+    return out + [np.array([i]) for i in np.flatnonzero(~inside)]
+
+
+def polish(arr: ProblemArrays, budget: int, state, win, blocks: list[np.ndarray]):
+    """Re-solve each block's units exactly (singleton positions), the rest fixed; keep the
+    result when it is feasible and strictly better on the exact model."""
+    best = arr.times(state, win)[0]
+    for units in blocks:
+        out = solve_positions(arr, [np.array([i]) for i in units], budget, state, win)
+        if out is None:
+            continue
+        st, wn = out
+        fix_inputs(arr, st, wn)
+        cleanup(arr, st, wn)
+        exp = arr.times(st, wn)[0]
+        if exp < best - 1e-15 and _peak(arr, st, wn)[2] <= budget:
+            state, win, best = st, wn, exp
+    return state, win
+
+
+def solve_heu(problem: RematProblem, budget_bytes: int, *, progress: Callable[[str], None] | None = None,
+              **_) -> RematSolution:
+    """Lynx-HEU (see the module docstring); same signature as ``solve_milp`` (extra keywords
+    are ignored). Raises ``InfeasibleBudget`` when even the heuristic's smallest reachable peak
+    (the lower of its stuck repair and everything-on-demand; a heuristic bound, not the exact
+    minimum) exceeds the budget."""
+    t0 = time.perf_counter()
+    arr = problem_arrays(problem)
+    state, win = initial_state(arr)
+    positions, notes = block_positions(problem, arr)
+    if positions and highs_installed():
+        rep = solve_positions(arr, _rep_positions(arr, positions), budget_bytes, state, win,
+                              fix_integral=bool(int(os.environ.get("LPFIX", "1"))))
+        if rep is not None:
+            state, win = rep
+            notes.append(f"{len(positions)} representative block(s) solved exactly and replicated")
+        else:
+            notes.append("representative MILP gave no answer; greedy from all-kept")
+    else:
+        notes.append("no block groups" if not positions else "highspy missing: greedy from all-kept")
+    fix_inputs(arr, state, win)
+    cleanup(arr, state, win)
+    state, win, peak = repair(arr, budget_bytes, state, win)
+    if peak > budget_bytes:
+        st2, wn2 = all_demand(arr)
+        st2, wn2, peak2 = repair(arr, budget_bytes, st2, wn2)
+        if peak2 > budget_bytes:
+            raise InfeasibleBudget(budget_bytes, min(peak, peak2, heuristic_bound(problem)),
+                                   problem.reference_peak)
+        state, win = st2, wn2
+        notes.append("repair from all-kept got stuck; restarted from everything on demand")
+    hide(arr, budget_bytes, state, win)
+    refill(arr, budget_bytes, state, win)
+    cleanup(arr, state, win)
+    if positions and highs_installed() and os.environ.get("POLISH"):
+        state, win = polish(arr, budget_bytes, state, win, [r for P in positions for r in P])
+    ev = evaluate_state(arr, state, win)
+    keep, demand, window = arr.to_sets(state, win)
+    solve_s = time.perf_counter() - t0
+    if progress:
+        progress(f"lynx-heu: {ev.exposed_s * 1e3:.3f} ms exposed, peak {ev.peak_bytes} B "
+                 f"in {solve_s * 1e3:.1f} ms ({'; '.join(notes)})")
+    return RematSolution(keep=keep, demand=demand, window=window, exposed_s=ev.exposed_s,
+                         recompute_s=ev.recompute_s, peak_bytes=ev.peak_bytes, solver="heu",
+                         status="heuristic", solve_s=solve_s, notes=tuple(notes))
