@@ -69,9 +69,23 @@ class LynxBackend:
         extra = {}
         if self.config.compiler == "inductor":  # Inductor lowers only its own decomposed aten
             extra["decompositions"] = _compat.inductor_decompositions()
-        return _compat.aot_autograd(fw_compiler=compiler, bw_compiler=compiler,
+        return _compat.aot_autograd(fw_compiler=compiler, bw_compiler=self._bw_compiler,
                                     inference_compiler=compiler,
                                     partition_fn=partition_fn, **extra)(gm, example_inputs)
+
+    def _bw_compiler(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
+        """The backward, reporting its outputs (gradients) to a running memory measurement."""
+        from lynx_compile.memory.measure import record_backward_outputs
+
+        inner = self._compiler(gm, example_inputs)
+
+        def run(args: list) -> Any:
+            out = inner(args)
+            record_backward_outputs(out)
+            return out
+
+        run._boxed_call = True  # type: ignore[attr-defined]
+        return run
 
     def _compiler(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
         if self.plan_only:  # the partition (and so the plan) is done; nothing needs to run

@@ -57,7 +57,8 @@ def run_policy(policy: str | None, base: torch.nn.Module, batches, *, seed: int 
     opts = {"policy": policy, **(options or {})} if policy else None
     runner = torch.compile(model, backend="lynx", options=opts) if policy else model
     losses, times = _train(runner, batches, seed)
-    mem = measure_step(lambda: runner(batches[0]).loss.backward(), repeats=1, warmup=0)
+    mem = measure_step(lambda: runner(batches[0]).loss.backward(), repeats=1, warmup=0,
+                       params=list(model.parameters()))
     plan = lynx_compile.backend(**opts).plans[-1] if policy else None
     return PolicyRun(policy=policy or "eager", losses=tuple(losses),
                      step_s=statistics.median(times[1:] or times), peak_bytes=mem.peak_bytes,

@@ -48,6 +48,7 @@ class LynxOutcome:
     status: str = ""
     exposed_s: float = 0.0
     plan_time_s: float = 0.0
+    solve_s: float = 0.0
     node_unit: dict[str, str] | None = None
     """joint node name → name of the unit it belongs to (the op itself, its views, getitems)."""
 
@@ -89,7 +90,7 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, ref_fw: fx.GraphModule, r
     decisions = fixed or (_CACHE.get(key) if cfg.plan_cache else None)
     source = ("file" if cfg.plan else "no budget") if fixed else ("cache" if decisions else "solver")
     solver = status = ""
-    exposed = 0.0
+    exposed = solve_s = 0.0
     for _ in range(MAX_ROUNDS):
         if decisions is None:
             try:
@@ -98,6 +99,7 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, ref_fw: fx.GraphModule, r
             except InfeasibleBudget as e:
                 raise BudgetError(_infeasible_message(cfg, budget, e, problem)) from e
             decisions, solver, status, exposed = unit_decisions(problem, sol), sol.solver, sol.status, sol.exposed_s
+            solve_s += sol.solve_s
             for note in sol.notes:  # a time-limited MILP is a warning; the rest is information
                 (log.warning if sol.status == "feasible" else log.info)("lynx: %s", note)
                 ctx.record.notes.append(note)
@@ -120,7 +122,7 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, ref_fw: fx.GraphModule, r
     ctx.record.decisions["plan_source"] = source
     return LynxOutcome(fw=fw, bw=bw, mem=mem, problem=problem, decisions=decisions,
                        solver=solver or source, status=status or source, exposed_s=exposed,
-                       plan_time_s=time.perf_counter() - start if source == "solver" else 0.0,
+                       plan_time_s=time.perf_counter() - start if source == "solver" else 0.0, solve_s=solve_s,
                        node_unit={m: u.name for u, names in zip(problem.units, index.nodes) for m in names})
 
 

@@ -187,7 +187,7 @@ def build_plan(policy: str, joint: fx.GraphModule, fw: fx.GraphModule, bw: fx.Gr
         decisions=outcome.decisions if outcome else {}, solver=outcome.solver if outcome else "",
         solver_status=outcome.status if outcome else "",
         exposed_s=outcome.exposed_s if outcome else sum(d.recompute_s for d in recomputed),
-        plan_time_s=outcome.plan_time_s if outcome else 0.0,
+        plan_time_s=outcome.plan_time_s if outcome else 0.0, solve_s=outcome.solve_s if outcome else 0.0,
         block_ops=_block_ops(joint, ctx, outcome) if outcome else {})
 
 

@@ -57,7 +57,9 @@ class RecomputePlan:
     exposed_s: float = 0.0
     """Predicted recompute time on the critical path (demand + window overflow)."""
     plan_time_s: float = 0.0
-    """Time spent extracting and solving (0 when reused from a file or the cache)."""
+    """Time spent extracting, solving and checking (0 when reused from a file or the cache)."""
+    solve_s: float = 0.0
+    """Time inside the solver(s) alone."""
     block_ops: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
     """policy "lynx": per block path, its forward aten ops in order with each op's decision
     ("keep" / "demand" / "window:<w>" / "none"); what ``lynx_compile.sac`` exports."""

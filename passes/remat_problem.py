@@ -108,7 +108,7 @@ def extract_remat_problem(joint: fx.GraphModule, fw_ref: fx.GraphModule, bw_ref:
                     [(u.fw_pos, len(fw_nodes) - 1 if u.first_use is not None else u.fw_last, u.nbytes)
                      for u in units])
     _, live = backward_inputs(fw_ref, bw_ref)
-    bw_mem = simulate_graph(bw_ref, live_inputs=live, input_keys=input_keys)
+    bw_mem = simulate_graph(bw_ref, live_inputs=live, input_keys=input_keys, count_outputs=False)
     bw_base = _base(bw_mem.timeline, [(0, max(uses[op]), u.nbytes) for op, u in zip(kept, units) if uses[op]])
     problem = RematProblem(
         units=tuple(units), num_fw_events=len(fw_nodes), num_bw_events=len(bw_nodes),

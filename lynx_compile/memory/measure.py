@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -24,7 +24,8 @@ class StepMeasurement:
     """What one measured step used."""
 
     peak_bytes: int
-    """Peak bytes allocated during the step above the bytes live when it started."""
+    """Peak bytes allocated during the step above the bytes live when it started (gradients
+    left in ``.grad`` excluded when ``params`` were given)."""
     step_s: float
     """Median wall time of the step (seconds)."""
     step_times_s: tuple[float, ...]
@@ -37,43 +38,81 @@ class StepMeasurement:
     """The plan's predicted saved-activation bytes (when a plan was passed)."""
 
 
+#: While a measurement runs: storage addresses of every tensor a lynx-compiled backward returns
+#: (the gradients, before autograd accumulates or copies them into ``.grad``).
+BACKWARD_OUTPUTS: set[int] | None = None
+
+
+def record_backward_outputs(outputs: Any) -> None:
+    """Called by lynx's compiled backward with what it returns (no-op outside a measurement)."""
+    if BACKWARD_OUTPUTS is not None:
+        BACKWARD_OUTPUTS.update(t.untyped_storage().data_ptr() for t in outputs
+                                if isinstance(t, torch.Tensor))
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def cpu_peak_bytes(fn: Callable[[], Any]) -> int:
-    """Peak of live CPU-allocator bytes while ``fn`` runs, relative to its start."""
+def _allocation_events(prof) -> list[tuple[int, int, int]]:
+    """(time ns, address, signed bytes) of every CPU-allocator event, in time order."""
+    from torch._C._profiler import _EventType
+
+    out: list[tuple[int, int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == "cpu":
+            out.append((node.start_time_ns, node.typed[1].ptr, node.typed[1].alloc_size))
+        stack.extend(node.children)
+    return sorted(out)
+
+
+def cpu_peak_bytes(fn: Callable[[], Any], exclude: Callable[[], set[int]] | None = None) -> int:
+    """Peak of live CPU-allocator bytes while ``fn`` runs, relative to its start.
+
+    ``exclude()`` (called after ``fn``) gives addresses whose *last* allocation in the window is
+    left out: the gradients the step leaves in ``.grad``."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
         fn()
-    # Only CPU-allocator events: on a CUDA build the same trace also holds device allocations.
-    events = [e for e in prof.profiler.kineto_results.events()
-              if e.name() == "[memory]" and int(e.device_type()) == 0]
+    events = _allocation_events(prof)
+    skip: set[int] = set()
+    if exclude is not None:
+        last = {ptr: i for i, (_, ptr, size) in enumerate(events) if size > 0}
+        skip = {last[p] for p in exclude() if p in last}
     live = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        live += e.nbytes()
-        peak = max(peak, live)
+    for i, (_, _, size) in enumerate(events):
+        if i not in skip:
+            live += size
+            peak = max(peak, live)
     return peak
 
 
-def cuda_peak_bytes(fn: Callable[[], Any], device: torch.device) -> int:
+def cuda_peak_bytes(fn: Callable[[], Any], device: torch.device, grad_bytes: Callable[[], int] | None = None) -> int:
+    """Caching-allocator peak above the start; minus the gradients the step created when
+    ``grad_bytes`` is given (exact when the peak is at the end of the backward, where the
+    compiled backward returns all gradients together; an underestimate otherwise)."""
     _sync(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     fn()
     _sync(device)
-    return torch.cuda.max_memory_allocated(device) - before
+    return torch.cuda.max_memory_allocated(device) - before - (grad_bytes() if grad_bytes else 0)
 
 
 def measure_step(step_fn: Callable[[], Any], *, device: str | torch.device = "cpu",
-                 repeats: int = 3, warmup: int = 1, plan: Any = None) -> StepMeasurement:
+                 repeats: int = 3, warmup: int = 1, plan: Any = None,
+                 params: Iterable[torch.Tensor] | None = None) -> StepMeasurement:
     """Run ``step_fn`` (a forward + backward) ``warmup`` times, then time it ``repeats`` times
     and measure its peak memory once more.
 
-    Call it with gradients already allocated (``zero_grad(set_to_none=False)``), so that the
-    peak reflects activations and transient gradients, not first-step ``.grad`` creation."""
+    ``params``: the model's parameters. Their ``.grad`` is set to None before the measured run
+    and the gradients the step leaves there are not counted, so the peak is activation memory
+    as lynx defines it (beyond parameters, gradients and optimizer state). Without ``params``
+    everything the step allocates counts."""
     device = torch.device(device)
     for _ in range(warmup):
         step_fn()
@@ -84,10 +123,23 @@ def measure_step(step_fn: Callable[[], Any], *, device: str | torch.device = "cp
         step_fn()
         _sync(device)
         times.append(time.perf_counter() - start)
-    if device.type == "cuda":
-        peak, method = cuda_peak_bytes(step_fn, device), "cuda-allocator"
-    else:
-        peak, method = cpu_peak_bytes(step_fn), "cpu-profiler-memory-events"
+    global BACKWARD_OUTPUTS
+    params = [p for p in params] if params is not None else []
+    for p in params:
+        p.grad = None
+    grads = lambda: [p.grad for p in params if p.grad is not None]  # noqa: E731
+    BACKWARD_OUTPUTS = set()
+    try:
+        if device.type == "cuda":
+            grad_bytes = (lambda: sum(g.untyped_storage().nbytes() for g in grads())) if params else None
+            peak, method = cuda_peak_bytes(step_fn, device, grad_bytes), "cuda-allocator"
+        else:
+            # A lynx backward reports what it returned; an eager backward leaves it in .grad.
+            exclude = (lambda: BACKWARD_OUTPUTS | {g.untyped_storage().data_ptr() for g in grads()}) \
+                if params else None
+            peak, method = cpu_peak_bytes(step_fn, exclude), "cpu-profiler-memory-events"
+    finally:
+        BACKWARD_OUTPUTS = None
     return StepMeasurement(peak_bytes=peak, step_s=statistics.median(times),
                            step_times_s=tuple(times), device=str(device), method=method,
                            predicted_peak_bytes=plan.peak_bytes if plan is not None else None,

@@ -5,7 +5,8 @@ boxed calling convention): a node's output is allocated when it runs; a view or 
 output shares its base's storage; a storage is freed right after the last node that reads any
 alias of it, unless it is a graph output. Forward outputs that the backward reads (saved
 tensors) stay live from the end of the forward until their last use in the backward.
-Parameters and inputs (forward placeholders) are the baseline and not counted.
+Parameters and inputs (forward placeholders) are the baseline and not counted, and neither are
+the gradients the backward returns (they become ``.grad``: gradient memory).
 
 Not modelled: workspace an op allocates internally and frees before returning (matmul packing,
 softmax temporaries). That is what keeps prediction and measurement apart by a few percent.
@@ -65,8 +66,25 @@ class GraphMemory:
     timeline: list[tuple[str, int]] = field(default_factory=list)
 
 
+def _value(node: fx.Node):
+    """``meta["val"]``; for an op inserted without one whose users are all getitems (torch's
+    ``run_and_save_rng_state`` in the forward), the tuple its getitems take."""
+    if "val" in node.meta or not node.users or any(u.target is not operator.getitem for u in node.users):
+        return node.meta.get("val")
+    taken = {u.args[1]: u.meta.get("val") for u in node.users}
+    return tuple(taken.get(i) for i in range(max(taken) + 1))
+
+
 def _is_multi_output(node: fx.Node) -> bool:
-    return isinstance(node.meta.get("val"), (tuple, list)) and aliased_input(node) is None
+    return isinstance(_value(node), (tuple, list)) and aliased_input(node) is None
+
+
+def _tuple_prefix(node: fx.Node) -> str:
+    """Key prefix of a tuple value: the op's name, or ``<prefix>[i]`` for a nested tuple taken
+    by a getitem (``run_and_save_rng_state`` returns ``(state, (out, mask))``)."""
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and _is_multi_output(node.args[0]):
+        return f"{_tuple_prefix(node.args[0])}[{node.args[1]}]"
+    return node.name
 
 
 def storage_keys(gm: fx.GraphModule, inputs: dict[str, str]) -> dict[fx.Node, str]:
@@ -79,31 +97,41 @@ def storage_keys(gm: fx.GraphModule, inputs: dict[str, str]) -> dict[fx.Node, st
             continue
         if node.target is operator.getitem and isinstance(node.args[0], fx.Node) \
                 and _is_multi_output(node.args[0]):
-            keys[node] = f"{node.args[0].name}[{node.args[1]}]"
+            keys[node] = _tuple_prefix(node)
             continue
         base = aliased_input(node)
         keys[node] = keys[base] if base is not None else node.name
     return keys
 
 
+def _leaves(prefix: str, val) -> list[tuple[str, int]]:
+    if isinstance(val, (tuple, list)):
+        return [leaf for i, v in enumerate(val) for leaf in _leaves(f"{prefix}[{i}]", v)]
+    size = _nbytes(val)
+    return [(prefix, size)] if size else []
+
+
 def allocations(node: fx.Node) -> list[tuple[str, int]]:
     """(storage key, bytes) of what ``node`` allocates when it runs: nothing for views,
-    placeholders and getitems; one storage per tensor output of a multi-output op."""
+    placeholders and getitems; one storage per tensor output of a multi-output op (nested
+    tuples flattened)."""
     if node.op != "call_function" or aliased_input(node) is not None or node.target is operator.getitem:
         return []
-    val = node.meta.get("val")
+    val = _value(node)
     if isinstance(val, (tuple, list)):
-        return [(f"{node.name}[{i}]", _nbytes(v)) for i, v in enumerate(val) if _nbytes(v)]
+        return _leaves(node.name, val)
     return [(node.name, _nbytes(val))]
 
 
 def simulate_graph(gm: fx.GraphModule, *, live_inputs: dict[str, int], input_keys: dict[str, str],
-                   keep_outputs: bool = True) -> GraphMemory:
+                   keep_outputs: bool = True, count_outputs: bool = True) -> GraphMemory:
     """Walk ``gm`` and track live bytes.
 
     ``live_inputs``: storage key → bytes of inputs already counted as live (freed at their last
     use). ``input_keys``: placeholder name → storage key (several placeholders may share one).
-    Placeholders not in ``input_keys``/``live_inputs`` are baseline (not counted)."""
+    Placeholders not in ``input_keys``/``live_inputs`` are baseline (not counted).
+    ``count_outputs=False``: storages the graph returns are not counted (the backward's
+    gradients, which become ``.grad``: gradient memory, not activation memory)."""
     keys = storage_keys(gm, input_keys)
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
@@ -126,8 +154,11 @@ def simulate_graph(gm: fx.GraphModule, *, live_inputs: dict[str, int], input_key
     for key, i in last_use.items():
         if key not in pinned:
             frees.setdefault(i, []).append(key)
+    uncounted = set() if count_outputs else pinned
     for i, node in enumerate(nodes):
         for key, size in allocations(node):
+            if key in uncounted:
+                continue
             live[key] = size
             total += size
         if total > mem.peak_bytes:
@@ -176,7 +207,7 @@ def simulate_step(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule) -> StepMemory:
     fw_mem = simulate_graph(fw_gm, live_inputs={}, input_keys={})
     input_keys, live_inputs = backward_inputs(fw_gm, bw_gm)
     saved = sum(v for k, v in live_inputs.items() if not k.startswith("bw:tangents"))
-    bw_mem = simulate_graph(bw_gm, live_inputs=live_inputs, input_keys=input_keys)
+    bw_mem = simulate_graph(bw_gm, live_inputs=live_inputs, input_keys=input_keys, count_outputs=False)
     peak = max(fw_mem.peak_bytes, bw_mem.peak_bytes)
     at = f"forward:{fw_mem.peak_node}" if fw_mem.peak_bytes >= bw_mem.peak_bytes else f"backward:{bw_mem.peak_node}"
     return StepMemory(saved_bytes=saved, forward_peak_bytes=fw_mem.peak_bytes,

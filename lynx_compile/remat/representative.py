@@ -25,7 +25,7 @@ import numpy as np
 
 from .evaluate import DEMAND, KEEP, NONE, WINDOW, ProblemArrays
 
-RANKS = 2            # window ranks per position (the latest eligible windows)
+RANKS = int(__import__("os").environ.get("RANKS", "2"))            # window ranks per position (the latest eligible windows)
 TIE_BREAK = float(__import__("os").environ.get("TB", "1e-6"))     # as in milp.py: prefer fewer kept bytes among equal-time plans
 PENALTY = float(__import__("os").environ.get("PEN", "1e6"))        # objective per budget-worth of slack bytes (the objective is O(1) without)
 GAP = 1e-2           # relative MIP gap: the repair and polish steps that follow refine it
