@@ -40,7 +40,7 @@ from typing import Any, Callable
 import torch
 
 GIB = 2**30
-_DEPENDENCIES = {"pulp": "pip install pulp", "pwlf": "pip install pwlf"}
+_DEPENDENCIES = ("pulp", "pwlf")
 
 
 def _require_dependencies() -> None:
@@ -245,14 +245,28 @@ def collect_graph(
     return ilp_utils.parse_module_info(mod_info), runtime_mode
 
 
-def plan_from_graph(graph: Any, budget_fraction: float, ac_units: list[str]) -> dict:
-    """Solve ``sac_milp`` on a copy of ``graph`` at ``budget_fraction`` of its no-AC peak."""
+def plan_from_graph(
+    graph: Any, budget_fraction: float, ac_units: list[str], budget_basis: str = "total"
+) -> dict:
+    """Solve ``sac_milp`` on a copy of ``graph`` at ``budget_fraction`` of its no-AC peak.
+
+    ``budget_basis="total"``: budget = fraction * baseline peak (params + grads + activations).
+    ``"activations"``: budget = params + fraction * (baseline peak - params), i.e. the fraction
+    applies to what sits above the parameters at the peak (activations, activation grads and
+    any grads accumulated there), closer to lynx's "fraction of peak activation memory".
+    """
     from torch.distributed._tools.ilp_utils import get_peak_memory_runtime_baseline
     from torch.distributed._tools.sac_ilp import sac_milp
 
     graph = copy.deepcopy(graph)  # sac_milp edits node stats in place
     baseline_peak, compute_ms = get_peak_memory_runtime_baseline(graph)
-    budget_bytes = budget_fraction * baseline_peak
+    params = graph.nodes[0]["param_per_module"]
+    if budget_basis == "total":
+        budget_bytes = budget_fraction * baseline_peak
+    elif budget_basis == "activations":
+        budget_bytes = params + budget_fraction * (baseline_peak - params)
+    else:
+        raise ValueError(f"budget_basis must be 'total' or 'activations', got {budget_basis!r}")
     t0 = time.perf_counter()
     discard, recompute_ms, peak_bound = sac_milp(
         graph, memory_budget=budget_bytes / GIB, world_size=1, ac_units=ac_units
@@ -306,6 +320,7 @@ def plan_with_sac_ilp(
     ac_units: list[str] | None = None,
     runtime_mode: str = "auto",
     profile: Any = "cpu",
+    budget_basis: str = "total",
 ) -> dict:
     """Plan SAC for ``model`` with PyTorch's ``sac_milp`` at ``budget_fraction`` of the no-AC peak.
 
@@ -316,7 +331,8 @@ def plan_with_sac_ilp(
     on the same graph (same terms, no AC), so the budget given to the solver is
     ``memory_budget = budget_fraction * baseline_peak_bytes / 2**30`` GiB, *including* params
     and grads. (lynx's "peak activation memory" excludes what was live before the step:
-    params, grads, optimizer state, inputs.)
+    params, grads, optimizer state, inputs; ``budget_basis="activations"`` applies the fraction
+    to the part above the parameters instead, see :func:`plan_from_graph`.)
 
     Returns a dict:
 
@@ -366,7 +382,7 @@ def plan_with_sac_ilp(
         result["status"] = f"ac_units not in the module graph: {sorted(set(units) - known)}"
         return result
     try:
-        result.update(plan_from_graph(graph, budget_fraction, units))
+        result.update(plan_from_graph(graph, budget_fraction, units, budget_basis))
     except Exception as e:  # noqa: BLE001
         result["status"] = f"sac_milp failed: {type(e).__name__}: {e}"
     return result
