@@ -101,8 +101,9 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, ref_fw: fx.GraphModule, r
             decisions, solver, status, exposed = unit_decisions(problem, sol), sol.solver, sol.status, sol.exposed_s
             solve_s += sol.solve_s
             for note in sol.notes:  # a time-limited MILP is a warning; the rest is information
-                (log.warning if sol.status == "feasible" else log.info)("lynx: %s", note)
-                ctx.record.notes.append(note)
+                if note not in ctx.record.notes:
+                    (log.warning if sol.status == "feasible" else log.info)("lynx: %s", note)
+                    ctx.record.notes.append(note)
         clear_tags(joint)
         apply_remat_decisions(joint, problem, index, decisions)
         fw, bw = partition(joint)
