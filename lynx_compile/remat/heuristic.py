@@ -116,7 +116,7 @@ def repair(arr: ProblemArrays, budget: int, state: np.ndarray, win: np.ndarray):
 
 def hide(arr: ProblemArrays, budget: int, state: np.ndarray, win: np.ndarray, tries: int = 4) -> None:
     """In place: demanded units (largest c first) into one of their ``tries`` latest eligible
-    windows with capacity left for kappa*c, inputs kept or in windows no later, memory fitting."""
+    windows that still has capacity, inputs kept or in windows no later, memory fitting."""
     if not arr.W:
         return
     _, bw = arr.profile(state, win)
@@ -128,7 +128,9 @@ def hide(arr: ProblemArrays, budget: int, state: np.ndarray, win: np.ndarray, tr
             continue
         for w in arr.eligible[i][:tries]:
             s, e = int(arr.win_start[w]), int(arr.ns[i])
-            if load > left[w] or (e > s and bw[s:e].max() + arr.m[i] > budget):
+            # a window with any capacity left is worth entering: the part that overflows is
+            # exposed exactly as on demand, the rest is hidden
+            if left[w] <= 0 or (e > s and bw[s:e].max() + arr.m[i] > budget):
                 continue
             if all(state[b] == KEEP or (state[b] == WINDOW and win[b] <= w) for b in ins):
                 state[i], win[i] = WINDOW, w
