@@ -91,6 +91,7 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, ref_fw: fx.GraphModule, r
     source = ("file" if cfg.plan else "no budget") if fixed else ("cache" if decisions else "solver")
     solver = status = ""
     exposed = solve_s = 0.0
+    model_peak = target
     for _ in range(MAX_ROUNDS):
         if decisions is None:
             try:
@@ -100,6 +101,7 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, ref_fw: fx.GraphModule, r
                 raise BudgetError(_infeasible_message(cfg, budget, e, problem)) from e
             decisions, solver, status, exposed = unit_decisions(problem, sol), sol.solver, sol.status, sol.exposed_s
             solve_s += sol.solve_s
+            model_peak = sol.peak_bytes
             for note in sol.notes:  # a time-limited MILP is a warning; the rest is information
                 if note not in ctx.record.notes:
                     (log.warning if sol.status == "feasible" else log.info)("lynx: %s", note)
@@ -112,7 +114,8 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, ref_fw: fx.GraphModule, r
             break
         log.info("lynx: plan peaks at %d B > budget %d B; re-solving with %d B less",
                  mem.peak_bytes, budget, mem.peak_bytes - budget)
-        target -= max(mem.peak_bytes - budget, budget // 200)
+        # below the model peak of the plan that overshot, or the solver returns it again
+        target = min(target, model_peak) - max(mem.peak_bytes - budget, budget // 200)
         decisions, source = None, "solver"
     else:
         raise BudgetError(f"memory_budget={cfg.memory_budget!r} ({budget} B): after {MAX_ROUNDS} "

@@ -115,44 +115,60 @@ def repair(arr: ProblemArrays, budget: int, state: np.ndarray, win: np.ndarray):
 
 
 def hide(arr: ProblemArrays, budget: int, state: np.ndarray, win: np.ndarray, tries: int = 4) -> None:
-    """In place: demanded units (largest c first) into one of their ``tries`` latest eligible
-    windows that still has capacity, inputs kept or in windows no later, memory fitting."""
+    """In place, into one of each unit's ``tries`` latest eligible windows with capacity left
+    for kappa*c and its inputs kept or in windows no later: first demanded units (largest c
+    first) where memory allows, then kept units (largest bytes first; a window recompute is
+    live over a sub-interval of a keep, so memory only drops)."""
     if not arr.W:
         return
     _, bw = arr.profile(state, win)
     left = arr.win_tau - arr.window_load(state, win)
-    dem = np.flatnonzero(state == DEMAND)
-    for i in dem[np.lexsort((arr.ids[dem], -arr.c[dem]))]:
-        load, ins = arr.kappa * arr.c[i], arr.inputs[i]
-        if any(state[c] == WINDOW for c in arr.consumers[i]):
-            continue
-        for w in arr.eligible[i][:tries]:
-            s, e = int(arr.win_start[w]), int(arr.ns[i])
-            # a window with any capacity left is worth entering: the part that overflows is
-            # exposed exactly as on demand, the rest is hidden
-            if left[w] <= 0 or (e > s and bw[s:e].max() + arr.m[i] > budget):
-                continue
-            if all(state[b] == KEEP or (state[b] == WINDOW and win[b] <= w) for b in ins):
-                state[i], win[i] = WINDOW, w
-                left[w] -= load
-                bw[s:e] += arr.m[i]
-                break
+    for kind in (DEMAND, KEEP):
+        units = np.flatnonzero((state == kind) & ~arr.must)
+        key = -arr.c[units] if kind == DEMAND else -arr.m[units].astype(np.float64)
+        for i in units[np.lexsort((arr.ids[units], key))]:
+            load, ins = arr.kappa * arr.c[i], arr.inputs[i]
+            if any(state[c] == WINDOW for c in arr.consumers[i]):
+                continue                           # they rely on its current state
+            for w in arr.eligible[i][:tries]:
+                s, e = int(arr.win_start[w]), int(arr.ns[i])
+                # a demanded unit gains from any capacity left (what overflows is exposed just
+                # as on demand); a kept unit moves only where it fits whole (else it adds time)
+                full = load > left[w] if kind == KEEP else left[w] <= 0
+                if full or (kind == DEMAND and e > s and bw[s:e].max() + arr.m[i] > budget):
+                    continue
+                if all(state[b] == KEEP or (state[b] == WINDOW and win[b] <= w) for b in ins):
+                    if kind == DEMAND:
+                        bw[s:e] += arr.m[i]
+                    state[i], win[i] = WINDOW, w
+                    left[w] -= load
+                    break
 
 
 def refill(arr: ProblemArrays, budget: int, state: np.ndarray, win: np.ndarray) -> None:
-    """In place: demanded units back to keep (most seconds per byte first) while they fit."""
+    """In place: demanded units back to keep (most seconds per byte first) while the peak stays
+    within the budget. A switch that only fits once the inputs it no longer needs are dropped
+    is checked on the exact profile."""
     fw, bw = arr.profile(state, win)
     dem = np.flatnonzero(state == DEMAND)
     dens = arr.c[dem] / np.maximum(arr.m[dem], 1)
     for i in dem[np.lexsort((arr.ids[dem], -dens))]:
-        m, e, f = int(arr.m[i]), int(arr.ns[i]), int(arr.fw_last[i]) + 1
-        if (e and bw[:e].max() + m > budget) or (f < arr.F and fw[f:].max() + m > budget):
-            continue
-        if any(state[c] == WINDOW for c in arr.consumers[i]):
+        if state[i] != DEMAND or any(state[c] == WINDOW for c in arr.consumers[i]):
             continue                               # keeping is fine for them too, but stay simple
-        state[i] = KEEP
-        bw[:e] += m
-        fw[f:] += m
+        m, e, f = int(arr.m[i]), int(arr.ns[i]), int(arr.fw_last[i]) + 1
+        if not ((e and bw[:e].max() + m > budget) or (f < arr.F and fw[f:].max() + m > budget)):
+            state[i] = KEEP
+            bw[:e] += m
+            fw[f:] += m
+            continue
+        if not any(state[b] == DEMAND and not arr.needed[b] for b in arr.inputs[i]):
+            continue                               # nothing to free: it does not fit
+        st, wn = state.copy(), win.copy()
+        st[i] = KEEP
+        cleanup(arr, st, wn)
+        f2, b2 = arr.profile(st, wn)
+        if max(f2.max(initial=0), b2.max(initial=0)) <= budget:
+            state[:], win[:], fw, bw = st, wn, f2, b2
 
 
 def all_demand(arr: ProblemArrays) -> tuple[np.ndarray, np.ndarray]:
@@ -215,6 +231,17 @@ def polish(arr: ProblemArrays, budget: int, state, win, blocks: list[np.ndarray]
     return state, win
 
 
+def _polish_sets(arr: ProblemArrays, groups: list[np.ndarray]) -> list[np.ndarray]:
+    """The blocks replication fits worst, in backward order: each group's first two and last
+    block of the backward (their memory context and windows differ most from the interior)."""
+    out = []
+    for P in groups:
+        order = np.argsort(-arr.fw_pos[P].mean(axis=1), kind="stable")   # backward runs last block first
+        picks = list(dict.fromkeys([int(order[0]), int(order[min(1, len(order) - 1)]), int(order[-1])]))
+        out += [P[k] for k in picks]
+    return out
+
+
 def solve_heu(problem: RematProblem, budget_bytes: int, *, progress: Callable[[str], None] | None = None,
               **_) -> RematSolution:
     """Lynx-HEU (see the module docstring); same signature as ``solve_milp`` (extra keywords
@@ -247,10 +274,15 @@ def solve_heu(problem: RematProblem, budget_bytes: int, *, progress: Callable[[s
         state, win = st2, wn2
         notes.append("repair from all-kept got stuck; restarted from everything on demand")
     hide(arr, budget_bytes, state, win)
-    refill(arr, budget_bytes, state, win)
     cleanup(arr, state, win)
-    if positions and highs_installed() and os.environ.get("POLISH"):
-        state, win = polish(arr, budget_bytes, state, win, [r for P in positions for r in P])
+    for _ in range(5):                             # a refill can free inputs: refill again
+        before = state.copy()
+        refill(arr, budget_bytes, state, win)
+        cleanup(arr, state, win)
+        if np.array_equal(before, state):
+            break
+    if positions and highs_installed() and os.environ.get("POLISH", "1") == "1":
+        state, win = polish(arr, budget_bytes, state, win, _polish_sets(arr, positions))
     ev = evaluate_state(arr, state, win)
     keep, demand, window = arr.to_sets(state, win)
     solve_s = time.perf_counter() - t0

@@ -28,6 +28,8 @@ from .evaluate import DEMAND, KEEP, NONE, WINDOW, ProblemArrays
 RANKS = int(__import__("os").environ.get("RANKS", "2"))            # window ranks per position (the latest eligible windows)
 TIE_BREAK = float(__import__("os").environ.get("TB", "1e-6"))     # as in milp.py: prefer fewer kept bytes among equal-time plans
 PENALTY = float(__import__("os").environ.get("PEN", "1e6"))        # objective per budget-worth of slack bytes (the objective is O(1) without)
+NOSLACK = bool(__import__("os").environ.get("NOSLACK"))
+MAX_NODES = 20       # deterministic effort cap: past the root, B&B mostly just proves the bound
 GAP = 1e-2           # relative MIP gap: the repair and polish steps that follow refine it
 
 
@@ -197,6 +199,8 @@ def solve_positions(arr: ProblemArrays, positions: list[np.ndarray], budget: int
     h.setOptionValue("output_flag", bool(__import__("os").environ.get("REPLOG")))
     h.setOptionValue("time_limit", float(time_limit_s))
     h.setOptionValue("mip_rel_gap", GAP)
+    h.setOptionValue("mip_allow_restart", False)
+    h.setOptionValue("mip_max_nodes", MAX_NODES)
     for k, v in __import__("json").loads(__import__("os").environ.get("HOPTS", "{}")).items():
         h.setOptionValue(k, v)
     nw = len(weights)
@@ -213,14 +217,14 @@ def solve_positions(arr: ProblemArrays, positions: list[np.ndarray], budget: int
         rows = []
         for t in events:
             nz = np.flatnonzero(A[t])
-            rows.append((nz.tolist() + [ncol - 1], A[t, nz].tolist() + [-budget / scale], -np.inf, float(rhs[t])))
+            rows.append((nz.tolist() + ([ncol - 1] if not NOSLACK else []), A[t, nz].tolist() + ([-budget / scale] if not NOSLACK else []), -np.inf, float(rhs[t])))
             added.add(int(t))
         _add_rows(h, rows)
 
     def cut_loop(integral):
         for _ in range(30):
             h.run()
-            if h.getModelStatus() not in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kTimeLimit):
+            if h.getInfo().primal_solution_status != 2:
                 return None
             sol = np.asarray(h.getSolution().col_value)
             if sol.size != ncol:

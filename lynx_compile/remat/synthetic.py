@@ -18,7 +18,8 @@ time = bytes moved / 2 TB/s; each template position gets a seeded ±25% jitter s
 block, so the blocks stay identical (``block_groups`` = one group). ``units_per_block`` other
 than 12 truncates the template, or repeats it as sub-layers (each repetition's residual input
 is the previous repetition's output). Each block's backward has ``n_windows_per_block``
-collectives (same offsets and durations in every block), a few events long.
+collectives (same offsets and durations in every block), a few events long, and when there
+are any, the head's gradient collective opens the backward.
 """
 from __future__ import annotations
 
@@ -120,11 +121,13 @@ def _assemble(recs, n_blocks, upb, n_win, rng, kappa, hidden) -> RematProblem:
         i = n - 1 - ev
         done = sum(1 for j in range(n_blocks) if i <= 1 + j * upb)   # blocks whose grads exist
         bw_base.append(int(n_blocks * param + done * param + grad_t + rng.integers(0, 2**20)))
-    windows = []
+    windows: list[Window] = []
     block_s = sum(units[1 + k].compute_s for k in range(upb))
     offs = sorted(rng.choice(max(upb - 3, 1), size=min(n_win, max(upb - 3, 1)), replace=False))
     lens = rng.integers(2, 4, len(offs))
     durs = rng.uniform(0.02, 0.08, len(offs)) * block_s
+    if n_win and n > 4:                                 # the LM head's grads are reduced first
+        windows.append(Window(id=0, start=1, end=3, duration_s=float(durs.mean()), kind="reduce_scatter"))
     for j in reversed(range(n_blocks)):                 # backward order: last block first
         bw_first = n - 1 - (1 + j * upb + upb - 1)       # bw event of the block's last unit
         for o, ln, d in zip(offs, lens, durs):
