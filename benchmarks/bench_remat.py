@@ -110,7 +110,7 @@ def search_table(layers: int = 48, seq: int = 512) -> list[dict]:
 
     from lynx_compile.models import build_model, example_batch
     from lynx_compile.planning import plan_model
-    from lynx_compile.remat import solve_remat  # noqa: F401 - imported here so its load is not timed
+    from lynx_compile.remat.solve import solve_remat
     import lynx_compile.optimize as opt
 
     model = build_model("gpt-1.3b", device="meta", n_layers=layers, seq_len=seq)
@@ -152,6 +152,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--skip-search", action="store_true")
+    ap.add_argument("--search-only", action="store_true")
     ap.add_argument("--one", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -165,12 +166,13 @@ def main() -> None:
             f"{env['python']}, torch {env['torch']}. Command: `python benchmarks/bench_remat.py "
             f"{' '.join(sys.argv[1:])}`\n\n")
     os.makedirs(RESULTS, exist_ok=True)
-    rows = [row for preset in args.models for row in bench_model(preset, args.budgets, args.batch, args.steps)]
-    with open(os.path.join(RESULTS, "remat.csv"), "w") as f:
-        f.write(csv_text(rows))
-    with open(os.path.join(RESULTS, "remat.md"), "w") as f:
-        f.write("# Recompute planners on CPU\n\n" + head + markdown_table(rows) + "\n")
-    print(markdown_table(rows))
+    if not args.search_only:
+        rows = [row for preset in args.models for row in bench_model(preset, args.budgets, args.batch, args.steps)]
+        with open(os.path.join(RESULTS, "remat.csv"), "w") as f:
+            f.write(csv_text(rows))
+        with open(os.path.join(RESULTS, "remat.md"), "w") as f:
+            f.write("# Recompute planners on CPU\n\n" + head + markdown_table(rows) + "\n")
+        print(markdown_table(rows))
     if not args.skip_search:
         search = search_table()
         with open(os.path.join(RESULTS, "remat_search.csv"), "w") as f:
