@@ -1,4 +1,32 @@
-"""The recompute optimizer (issue B): problem, solvers (Lynx-OPT MILP, Lynx-HEU), evaluation."""
+"""The recompute optimizer (issue B): problem, solvers (Lynx-OPT MILP, Lynx-HEU), evaluation.
+
+    solve_remat(problem, budget, solver="auto"|"highs"|"glpk"|"heu") -> RematSolution
+    solve_milp / solve_heu (same signature), evaluate(problem, solution) -> Evaluation,
+    smallest_peak(problem), available_solvers(), pick_solver("auto"), synthetic_problem(...)
+
+Only the plain-data classes load eagerly; the solvers (Pyomo, ~0.3 s to import) load on first
+use of their names.
+"""
+from importlib import import_module
+from typing import Any
+
 from .problem import InfeasibleBudget, RematProblem, RematSolution, Unit, Window
 
-__all__ = ["InfeasibleBudget", "RematProblem", "RematSolution", "Unit", "Window"]
+_LAZY = {
+    "Evaluation": "evaluate", "evaluate": "evaluate",
+    "solve_milp": "milp", "smallest_peak": "milp", "build_model": "milp",
+    "available_solvers": "milp_solvers", "pick_solver": "milp_solvers", "SolverChoice": "milp_solvers",
+    "solve_heu": "heuristic", "heuristic_bound": "heuristic",
+    "solve_remat": "solve",
+    "synthetic_problem": "synthetic",
+}
+
+__all__ = ["InfeasibleBudget", "RematProblem", "RematSolution", "Unit", "Window", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,24 +1,32 @@
-"""Lynx-HEU: representative blocks solved exactly, replicated, then repaired on the exact model.
+"""Lynx-HEU: one representative block per group of identical blocks, solved as a small MILP
+under the whole timeline's memory (the other blocks replicate its decisions, so their kept
+bytes are in every row), replicated by position, then repaired on the exact model.
 
-Steps (each a function below; all on the (state, win) arrays of ``evaluate.ProblemArrays``):
+Same signature as ``milp.solve_milp``. Steps (each a function below; all on the (state, win)
+arrays of ``evaluate.ProblemArrays``):
 
-1. ``initial_state``: everything kept (intermediates nothing reads: none); units outside blocks
-   stay like this unless the repair moves them.
-2. ``representative.solve_representatives``: one MILP over the positions of every group of
-   identical blocks (needs highspy; without it, or without ``block_groups``, HEU starts from
-   step 1 and the greedy steps do all the work), replicated onto each block by position.
+1. ``initial_state``: everything kept (intermediates nothing reads: none).
+2. ``representative.solve_positions``: one MILP over the positions of every group (the k-th
+   unit of each block) plus the units outside groups, via highspy, root node only at a 1 % gap
+   (that is what keeps a 48-block problem near 0.1 s). Without highspy or ``block_groups``, HEU
+   starts from step 1 and the greedy steps below do all the work.
 3. ``fix_inputs`` / ``cleanup``: make recomputes' inputs available, drop unread intermediates.
 4. ``repair``: while the peak exceeds the budget, switch the candidate with the best
    (bytes freed at the peak event) / (added exposed seconds) from keep (or window) to demand,
-   with the input closure; ties by unit id.
+   with the input closure; ties by unit id. Stuck: restart from everything on demand; still
+   over: ``InfeasibleBudget`` naming the lowest peak HEU reached (HEU's bound, not the exact
+   minimum, which ``milp.smallest_peak`` computes).
 5. ``hide``: move demanded recomputes into windows with spare capacity where memory allows.
 6. ``refill``: with slack left, switch demanded units back to keep, most seconds saved per byte
    first, while the peak stays within the budget.
-Deterministic: no randomness, ties broken by unit id.
+7. ``polish``: in groups of at most 8 blocks, re-solve the boundary blocks of the backward
+   (first, last, second, second-to-last) one at a time with everything else fixed, one small
+   MILP each: their memory context and windows differ most from the interior, so replication
+   fits them worst. Deep stacks skip it (the interior dominates).
+Deterministic: no randomness, ties broken by unit id, MILPs capped by node counts.
 """
 from __future__ import annotations
 
-import os
 import time
 from typing import Callable
 
@@ -29,7 +37,8 @@ from .milp_solvers import highs_installed
 from .problem import InfeasibleBudget, RematProblem, RematSolution
 from .representative import solve_positions
 
-TOP_K = 6   # candidates whose switch is scored exactly (closure included) per repair step
+TOP_K = 6              # candidates whose switch is scored exactly (closure included) per repair step
+POLISH_MAX_BLOCKS = 8  # groups up to this many blocks get their boundary blocks re-solved
 
 
 def initial_state(arr: ProblemArrays) -> tuple[np.ndarray, np.ndarray]:
@@ -115,10 +124,11 @@ def repair(arr: ProblemArrays, budget: int, state: np.ndarray, win: np.ndarray):
 
 
 def hide(arr: ProblemArrays, budget: int, state: np.ndarray, win: np.ndarray, tries: int = 4) -> None:
-    """In place, into one of each unit's ``tries`` latest eligible windows with capacity left
-    for kappa*c and its inputs kept or in windows no later: first demanded units (largest c
-    first) where memory allows, then kept units (largest bytes first; a window recompute is
-    live over a sub-interval of a keep, so memory only drops)."""
+    """In place, into one of each unit's ``tries`` latest eligible windows whose inputs are kept
+    or in windows no later: first demanded units (largest c first) where memory allows and the
+    window's spare capacity beats (kappa - 1)·c (then the exposed time drops even if part
+    overflows), then kept units (largest bytes first) where kappa·c fits whole (a window
+    recompute is live over a sub-interval of a keep, so memory only drops)."""
     if not arr.W:
         return
     _, bw = arr.profile(state, win)
@@ -132,9 +142,11 @@ def hide(arr: ProblemArrays, budget: int, state: np.ndarray, win: np.ndarray, tr
                 continue                           # they rely on its current state
             for w in arr.eligible[i][:tries]:
                 s, e = int(arr.win_start[w]), int(arr.ns[i])
-                # a demanded unit gains from any capacity left (what overflows is exposed just
-                # as on demand); a kept unit moves only where it fits whole (else it adds time)
-                full = load > left[w] if kind == KEEP else left[w] <= 0
+                # a demanded unit gains from any capacity left beyond (kappa - 1) * c (what
+                # overflows is exposed, kappa times slower than on demand); a kept unit moves
+                # only where it fits whole (else it adds time)
+                overflow = load - max(float(left[w]), 0.0)
+                full = load > left[w] if kind == KEEP else overflow >= arr.c[i]
                 if full or (kind == DEMAND and e > s and bw[s:e].max() + arr.m[i] > budget):
                     continue
                 if all(state[b] == KEEP or (state[b] == WINDOW and win[b] <= w) for b in ins):
@@ -181,8 +193,11 @@ def all_demand(arr: ProblemArrays) -> tuple[np.ndarray, np.ndarray]:
 
 
 def heuristic_bound(problem: RematProblem) -> int:
-    """The heuristic's smallest peak: everything recomputable recomputed on demand. Not a
-    proof of optimality (the MILP's ``smallest_peak`` is exact); cached per problem."""
+    """The peak of recomputing everything recomputable on demand: one HEU can always reach, so
+    the "smallest peak" HEU names (with its stuck repair's, if lower) and the one
+    ``milp.smallest_peak`` falls back to without a MILP solver. Not the minimum (intermediates
+    recomputed for their consumers can cost more than keeping the consumer; ``smallest_peak`` is
+    exact); cached per problem."""
     arr = problem_arrays(problem)
     if "heuristic_bound" not in arr.cache:
         arr.cache["heuristic_bound"] = _peak(arr, *all_demand(arr))[2]
@@ -222,7 +237,7 @@ def polish(arr: ProblemArrays, budget: int, state, win, blocks: list[np.ndarray]
         out = solve_positions(arr, [np.array([i]) for i in units], budget, state, win)
         if out is None:
             continue
-        st, wn = out
+        st, wn, _ = out
         fix_inputs(arr, st, wn)
         cleanup(arr, st, wn)
         exp = arr.times(st, wn)[0]
@@ -231,13 +246,16 @@ def polish(arr: ProblemArrays, budget: int, state, win, blocks: list[np.ndarray]
     return state, win
 
 
-def _polish_sets(arr: ProblemArrays, groups: list[np.ndarray]) -> list[np.ndarray]:
-    """The blocks replication fits worst, in backward order: each group's first two and last
-    block of the backward (their memory context and windows differ most from the interior)."""
+def boundary_blocks(arr: ProblemArrays, groups: list[np.ndarray]) -> list[np.ndarray]:
+    """Blocks to polish: in each group of at most ``POLISH_MAX_BLOCKS`` blocks, the first, last,
+    second and second-to-last block of the backward (at most 4). In a deep stack one block is
+    1/n of the plan and replication already fits the interior: no polish, no extra MILPs."""
     out = []
     for P in groups:
-        order = np.argsort(-arr.fw_pos[P].mean(axis=1), kind="stable")   # backward runs last block first
-        picks = list(dict.fromkeys([int(order[0]), int(order[min(1, len(order) - 1)]), int(order[-1])]))
+        if len(P) > POLISH_MAX_BLOCKS:
+            continue
+        order = np.argsort(-arr.fw_pos[P].mean(axis=1), kind="stable")   # backward: last block first
+        picks = dict.fromkeys(int(order[k]) for k in (0, -1, 1, -2) if -len(order) <= k < len(order))
         out += [P[k] for k in picks]
     return out
 
@@ -253,10 +271,10 @@ def solve_heu(problem: RematProblem, budget_bytes: int, *, progress: Callable[[s
     state, win = initial_state(arr)
     positions, notes = block_positions(problem, arr)
     if positions and highs_installed():
-        rep = solve_positions(arr, _rep_positions(arr, positions), budget_bytes, state, win,
-                              fix_integral=bool(int(os.environ.get("LPFIX", "1"))))
+        rep = solve_positions(arr, _rep_positions(arr, positions), budget_bytes, state, win)
         if rep is not None:
-            state, win = rep
+            state, win, more = rep
+            notes += more
             notes.append(f"{len(positions)} representative block(s) solved exactly and replicated")
         else:
             notes.append("representative MILP gave no answer; greedy from all-kept")
@@ -281,8 +299,8 @@ def solve_heu(problem: RematProblem, budget_bytes: int, *, progress: Callable[[s
         cleanup(arr, state, win)
         if np.array_equal(before, state):
             break
-    if positions and highs_installed() and os.environ.get("POLISH", "1") == "1":
-        state, win = polish(arr, budget_bytes, state, win, _polish_sets(arr, positions))
+    if positions and highs_installed():
+        state, win = polish(arr, budget_bytes, state, win, boundary_blocks(arr, positions))
     ev = evaluate_state(arr, state, win)
     keep, demand, window = arr.to_sets(state, win)
     solve_s = time.perf_counter() - t0

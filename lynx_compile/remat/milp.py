@@ -19,8 +19,6 @@ peak through ``evaluate``.
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import math
 import time
 from typing import Callable, Iterable
@@ -29,10 +27,11 @@ import numpy as np
 import pyomo.environ as pyo
 
 from .evaluate import DEMAND, KEEP, NONE, WINDOW, ProblemArrays, evaluate_state, problem_arrays
-from .milp_solvers import pick_solver, require_solver, run_solver
+from .milp_solvers import Outcome, pick_solver, require_solver, run_solver
 from .problem import InfeasibleBudget, RematProblem, RematSolution
 
 TIE_BREAK = 1e-6
+SMALLEST_TIME_LIMIT_S = 60.0
 
 
 def _fixed_state(arr: ProblemArrays, units: Iterable[int] | None) -> tuple[np.ndarray, np.ndarray]:
@@ -118,17 +117,26 @@ def build_model(problem: RematProblem, budget_bytes: int | None, *, units: Itera
             for w in by_unit[i]:
                 M.inputs.add(M.o[i, w] <= M.s[b] + sum(M.o[b, v] for v in by_unit[b] if v <= w))
     # [Constraint] window capacity: kappa * hidden recompute <= tau_w + overflow
+    in_window: dict[int, list[int]] = {w: [] for w in W}
+    for i, w in pairs:
+        in_window[w].append(i)
     M.capacity = pyo.Constraint(W, rule=lambda _, w: pyo.quicksum(
-        arr.kappa * float(arr.c[i]) * M.o[i, v] for i, v in pairs if v == w) <= float(arr.win_tau[w]) + M.over[w])
+        arr.kappa * float(arr.c[i]) * M.o[i, w] for i in in_window[w]) <= float(arr.win_tau[w]) + M.over[w])
     # [Constraint] memory at the kept forward and backward events (bytes / scale)
     M.peak = pyo.Var(domain=pyo.NonNegativeReals) if budget_bytes is None else None
     limit = M.peak if budget_bytes is None else budget_bytes / M.scale
     M.memory = pyo.ConstraintList()
     mF = {i: float(arr.m[i]) / M.scale for i in F}
     Fa = np.asarray(F, dtype=np.int64)
+    M.constant_over = False       # a row without free units over the budget: nothing can fit
+
+    def memory_row(base, terms):
+        if terms or budget_bytes is None:
+            M.memory.add(base / M.scale + pyo.quicksum(terms) <= limit)
+        else:
+            M.constant_over |= base > budget_bytes
     for t, base in zip(fe.tolist(), fc.tolist()):
-        live = Fa[arr.fw_last[Fa] < t].tolist()
-        M.memory.add(base / M.scale + pyo.quicksum(mF[i] * M.s[i] for i in live) <= limit)
+        memory_row(base, [mF[i] * M.s[i] for i in Fa[arr.fw_last[Fa] < t].tolist()])
     for t, base in zip(be.tolist(), bc.tolist()):
         terms = []
         for i in Fa[arr.ne[Fa] >= t].tolist():
@@ -136,7 +144,7 @@ def build_model(problem: RematProblem, budget_bytes: int | None, *, units: Itera
             if arr.ns[i] <= t:
                 terms.append(mF[i] * M.r[i])
             terms += [mF[i] * M.o[i, w] for w in by_unit[i] if arr.win_start[w] <= t]
-        M.memory.add(base / M.scale + pyo.quicksum(terms) <= limit)
+        memory_row(base, terms)
     if budget_bytes is None:
         M.obj = pyo.Objective(expr=M.peak)
     else:
@@ -173,20 +181,30 @@ def solve_milp(problem: RematProblem, budget_bytes: int, *, solver: str = "highs
     """Lynx-OPT: the minimum-exposed-time assignment under ``budget_bytes``.
 
     ``solver``: "highs" (Pyomo's HiGHS interface, needs highspy), "glpk" (glpsol) or "auto".
+    ``time_limit_s``/``mip_gap`` go to the solver (glpsol takes whole seconds); ``progress``
+    gets a start line (model size), the solver's log lines and an end line.
     ``units``: only these unit ids are decided; the others are kept (intermediates nothing reads:
-    none). Returns status "optimal", or "feasible" with a note when the time limit stopped the
+    none). ``max_windows_per_unit``: window variables per unit (latest eligible first; None: all). Returns status "optimal", or "feasible" with a note when the time limit stopped the
     solver with an incumbent. Raises ``InfeasibleBudget`` (with ``smallest_peak``) when no
     assignment fits, RuntimeError when the solver is missing (the message has the install
     command), fails, or stops without any incumbent.
     """
     t0 = time.perf_counter()
-    name = pick_solver(solver).name
+    choice = pick_solver(solver)
+    if choice.name == "heu":
+        raise RuntimeError(f"Lynx-OPT needs a MILP solver: {choice.reason}")
+    name = choice.name
     require_solver(name)
     arr = problem_arrays(problem)
     M = build_model(problem, budget_bytes, units=units, max_windows_per_unit=max_windows_per_unit)
     if progress:
         progress(f"lynx-opt[{name}]: {M.info}; built in {time.perf_counter() - t0:.2f} s")
-    outcome = run_solver(M, name, time_limit_s, mip_gap, progress)
+    if M.constant_over:
+        outcome = Outcome("infeasible")
+    elif not len(M.s):            # nothing to decide: the fixed plan is the answer
+        outcome = Outcome("optimal", 0.0)
+    else:
+        outcome = run_solver(M, name, time_limit_s, mip_gap, progress)
     if outcome.status == "infeasible":
         smallest = smallest_peak(problem) if units is None else _smallest(problem, units, name)
         if smallest <= budget_bytes:
@@ -216,8 +234,9 @@ def _smallest(problem: RematProblem, units: Iterable[int] | None, solver: str | 
 
     Exact by a MILP without window variables: windows never help memory (moving every window
     recompute to demand shrinks each live interval to [need_start, need_end] and keeps the input
-    rule), and time is not optimized. Falls back to the heuristic's bound when no MILP solver is
-    installed."""
+    rule), and time is not optimized. Past ``SMALLEST_TIME_LIMIT_S`` the solver's incumbent is
+    used: a reachable peak, so possibly above the minimum. Falls back to the heuristic's bound
+    when no MILP solver is installed."""
     try:
         name = pick_solver(solver or "auto").name
         require_solver(name)
@@ -227,10 +246,12 @@ def _smallest(problem: RematProblem, units: Iterable[int] | None, solver: str | 
         from .heuristic import heuristic_bound
         return heuristic_bound(problem)
     M = build_model(problem, None, units=units, windows=False)
-    out = run_solver(M, name, 600.0, 0.0, None)
-    if out.status != "optimal":
-        raise RuntimeError(f"smallest-peak MILP ended {out.status} with {name}")
     arr = problem_arrays(problem)
+    if not len(M.s):
+        return evaluate_state(arr, M.fixed_state, np.full(arr.n, -1)).peak_bytes
+    out = run_solver(M, name, SMALLEST_TIME_LIMIT_S, 0.0, None)
+    if out.status == "infeasible":
+        raise RuntimeError(f"smallest-peak MILP reported infeasible with {name} (a bug: it has no budget)")
     return evaluate_state(arr, *extract_state(M, arr)).peak_bytes
 
 

@@ -25,11 +25,10 @@ import numpy as np
 
 from .evaluate import DEMAND, KEEP, NONE, WINDOW, ProblemArrays
 
-RANKS = int(__import__("os").environ.get("RANKS", "2"))            # window ranks per position (the latest eligible windows)
-TIE_BREAK = float(__import__("os").environ.get("TB", "1e-6"))     # as in milp.py: prefer fewer kept bytes among equal-time plans
-PENALTY = float(__import__("os").environ.get("PEN", "1e6"))        # objective per budget-worth of slack bytes (the objective is O(1) without)
-NOSLACK = bool(__import__("os").environ.get("NOSLACK"))
-MAX_NODES = 20       # deterministic effort cap: past the root, B&B mostly just proves the bound
+RANKS = 2            # window ranks per position (the latest eligible windows)
+TIE_BREAK = 1e-6     # as in milp.py: prefer fewer kept bytes among equal-time plans
+PENALTY = 1e6        # objective per budget-worth of slack bytes (the objective is O(1) without)
+MAX_NODES = 1        # root only (deterministic effort cap): B&B past it rarely changed the plan
 GAP = 1e-2           # relative MIP gap: the repair and polish steps that follow refine it
 
 
@@ -118,10 +117,12 @@ def _logic_rows(arr, positions, cols, state, win):
 def _capacity_rows(arr, loads, state, win, n):
     """Window capacity rows, identical rows merged: (rows, overflow weights)."""
     fixed = arr.window_load(state, win) if arr.W else np.zeros(0)
+    per_window: dict[int, list[int]] = {}
+    for j, w in sorted(loads):
+        per_window.setdefault(w, []).append(j)
     merged: dict[tuple, int] = {}
-    for w in sorted({w for _, w in loads}):
-        js = tuple(sorted(j for (j, v) in loads if v == w))
-        key = (js, tuple(round(loads[j, w], 15) for j in js), round(float(arr.win_tau[w] - fixed[w]), 15))
+    for w, js in sorted(per_window.items()):
+        key = (tuple(js), tuple(loads[j, w] for j in js), float(arr.win_tau[w] - fixed[w]))
         merged[key] = merged.get(key, 0) + 1
     rows, weights = [], []
     # [Constraint] window capacity: kappa * c of the units in w <= tau_w - fixed load + over_w
@@ -170,9 +171,10 @@ def _add_rows(h, rows) -> None:
 
 
 def solve_positions(arr: ProblemArrays, positions: list[np.ndarray], budget: int, state: np.ndarray,
-                    win: np.ndarray, time_limit_s: float = 1.0, fix_integral: bool = True):
-    """(state, win) with every position's best decision replicated onto its units (the other
-    units as given), or None when the MILP gives no answer."""
+                    win: np.ndarray, time_limit_s: float = 1.0):
+    """(state, win, notes) with every position's decision replicated onto its units (the other
+    units as given), or None when the MILP gives no answer. Solved to ``GAP`` or ``MAX_NODES``
+    (both deterministic); ``time_limit_s`` is only a safety net (a note says when it hit)."""
     import highspy
 
     cols = _columns(arr, positions)
@@ -183,28 +185,28 @@ def solve_positions(arr: ProblemArrays, positions: list[np.ndarray], budget: int
     for units in positions:
         base[units] = np.where(arr.must[units], KEEP, NONE)
     fw, bw = arr.profile(base, win)
-    scale = float(max(arr.m.max(initial=1), 1))
+    scale = float(max(arr.m.max(initial=1), 1))          # memory rows in units of the largest unit
     A, cost, kept, loads = _matrix(arr, positions, cols)
     A /= scale
     rhs = (budget - np.concatenate([fw, bw])) / scale
     maxlhs = np.zeros(A.shape[0])
     for p in sorted({c[1] for c in cols}):
         maxlhs += A[:, [j for j, c in enumerate(cols) if c[1] == p]].max(axis=1)
-    cand = np.flatnonzero((maxlhs > rhs + 1e-12) & _undominated(A, rhs))
+    cand = np.flatnonzero((maxlhs > rhs + 1e-12) & _undominated(A, rhs))   # rows that can bind
     cap_rows, weights = _capacity_rows(arr, loads, base, win, n)
     T = float(arr.c.sum()) or 1.0
     R = float(max(arr.reference, arr.m.sum(), 1))
 
     h = highspy.Highs()
-    h.setOptionValue("output_flag", bool(__import__("os").environ.get("REPLOG")))
+    h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(time_limit_s))
     h.setOptionValue("mip_rel_gap", GAP)
-    h.setOptionValue("mip_allow_restart", False)
     h.setOptionValue("mip_max_nodes", MAX_NODES)
-    for k, v in __import__("json").loads(__import__("os").environ.get("HOPTS", "{}")).items():
-        h.setOptionValue(k, v)
+    h.setOptionValue("mip_allow_restart", False)         # restarts cost more than they saved here
+    h.setOptionValue("mip_heuristic_effort", 0.0)        # same plans on the benchmarks, faster
     nw = len(weights)
-    # x[j] binary per column; over[k] >= 0 seconds per merged window row; slack >= 0 (budgets)
+    # x[j]: column j chosen (binary); over[k] >= 0: overflow seconds of merged window row k;
+    # slack >= 0: budgets of memory over the budget (penalized, repaired afterwards)
     ncol = n + nw + 1
     h.addVars(ncol, np.zeros(ncol), np.concatenate([np.ones(n), np.full(nw + 1, highspy.kHighsInf)]))
     h.changeColsCost(ncol, np.arange(ncol, dtype=np.int32),
@@ -217,42 +219,37 @@ def solve_positions(arr: ProblemArrays, positions: list[np.ndarray], budget: int
         rows = []
         for t in events:
             nz = np.flatnonzero(A[t])
-            rows.append((nz.tolist() + ([ncol - 1] if not NOSLACK else []), A[t, nz].tolist() + ([-budget / scale] if not NOSLACK else []), -np.inf, float(rhs[t])))
+            rows.append((nz.tolist() + [ncol - 1], A[t, nz].tolist() + [-budget / scale], -np.inf, float(rhs[t])))
             added.add(int(t))
         _add_rows(h, rows)
 
-    def cut_loop(integral):
+    def cut_loop(integral: bool):
+        """Solve, add the most violated memory rows, repeat until none is violated."""
         for _ in range(30):
             h.run()
             if h.getInfo().primal_solution_status != 2:
                 return None
             sol = np.asarray(h.getSolution().col_value)
-            if sol.size != ncol:
-                return None
             x = (sol[:n] > 0.5).astype(np.float64) if integral else sol[:n]
             viol = A[cand] @ x - rhs[cand] - sol[-1] * budget / scale
-            worst = [int(cand[i]) for i in np.argsort(-viol, kind="stable")[:16] if viol[i] > 1e-9]
-            worst = [t for t in worst if t not in added]
+            worst = [int(cand[i]) for i in np.argsort(-viol, kind="stable")[:16]
+                     if viol[i] > 1e-9 and int(cand[i]) not in added]
             if not worst:
                 return x
             add_memory(worst)
         return x
 
     x = np.array([1.0 if c[0] == "s" else 0.0 for c in cols])
-    add_memory(cand[np.argsort(-(A[cand] @ x - rhs[cand]), kind="stable")[:int(__import__("os").environ.get("NROWS", "24"))]])
-    idx = np.arange(n, dtype=np.int32)
-    if fix_integral:
-        x = cut_loop(False)                 # LP relaxation with its own cuts
-        if x is None:
-            return None
-        if __import__("os").environ.get("FIX", "0") == "1":
-            lo, hi = x >= 1 - 1e-7, x <= 1e-7
-            h.changeColsBounds(n, idx, np.where(lo, 1.0, 0.0), np.where(hi, 0.0, 1.0))
-    h.changeColsIntegrality(n, idx, np.full(n, highspy.HighsVarType.kInteger))
+    add_memory(cand[np.argsort(-(A[cand] @ x - rhs[cand]), kind="stable")[:24]])
+    if cut_loop(False) is None:                          # rows the LP relaxation needs: cheap
+        return None
+    h.changeColsIntegrality(n, np.arange(n, dtype=np.int32), np.full(n, highspy.HighsVarType.kInteger))
     x = cut_loop(True)
     if x is None:
         return None
-    return _replicate(arr, positions, cols, x, state, win)
+    hit = h.getModelStatus() == highspy.HighsModelStatus.kTimeLimit
+    notes = [f"representative MILP stopped at its {time_limit_s:g} s safety limit"] if hit else []
+    return (*_replicate(arr, positions, cols, x, state, win), notes)
 
 
 def _replicate(arr, positions, cols, x, state, win):

@@ -6,6 +6,7 @@ with a warning saying why (STYLE rule 4); an infeasible budget is never papered 
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Callable
 
@@ -18,18 +19,24 @@ from .problem import InfeasibleBudget, RematProblem, RematSolution
 def solve_remat(problem: RematProblem, budget_bytes: int, *, solver: str = "auto",
                 time_limit_s: float = 60.0, mip_gap: float = 1e-4,
                 progress: Callable[[str], None] | None = None) -> RematSolution:
-    """Keep / recompute-on-demand / recompute-in-window per unit, minimizing exposed time."""
+    """Keep / recompute-on-demand / recompute-in-window per unit, minimizing exposed time.
+
+    ``solver``: "auto" (HiGHS, else GLPK, else HEU with a warning), "highs", "glpk" (missing:
+    RuntimeError with the install command) or "heu". ``time_limit_s``/``mip_gap`` go to the MILP;
+    ``progress`` receives solver log lines. Raises ``InfeasibleBudget`` when nothing fits."""
     choice = pick_solver(solver)
     if choice.name == "heu":
         if solver == "auto":
-            warnings.warn(f"lynx: no MILP solver installed ({choice.reason}); using Lynx-HEU", stacklevel=2)
+            warnings.warn(f"lynx: {choice.reason}", stacklevel=2)
         return solve_heu(problem, budget_bytes, progress=progress)
     require_solver(choice.name)  # a solver asked for by name must be there: say how to get it
     try:
         return solve_milp(problem, budget_bytes, solver=choice.name, time_limit_s=time_limit_s,
                           mip_gap=mip_gap, progress=progress)
-    except InfeasibleBudget:
-        raise
-    except RuntimeError as e:
-        warnings.warn(f"lynx: Lynx-OPT with {choice.name} failed ({e}); using Lynx-HEU", stacklevel=2)
-        return solve_heu(problem, budget_bytes, progress=progress)
+    except (InfeasibleBudget, ValueError):
+        raise                    # an unreachable budget or a malformed problem: HEU cannot help
+    except Exception as e:       # solver crash, no incumbent in the time limit, Pyomo errors
+        why = f"Lynx-OPT with {choice.name} failed ({type(e).__name__}: {e}); used Lynx-HEU"
+        warnings.warn(f"lynx: {why}", stacklevel=2)
+        sol = solve_heu(problem, budget_bytes, progress=progress)
+        return dataclasses.replace(sol, notes=(why, *sol.notes))

@@ -24,6 +24,8 @@ are any, the head's gradient collective opens the backward.
 from __future__ import annotations
 
 import dataclasses
+import time
+from typing import Callable
 
 import numpy as np
 
@@ -141,3 +143,30 @@ def _assemble(recs, n_blocks, upb, n_win, rng, kappa, hidden) -> RematProblem:
     keep = tuple(u.id for u in units if u.first_use is not None or u.must_keep)
     ref = evaluate(problem, RematSolution(keep=keep, demand=())).peak_bytes
     return dataclasses.replace(problem, reference_peak=ref)
+
+
+def compare_solvers(configs=((4, 20, 1), (4, 40, 2)), *, budget_frac: float = 0.6, seed: int = 0,
+                    time_limit_s: float = 60.0, solvers=("highs", "glpk", "heu"),
+                    out: Callable[[str], None] | None = print) -> list[dict]:
+    """Solve ``synthetic_problem(*config, seed)`` at ``budget_frac`` of its reference peak with
+    each solver; one row (and, with ``out``, one printed line) per (problem, solver) with the
+    MILP's size, status, exposed ms and wall seconds. A benchmark helper: it asserts nothing."""
+    from .heuristic import solve_heu
+    from .milp import build_model, solve_milp
+
+    rows = []
+    for nb, upb, nw in configs:
+        p = synthetic_problem(nb, upb, nw, seed)
+        budget = int(budget_frac * p.reference_peak)
+        info = build_model(p, budget).info
+        for name in solvers:
+            t = time.perf_counter()
+            sol = (solve_heu(p, budget) if name == "heu" else
+                   solve_milp(p, budget, solver=name, time_limit_s=time_limit_s))
+            row = {"problem": f"{nb}x{upb}x{nw}", "binaries": int(info.split()[0]), "solver": name,
+                   "status": sol.status, "exposed_ms": sol.exposed_s * 1e3, "seconds": time.perf_counter() - t}
+            rows.append(row)
+            if out:
+                out(f"{row['problem']:>9} {row['binaries']:5d} binaries  {name:5s} {sol.status:9s} "
+                    f"exposed {row['exposed_ms']:8.4f} ms  {row['seconds']:7.2f} s")
+    return rows

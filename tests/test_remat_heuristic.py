@@ -1,0 +1,120 @@
+"""Lynx-HEU: replication over identical blocks, its speed on a 48-block problem, its gap to
+Lynx-OPT on a 4-block one, the greedy path without highspy, determinism."""
+import time
+
+import pytest
+
+from lynx_compile.remat import InfeasibleBudget, RematProblem, Unit
+from lynx_compile.remat import heuristic
+from lynx_compile.remat.evaluate import evaluate
+from lynx_compile.remat.heuristic import heuristic_bound, solve_heu
+from lynx_compile.remat.milp import smallest_peak, solve_milp
+from lynx_compile.remat.synthetic import synthetic_problem
+
+MS = 1e-3
+
+
+def two_blocks() -> RematProblem:
+    # (f) per block k: a_k (4 B, 5 ms, intermediate) -> b_k (6 B, 1 ms), and c_k (2 B, 2 ms).
+    # The backward runs block 1 (b1 at event 1, c1 at 2) then block 0 (b0 at 3, c0 at 4).
+    # Budget 22 over a base of 10 at event 0: 12 B kept in all, 6 per block. Per block:
+    # keep a + c (6 B), recompute b: 1 ms  | keep b, recompute c: 2 ms | keep c, recompute a, b: 6 ms
+    # -> 1 ms per block, 2 ms in all, the same decision in both blocks (what HEU replicates).
+    # Event 1: a0 + c0 + a1 + c1 kept (12) + b1 recomputed (6) = 18 <= 22.
+    units = []
+    for k, (tb, tc) in enumerate(((3, 4), (1, 2))):
+        i = 3 * k
+        units += [Unit(id=i, name=f"a{k}", nbytes=4, compute_s=5 * MS, block=k, fw_pos=i, fw_last=i + 1,
+                       need_start=tb, need_end=tb),
+                  Unit(id=i + 1, name=f"b{k}", nbytes=6, compute_s=1 * MS, inputs=(i,), block=k, fw_pos=i + 1,
+                       fw_last=i + 1, first_use=tb, need_start=tb, need_end=tb),
+                  Unit(id=i + 2, name=f"c{k}", nbytes=2, compute_s=2 * MS, block=k, fw_pos=i + 2,
+                       fw_last=i + 2, first_use=tc, need_start=tc, need_end=tc)]
+    return RematProblem(units=tuple(units), num_fw_events=6, num_bw_events=5, fw_base=(0,) * 6,
+                        bw_base=(10, 0, 0, 0, 0), block_groups=((0, 1),), reference_peak=26)
+
+
+def test_f_identical_blocks_heu_equals_opt():
+    p = two_blocks()
+    heu = solve_heu(p, 22)
+    for solver in ("highs", "glpk"):
+        opt = solve_milp(p, 22, solver=solver)
+        assert opt.exposed_s == pytest.approx(2 * MS)
+        assert (heu.keep, heu.demand, heu.window) == (opt.keep, opt.demand, opt.window) == ((0, 2, 3, 5), (1, 4), ())
+    assert heu.status == "heuristic" and "replicated" in " ".join(heu.notes)
+
+
+def _best_time(fn, repeats=3):
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t)
+    return best, out
+
+
+def test_i_48_blocks_under_200_ms():
+    p = synthetic_problem(48, 40, 2, 0)               # 1924 units, 3848 events, 97 windows
+    budget = int(0.6 * p.reference_peak)
+    secs, sol = _best_time(lambda: solve_heu(p, budget))
+    print(f"\nHEU 48x40 units at 0.6 of the reference peak: {secs * 1e3:.0f} ms, "
+          f"exposed {sol.exposed_s * 1e3:.3f} ms")
+    ev = evaluate(p, sol)
+    assert ev.violations == () and ev.peak_bytes <= budget
+    assert secs < 0.2
+
+
+def test_i_4_blocks_close_to_opt():
+    # 4 blocks x 40 units, where HiGHS proves the optimum in about a second. Measured on the
+    # sweep in the solver report: HEU is typically 2-10 % above OPT on these 4-block problems
+    # (boundary blocks differ from the interior that replication assumes), worse on some.
+    p = synthetic_problem(4, 40, 1, 0)
+    budget = int(0.6 * p.reference_peak)
+    opt = solve_milp(p, budget, solver="highs", time_limit_s=60)
+    heu = solve_heu(p, budget)
+    gap = heu.exposed_s / opt.exposed_s - 1
+    print(f"\nOPT {opt.exposed_s * 1e3:.4f} ms ({opt.status}, {opt.solve_s:.1f} s), "
+          f"HEU {heu.exposed_s * 1e3:.4f} ms ({heu.solve_s * 1e3:.0f} ms): {gap:+.1%}")
+    assert opt.status == "optimal"
+    assert opt.exposed_s <= heu.exposed_s * (1 + 1e-9)
+    assert gap < 0.10
+
+
+def test_without_highspy_the_greedy_path_still_fits(monkeypatch):
+    monkeypatch.setattr(heuristic, "highs_installed", lambda: False)
+    p = synthetic_problem(4, 20, 1, 0)
+    budget = int(0.6 * p.reference_peak)
+    sol = solve_heu(p, budget)
+    ev = evaluate(p, sol)
+    assert ev.violations == () and ev.peak_bytes <= budget
+    assert "highspy missing" in " ".join(sol.notes)
+
+
+def test_deterministic():
+    p = synthetic_problem(8, 20, 1, 3)
+    budget = int(0.55 * p.reference_peak)
+    a, b = solve_heu(p, budget), solve_heu(synthetic_problem(8, 20, 1, 3), budget)
+    assert (a.keep, a.demand, a.window) == (b.keep, b.demand, b.window)
+
+
+def test_infeasible_names_a_reachable_peak():
+    # below the exact smallest peak (the MILP's) HEU must give up, naming a peak it can reach
+    # (its own bound: never below the exact one); at its bound it finds a plan.
+    p = synthetic_problem(2, 12, 1, 0)
+    exact, bound = smallest_peak(p), heuristic_bound(p)
+    assert exact <= bound < p.reference_peak
+    with pytest.raises(InfeasibleBudget) as info:
+        solve_heu(p, exact - 1)
+    assert exact <= info.value.smallest <= bound
+    assert evaluate(p, solve_heu(p, bound)).peak_bytes <= bound
+
+
+def test_no_block_groups_and_unequal_blocks():
+    p = synthetic_problem(2, 12, 1, 0)
+    ungrouped = RematProblem(**{**p.__dict__, "block_groups": ()})
+    sol = solve_heu(ungrouped, int(0.7 * p.reference_peak))
+    assert "no block groups" in " ".join(sol.notes) and evaluate(p, sol).violations == ()
+    units = tuple(u if u.id != 5 else Unit(**{**u.__dict__, "block": None}) for u in p.units)
+    odd = RematProblem(**{**p.__dict__, "units": units})
+    sol = solve_heu(odd, int(0.7 * p.reference_peak))
+    assert "different unit counts" in " ".join(sol.notes) and evaluate(odd, sol).violations == ()
