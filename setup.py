@@ -9,6 +9,7 @@ setup(
     packages=[
         "lynx_compile",
         "lynx_compile.costs",
+        "lynx_compile.distributed",
         "lynx_compile.memory",
         "lynx_compile.remat",
         "lynx_compile.models",
