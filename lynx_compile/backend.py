@@ -77,6 +77,10 @@ class LynxBackend:
         """The backward, reporting its outputs (gradients) to a running memory measurement."""
         from lynx_compile.memory.measure import record_backward_outputs
 
+        if self.config.trace_recompute:
+            from lynx_compile.passes.trace_ranges import trace_ranges_pass
+
+            trace_ranges_pass(gm)
         inner = self._compiler(gm, example_inputs)
 
         def run(args: list) -> Any:

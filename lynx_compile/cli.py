@@ -1,5 +1,5 @@
-"""The ``lynx`` command line: ``lynx plan`` and ``lynx demo`` (``train``/``simulate`` arrive with
-issues C, D and F)."""
+"""The ``lynx`` command line: ``lynx plan``, ``lynx demo`` and ``lynx train`` (``simulate``
+arrives with issue F)."""
 from __future__ import annotations
 
 import argparse
@@ -136,7 +136,18 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, default=4)
     d.add_argument("--batch-size", type=int, default=4)
     d.set_defaults(func=cmd_demo)
+    t = sub.add_parser("train", help="tensor-parallel training (run under torchrun for --tp > 1)")
+    from lynx_compile.train import add_train_arguments
+
+    add_train_arguments(t)
+    t.set_defaults(func=cmd_train)
     return parser
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from lynx_compile.train import run
+
+    return run(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,6 +63,24 @@ class LynxConfig:
     """Hardware profile for analytic costs: ``auto`` (the local CUDA device, else ``cpu``),
     ``cpu``, ``a100-sxm4-80gb``, ``a100-pcie-80gb``, ``h100-sxm``, ``h200``, ``ascend-910b``."""
 
+    link: str = "auto"
+    """Interconnect that prices collectives, i.e. the length of each communication window the
+    optimizer may fill with recompute: ``auto`` (the emulated link when the process group is
+    lynx's emulated one; else, when torch.distributed runs with more than one rank, a link
+    calibrated once per process by timing all-reduces on the default group; else the hardware
+    profile's link), ``calibrate`` (always measure; needs an initialized process group), or a
+    name in ``lynx_compile.costs.LINKS`` (``nvlink3``, ``nvlink4``, ``pcie4``, ``pcie5``,
+    ``infiniband-hdr``, ``infiniband-ndr``, ``hccs``, ``loopback-gloo``)."""
+
+    windows: bool = True
+    """Let ``policy="lynx"`` place recompute inside communication windows. ``False`` plans
+    on-demand recompute only (the "lynx without overlap" baseline of the TP benchmark)."""
+
+    check_plan_agreement: bool = True
+    """With more than one rank, compare each graph's plan fingerprint across ranks before it
+    runs and stop every rank with one error when they differ (different plans issue
+    collectives in different orders, which deadlocks NCCL)."""
+
     measure_repeats: int = 5
     """Repeats per node when ``cost_source="measured"`` (the median is kept)."""
 
@@ -72,6 +90,11 @@ class LynxConfig:
 
     disable_passes: tuple[str, ...] = ()
     """Names of passes to skip (see ``lynx_compile.passes.PIPELINE``)."""
+
+    trace_recompute: bool = False
+    """Wrap each run of recomputed backward ops in a ``torch.profiler`` range
+    ``lynx::recompute[demand]`` or ``lynx::recompute[window:<w>]``, so traces show where recompute
+    ran (``lynx train --trace`` turns it on and computes the overlap with collectives)."""
 
     dump_dir: str | None = field(default_factory=lambda: os.environ.get("LYNX_DUMP_DIR"))
     """Directory for graph dumps before/after each pass (default: ``$LYNX_DUMP_DIR``)."""
@@ -116,6 +139,12 @@ def make_config(options: dict[str, Any] | None = None) -> LynxConfig:
 
         if not os.path.isfile(options["plan"]):
             raise ValueError(f"plan={options['plan']!r}: no such file; write one with `lynx plan --out`")
+    if "link" in options:
+        from lynx_compile.costs import LINKS
+
+        names = ["auto", "calibrate", *LINKS]
+        if options["link"] not in names:
+            raise ValueError(f"link={options['link']!r} is not valid; choose one of {names}")
     if "hardware" in options:
         from lynx_compile.costs import PROFILES
 

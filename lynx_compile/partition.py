@@ -23,6 +23,7 @@ import torch.fx as fx
 
 from lynx_compile import _compat
 from lynx_compile.config import LynxConfig
+from lynx_compile.distributed.agreement import check_plan_agreement
 from lynx_compile.memory.simulate import StepMemory, _nbytes, backward_inputs, simulate_step
 from lynx_compile.passes import BACKWARD_PIPELINE, JOINT_PIPELINE, GraphRecord, PassContext, meta, run_passes
 from lynx_compile.passes.find_blocks import structural_hash
@@ -105,6 +106,9 @@ def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs:
         bw = run_passes(bw, ctx, BACKWARD_PIPELINE, "backward")
         mem = simulate_step(fw, bw)
     record.plan = build_plan(config.policy, joint, fw, bw, mem, ctx, budget, outcome)
+    if config.check_plan_agreement:
+        with _compat.eager_dispatch():  # real tensors for the all-gather, not the compile's fakes
+            record.decisions["plan_fingerprint"] = check_plan_agreement(record.plan, record.graph_id)
 
     if budget is not None and mem.peak_bytes > budget:
         if config.policy == "torch":

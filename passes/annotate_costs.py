@@ -1,6 +1,7 @@
 """Annotate every joint-graph node with its cost (runtime, output bytes).
 
-Reads ``config.cost_source``, ``config.hardware``, ``config.measure_repeats``. Writes
+Reads ``config.cost_source``, ``config.hardware``, ``config.link`` (prices collectives, see
+``lynx_compile.distributed.link``), ``config.measure_repeats``. Writes
 ``meta.COST`` (a ``lynx_compile.costs.NodeCost``) on every node, and the totals into the record.
 """
 from __future__ import annotations
@@ -12,16 +13,20 @@ from .context import PassContext
 
 def annotate_costs_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     from lynx_compile.costs import annotate_costs, get_profile
+    from lynx_compile.distributed.link import resolve_link
 
     cfg = ctx.config
     from lynx_compile import _compat
 
     with _compat.eager_dispatch():  # CPU calibration and measurement must see eager op speed
         profile = get_profile(cfg.hardware)
-        costs = annotate_costs(gm, profile, source=cfg.cost_source, repeats=cfg.measure_repeats)
+        link = resolve_link(cfg.link, profile.default_link)
+        costs = annotate_costs(gm, profile, source=cfg.cost_source, repeats=cfg.measure_repeats,
+                               link=link)
     fwd = ctx.forward_names
     ctx.record.decisions["cost_source"] = cfg.cost_source
     ctx.record.decisions["hardware"] = profile.name
+    ctx.record.decisions["link"] = link.name
     ctx.record.decisions["forward_s"] = sum(c.runtime_s for n, c in costs.items() if n in fwd)
     ctx.record.decisions["backward_s"] = sum(c.runtime_s for n, c in costs.items() if n not in fwd)
     return gm

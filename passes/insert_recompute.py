@@ -24,7 +24,9 @@ from .context import PassContext
 
 
 def insert_recompute_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    collectives = [n for n in gm.graph.nodes if is_collective_node(n)]
+    # Windows are numbered over the backward's own collectives; a forward collective re-issued
+    # by a policy that recomputes it (``full``) is a recomputed node, not a window.
+    collectives = [n for n in gm.graph.nodes if is_collective_node(n) and not n.meta.get(meta.RECOMPUTED)]
     moved = 0
     for w, coll in enumerate(collectives):
         role = f"window:{w}"

@@ -112,7 +112,8 @@ def extract_remat_problem(joint: fx.GraphModule, fw_ref: fx.GraphModule, bw_ref:
     bw_base = _base(bw_mem.timeline, [(0, max(uses[op]), u.nbytes) for op, u in zip(kept, units) if uses[op]])
     problem = RematProblem(
         units=tuple(units), num_fw_events=len(fw_nodes), num_bw_events=len(bw_nodes),
-        fw_base=fw_base, bw_base=bw_base, windows=_windows(bw_nodes, joint_by_name),
+        fw_base=fw_base, bw_base=bw_base,
+        windows=_windows(bw_nodes, joint_by_name) if ctx.config.windows else (),
         block_groups=_block_groups(ctx.record.block_hashes), reference_peak=ctx.record.reference_peak_bytes or 0,
         graph_hash=structural_hash(list(joint.graph.nodes)))
     return problem, UnitIndex(nodes=tuple(tuple(members[op]) for op in kept))

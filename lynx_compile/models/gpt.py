@@ -92,14 +92,16 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         B, T, C = x.shape
         nh = self.n_heads
-        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
-        q = q.view(B, T, nh, C // nh).transpose(1, 2)  # (B, nh, T, hd)
-        k = k.view(B, T, nh, C // nh).transpose(1, 2)  # (B, nh, T, hd)
-        v = v.view(B, T, nh, C // nh).transpose(1, 2)  # (B, nh, T, hd)
+        # Widths come from c_attn's output, not from C: under tensor parallelism c_attn holds
+        # this rank's n_heads / tp heads of each of q, k and v (distributed/tensor_parallel.py).
+        q, k, v = self.c_attn(x).chunk(3, dim=2)  # 3 x (B, T, C)
+        q = q.view(B, T, nh, -1).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(B, T, nh, -1).transpose(1, 2)  # (B, nh, T, hd)
+        v = v.view(B, T, nh, -1).transpose(1, 2)  # (B, nh, T, hd)
         y = causal_attention(
             q, k, v, impl=self.attn_impl, dropout_p=self.dropout, training=self.training
         )  # (B, nh, T, hd)
-        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hd) = (B, T, C)
         return self.resid_drop(self.c_proj(y))  # (B, T, C)
 
 

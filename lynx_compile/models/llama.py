@@ -174,7 +174,7 @@ class Attention(nn.Module):
         y = causal_attention(
             q, k, v, impl=self.attn_impl, dropout_p=self.dropout, training=self.training
         )  # (B, nh, T, hd)
-        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hd) = (B, T, C)
         return self.resid_drop(self.wo(y))  # (B, T, C)
 
 

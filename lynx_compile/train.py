@@ -1,0 +1,381 @@
+"""``lynx train``: tensor-parallel training of a zoo model compiled by lynx, one process per rank.
+
+    torchrun --nproc-per-node 2 -m lynx_compile.train --model gpt-small --tp 2 \\
+        --policy lynx --memory-budget 0.4 --steps 10
+
+Same code path on CPU (gloo) and GPU (NCCL, one device per rank). Every rank builds the full
+model from the same seed, keeps its tensor-parallel shard (``--tp-impl megatron``: lynx's
+column/row-parallel layers; ``dtensor``: ``torch.distributed.tensor.parallel``), compiles it
+with the lynx backend and trains on the same batches. Rank 0 prints loss, step time and peak
+memory per step, then the plan. ``--check`` also trains the unsharded model in this process on
+the same batches and prints both losses. ``--emulate-link pcie4`` (or ``alpha_s,bytes_per_s``)
+delays every collective's completion to that link's alpha-beta time: for CPU benchmarks, and
+labelled as emulation in the output. ``--trace DIR`` writes a per-rank Chrome trace and the
+share of recompute time that ran while a collective was in flight.
+
+A rank that fails names the ranks that stopped (``lynx_compile.distributed.failures``); ranks
+that planned differently stop together (``lynx_compile.distributed.agreement``).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="gpt-small", help="zoo preset (gpt-*/llama-*)")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: world size)")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism (Megatron) with --tp-impl megatron")
+    p.add_argument("--tp-impl", default="megatron", choices=["megatron", "dtensor"])
+    p.add_argument("--policy", default="lynx", choices=["lynx", "none", "full", "selective", "torch", "eager"],
+                   help="'eager' trains without torch.compile (the reference)")
+    p.add_argument("--memory-budget", type=lambda s: int(s) if s.isdigit() else float(s), default=None)
+    p.add_argument("--solver", default="auto", choices=["auto", "glpk", "highs", "heu"])
+    p.add_argument("--time-limit", type=float, default=60.0)
+    p.add_argument("--no-windows", action="store_true",
+                   help="policy lynx: ignore communication windows (recompute on demand only)")
+    p.add_argument("--link", default="auto", help="link that prices collectives (LynxConfig.link)")
+    p.add_argument("--hardware", default="auto")
+    p.add_argument("--emulate-link", default=None,
+                   help="CPU: delay collectives to this link's time (name in LINKS or 'alpha_s,bytes_per_s')")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--dropout", type=float, default=None, help="override the preset's dropout")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--check", action="store_true", help="also train unsharded in one process; print both losses")
+    p.add_argument("--trace", default=None, metavar="DIR", help="per-rank Chrome trace + overlap figure")
+    p.add_argument("--timeout", type=float, default=120.0, help="process-group timeout, seconds")
+    p.add_argument("--json", default=None, metavar="PATH", help="rank 0 writes the results here")
+
+
+@dataclass
+class TrainResult:
+    """What one rank measured."""
+
+    rank: int
+    world_size: int
+    losses: list[float] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)
+    peak_bytes: list[int | None] = field(default_factory=list)
+    peak_method: str = ""
+    predicted_peak_bytes: int | None = None
+    exposed_s: float | None = None
+    plans: list[dict] = field(default_factory=list)
+    link: str = ""
+    overlap: dict | None = None
+    reference_losses: list[float] | None = None
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def init_distributed(args: argparse.Namespace) -> tuple[int, int]:
+    """Join the process group torchrun set up (env:// rendezvous); (rank, world_size)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if "RANK" not in os.environ:
+        if (args.tp or 1) > 1:
+            raise SystemExit(f"lynx train: --tp {args.tp} needs {args.tp} processes; launch with "
+                             f"`torchrun --nproc-per-node {args.tp} -m lynx_compile.train ...`")
+        return 0, 1
+    timeout = datetime.timedelta(seconds=args.timeout)
+    if _device().type == "cuda":
+        torch.cuda.set_device(_device())
+        backend = "nccl"
+    elif args.emulate_link:
+        from lynx_compile.distributed.emulated_link import configure_emulated_link, parse_link
+
+        configure_emulated_link(parse_link(args.emulate_link))
+        backend = "lynx_emulated"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend, timeout=timeout)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _batches(args: argparse.Namespace, config, device: torch.device) -> list[torch.Tensor]:
+    from lynx_compile.models import example_batch
+
+    g = torch.Generator().manual_seed(args.seed + 1)
+    return [example_batch(config, args.batch_size, generator=g).to(device) for _ in range(args.steps)]
+
+
+def _build(args: argparse.Namespace, device: torch.device):
+    from lynx_compile.models import build_model
+
+    overrides = {}
+    if args.seq_len is not None:
+        overrides["seq_len"] = args.seq_len
+    if args.dropout is not None:
+        overrides["dropout"] = args.dropout
+    torch.manual_seed(args.seed)
+    return build_model(args.model, device=device, **overrides)
+
+
+def _options(args: argparse.Namespace) -> dict:
+    opts = {"policy": args.policy, "solver": args.solver, "time_limit_s": args.time_limit,
+            "link": args.link, "hardware": args.hardware, "plan_cache": False,
+            "trace_recompute": bool(args.trace), "windows": not args.no_windows}
+    if args.memory_budget is not None:
+        opts["memory_budget"] = args.memory_budget
+    return opts
+
+
+def _peak_meter(device: torch.device):
+    """(reset, read) for per-step peak bytes above the step's start; CPU has no allocator
+    statistics, so there the column is the plan's prediction (labelled)."""
+    if device.type == "cuda":
+        def reset():
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            return torch.cuda.memory_allocated(device)
+
+        def read(start):
+            torch.cuda.synchronize(device)
+            return torch.cuda.max_memory_allocated(device) - start
+        return reset, read, "cuda-allocator"
+    return (lambda: 0), (lambda start: None), "predicted"
+
+
+def _parallelize(model, args: argparse.Namespace, world: int):
+    import torch.distributed as dist
+
+    if world == 1:
+        return model, None
+    if args.tp_impl == "dtensor":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from lynx_compile.distributed.dtensor_tp import dtensor_parallelize
+
+        if args.sp:
+            raise SystemExit("lynx train: --sp is supported with --tp-impl megatron")
+        mesh = init_device_mesh(_device().type, (world,))
+        return dtensor_parallelize(model, mesh), None
+    from lynx_compile.distributed.tensor_parallel import tensor_parallelize
+
+    group = dist.group.WORLD
+    return tensor_parallelize(model, group, sequence_parallel=args.sp), group
+
+
+def train(args: argparse.Namespace, *, on_step: Callable[[int], None] | None = None,
+          say: Callable[[str], None] = print) -> TrainResult:
+    """Run ``args.steps`` training steps on this rank (torch.distributed already initialized
+    for more than one rank). ``on_step(i)`` runs before step i (tests inject failures)."""
+    import torch.distributed as dist
+
+    import lynx_compile
+    from lynx_compile.distributed.failures import Heartbeat
+
+    rank, world = init_distributed(args)
+    if args.tp is not None and args.tp != world:
+        raise SystemExit(f"lynx train: --tp {args.tp} but {world} processes; this launcher runs "
+                         f"tensor parallelism only, so --tp must equal --nproc-per-node")
+    device = _device()
+    torch.set_num_threads(max(1, torch.get_num_threads() if world == 1 else
+                              (os.cpu_count() or world) // world))
+    model = _build(args, device)
+    batches = _batches(args, model.config, device)
+    model, group = _parallelize(model, args, world)
+    backend = None
+    if args.policy == "eager":
+        step_model = model
+    else:
+        backend = lynx_compile.backend(**_options(args))
+        step_model = torch.compile(model, backend=backend)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    reset, read, method = _peak_meter(device)
+    result = TrainResult(rank=rank, world_size=world, peak_method=method)
+    heartbeat = None
+    if world > 1:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        heartbeat = Heartbeat(_get_default_store(), rank, world).start()
+    prof = None
+    warm = min(2, args.steps - 1)  # the trace skips the compile step and one warm step
+    try:
+        for i, idx in enumerate(batches):
+            if on_step is not None:
+                on_step(i)
+            if args.trace and i == warm:
+                prof = _start_trace(args)
+            start_mem = reset()
+            t0 = time.perf_counter()
+            loss = step_model(idx).loss
+            loss.backward()
+            if args.sp and group is not None:
+                from lynx_compile.distributed.tensor_parallel import sync_sequence_parallel_grads
+
+                sync_sequence_parallel_grads(model, group)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dt = time.perf_counter() - t0
+            result.losses.append(float(loss.detach()))
+            result.step_s.append(dt)
+            result.peak_bytes.append(read(start_mem))
+            if i == 0 and backend is not None:
+                _record_plans(result, backend)
+            if rank == 0:
+                peak = result.peak_bytes[-1]
+                mem = f"{peak / 2**20:.2f} MiB" if peak is not None else (
+                    f"{result.predicted_peak_bytes / 2**20:.2f} MiB (predicted)"
+                    if result.predicted_peak_bytes is not None else "-")
+                say(f"step {i:3d}  loss {result.losses[-1]:.6f}  time {dt * 1e3:9.2f} ms"
+                    f"{' (compile)' if i == 0 and backend is not None else ''}  peak {mem}")
+    except Exception as e:
+        if heartbeat is not None:
+            heartbeat.stop(clean=False)
+            raise RuntimeError(heartbeat.explain(e)) from e
+        raise
+    if prof is not None:
+        result.overlap = _finish_trace(prof, args, rank)
+    if heartbeat is not None:
+        heartbeat.stop(clean=True)
+    if args.check and rank == 0:
+        result.reference_losses = _reference_losses(args)
+    if rank == 0:
+        _summary(result, args, say)
+    return result
+
+
+def _record_plans(result: TrainResult, backend) -> None:
+    plans = backend.plans
+    result.plans = [{"policy": p.policy, "peak_bytes": p.peak_bytes,
+                     "reference_peak_bytes": p.reference_peak_bytes, "exposed_s": p.exposed_s,
+                     "recompute_s": p.recompute_s, "windows": sum(1 for d in p.decisions.values()
+                                                                  if d.startswith("window:"))}
+                    for p in plans]
+    if plans:
+        result.predicted_peak_bytes = max(p.peak_bytes for p in plans)
+        result.exposed_s = sum(p.exposed_s for p in plans)
+    links = {r.decisions.get("link") for r in backend.records if r.decisions.get("link")}
+    result.link = ",".join(sorted(links))
+
+
+def _emulated_log_module():
+    import torch.distributed as dist
+
+    from lynx_compile.distributed import emulated_link
+
+    return emulated_link if emulated_link.emulated_link_of() is not None else None
+
+
+def _start_trace(args: argparse.Namespace):
+    """Start the profiler and stamp the clock-sync range (maps perf_counter onto trace time)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from lynx_compile.distributed.overlap import CLOCK_SYNC
+
+    os.makedirs(args.trace, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    prof = profile(activities=activities)
+    prof.__enter__()
+    emulated = _emulated_log_module()
+    if emulated is not None:
+        emulated.clear_collective_log()
+    prof._lynx_sync = time.perf_counter()  # type: ignore[attr-defined]
+    with record_function(CLOCK_SYNC):
+        pass
+    return prof
+
+
+def _finish_trace(prof, args: argparse.Namespace, rank: int) -> dict:
+    from lynx_compile.distributed.overlap import overlap_report
+
+    prof.__exit__(None, None, None)
+    path = os.path.join(args.trace, f"trace_rank{rank}.json")
+    prof.export_chrome_trace(path)
+    emulated = _emulated_log_module()
+    log = list(emulated.collective_log()) if emulated is not None else None
+    report = overlap_report(path, log, prof._lynx_sync)
+    return {"trace": path, "share": report.share, "recompute_s": report.recompute_s,
+            "overlapped_s": report.overlapped_s, "window_recompute_s": report.window_recompute_s,
+            "collectives": report.collectives, "source": report.source}
+
+
+def _reference_losses(args: argparse.Namespace) -> list[float]:
+    """The same steps, unsharded, eager, in this process."""
+    device = _device()
+    model = _build(args, device)
+    batches = _batches(args, model.config, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    losses = []
+    for idx in batches:
+        loss = model(idx).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _summary(result: TrainResult, args: argparse.Namespace, say: Callable[[str], None]) -> None:
+    steady = result.step_s[1:] or result.step_s
+    say(f"median step time (steps 1..{len(result.step_s) - 1}): {statistics.median(steady) * 1e3:.2f} ms"
+        f"  [{result.world_size} rank(s), {'TP ' + str(result.world_size) if result.world_size > 1 else 'single process'}"
+        f"{', sequence parallel' if args.sp else ''}, policy {args.policy}]")
+    if args.emulate_link:
+        say(f"link: EMULATED ({args.emulate_link}): collective completion delayed to the alpha-beta time")
+    if result.link:
+        say(f"collectives priced on: {result.link}")
+    for i, p in enumerate(result.plans):
+        say(f"plan {i}: predicted peak {p['peak_bytes'] / 2**20:.2f} MiB "
+            f"({p['peak_bytes'] / max(1, p['reference_peak_bytes']):.2f} of no-recompute), recompute "
+            f"{p['recompute_s'] * 1e3:.2f} ms, exposed {p['exposed_s'] * 1e3:.2f} ms, "
+            f"{p['windows']} units in windows")
+    if result.overlap:
+        o = result.overlap
+        say(f"overlap: {o['share'] * 100:.1f}% of {o['recompute_s'] * 1e3:.2f} ms recompute ran while a "
+            f"collective was in flight ({o['source']}); trace: {o['trace']}")
+    if result.reference_losses is not None:
+        worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(result.losses, result.reference_losses))
+        say("check: step  lynx/TP loss     single-process loss")
+        for i, (a, b) in enumerate(zip(result.losses, result.reference_losses)):
+            say(f"       {i:4d}  {a:.8f}     {b:.8f}")
+        say(f"check: max relative loss difference {worst:.2e}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result.__dict__, f, indent=2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lynx train", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_train_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """``train(args)`` with errors as one message on stderr and exit status 1."""
+    try:
+        train(args)
+    except Exception as e:
+        print(f"{e}", file=sys.stderr)
+        return 1
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Make recomputation visible in profiler traces (``LynxConfig.trace_recompute``).
+
+Reads ``meta.RECOMPUTED`` and ``meta.ROLE`` on the final backward graph. Wraps every maximal
+run of consecutive recomputed nodes in a ``torch.profiler`` range named
+``lynx::recompute[<role>]`` (``demand``, or ``window:<w>`` for runs placed inside collective w's
+window)::
+
+    ar = all_reduce(g)
+    h = profiler._record_function_enter_new("lynx::recompute[window:0]")
+    x_recomputed = gelu(y)
+    profiler._record_function_exit(h)
+    wait_tensor(ar)
+
+Runs at code generation, after planning and memory simulation, so the range handles never
+appear in what the planner or the simulator saw. Without an active profiler the ranges cost a
+few microseconds each; they are only added when asked for.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from . import meta
+
+RANGE_PREFIX = "lynx::recompute"
+
+
+def _role(node: fx.Node) -> str:
+    role = str(node.meta.get(meta.ROLE, "demand"))
+    return role if role.startswith("window:") else "demand"
+
+
+def trace_ranges_pass(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
+    """Insert enter/exit profiler ranges around runs of recomputed nodes (in place)."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    runs: list[list[fx.Node]] = []
+    for node in nodes:
+        if not node.meta.get(meta.RECOMPUTED):
+            continue
+        prev = node.prev
+        if runs and runs[-1][-1] is prev and _role(prev) == _role(node):
+            runs[-1].append(node)
+        else:
+            runs.append([node])
+    for run in runs:
+        with gm.graph.inserting_before(run[0]):
+            handle = gm.graph.call_function(torch.ops.profiler._record_function_enter_new.default,
+                                            (f"{RANGE_PREFIX}[{_role(run[0])}]", None))
+        with gm.graph.inserting_after(run[-1]):
+            gm.graph.call_function(torch.ops.profiler._record_function_exit._RecordFunction, (handle,))
+    gm.graph.lint()
+    gm.recompile()
+    return gm
