@@ -46,8 +46,15 @@ def _clear_tags(gm: fx.GraphModule) -> None:
 
 def _partition(joint: fx.GraphModule, joint_inputs: Any, policy: str, kw: dict, budget: float = 1.0):
     if policy == "torch":
-        return _compat.min_cut_partition(joint, joint_inputs, memory_budget=budget, **kw)
-    return _compat.default_partition(joint, joint_inputs, **kw)
+        fw, bw = _compat.min_cut_partition(joint, joint_inputs, memory_budget=budget, **kw)
+    else:
+        fw, bw = _compat.default_partition(joint, joint_inputs, **kw)
+    # torch's partitioner can leave forward ops copied into the backward with no user there
+    # (seen on tensor-parallel graphs: the mm's feeding a saved collective input); they would
+    # run every step for nothing.
+    if bw.graph.eliminate_dead_code():
+        bw.recompile()
+    return fw, bw
 
 
 def _peak_under(policy: str, joint: fx.GraphModule, ctx: PassContext, joint_inputs: Any, kw: dict) -> int:

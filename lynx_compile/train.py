@@ -241,18 +241,41 @@ def train(args: argparse.Namespace, *, on_step: Callable[[int], None] | None = N
                     f"{' (compile)' if i == 0 and backend is not None else ''}  peak {mem}")
     except Exception as e:
         if heartbeat is not None:
-            heartbeat.stop(clean=False)
-            raise RuntimeError(heartbeat.explain(e)) from e
+            heartbeat.stop(f"failed: {_first_line(e)}")
+            if _is_communication_failure(e):
+                raise RuntimeError(heartbeat.explain(e)) from e
         raise
     if prof is not None:
         result.overlap = _finish_trace(prof, args, rank)
     if heartbeat is not None:
-        heartbeat.stop(clean=True)
+        heartbeat.stop("ok")
     if args.check and rank == 0:
         result.reference_losses = _reference_losses(args)
     if rank == 0:
         _summary(result, args, say)
     return result
+
+
+def _first_line(e: BaseException) -> str:
+    inner = getattr(e, "inner_exception", None)  # dynamo wraps backend errors
+    e = inner if inner is not None else e
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def _is_communication_failure(e: BaseException) -> bool:
+    """A collective that failed because a peer is gone or stuck (not a local bug)."""
+    import torch.distributed as dist
+
+    while e is not None:
+        if isinstance(e, getattr(dist, "DistError", ())):
+            return True
+        text = str(e)
+        if any(k in text for k in ("Connection closed", "Connection reset", "timed out", "Timed out",
+                                   "Broken pipe", "ProcessGroupGloo", "NCCL")):
+            return True
+        e = e.__cause__ or getattr(e, "inner_exception", None)
+    return False
 
 
 def _record_plans(result: TrainResult, backend) -> None:
@@ -367,7 +390,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         train(args)
     except Exception as e:
-        print(f"{e}", file=sys.stderr)
+        import traceback
+
+        if os.environ.get("LYNX_DEBUG"):
+            traceback.print_exc()
+        inner = getattr(e, "inner_exception", None)
+        print(f"{inner if inner is not None else e}", file=sys.stderr)
         return 1
     finally:
         import torch.distributed as dist

@@ -8,21 +8,29 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from . import meta
 from .context import PassContext
 
 
 def annotate_costs_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     from lynx_compile.costs import annotate_costs, get_profile
+    from lynx_compile.distributed.agreement import rank0_value
     from lynx_compile.distributed.link import resolve_link
 
     cfg = ctx.config
     from lynx_compile import _compat
 
     with _compat.eager_dispatch():  # CPU calibration and measurement must see eager op speed
-        profile = get_profile(cfg.hardware)
+        # Measured inputs (the calibrated CPU profile, measured node costs) differ per rank;
+        # every rank plans from rank 0's, so all ranks reach the same plan.
+        profile = rank0_value(get_profile(cfg.hardware))
         link = resolve_link(cfg.link, profile.default_link)
         costs = annotate_costs(gm, profile, source=cfg.cost_source, repeats=cfg.measure_repeats,
                                link=link)
+        if cfg.cost_source == "measured":
+            costs = rank0_value(costs)
+            for node in gm.graph.nodes:
+                node.meta[meta.COST] = costs[node.name]
     fwd = ctx.forward_names
     ctx.record.decisions["cost_source"] = cfg.cost_source
     ctx.record.decisions["hardware"] = profile.name

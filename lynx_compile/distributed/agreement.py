@@ -54,3 +54,17 @@ def check_plan_agreement(plan: RecomputePlan, graph_id: int, group=None) -> str:
             "rank, a solver that finishes within time_limit_s (or solver='heu'), or plan once "
             "with `lynx plan --out plan.json` and pass plan='plan.json' on every rank.")
     return mine
+
+
+def rank0_value(value):
+    """``value`` as rank 0 has it, on every rank (a broadcast; identity with one rank).
+
+    Planning inputs that are *measured* (the calibrated CPU profile, measured node costs) differ
+    slightly per rank; planning from rank 0's copy everywhere keeps the plans identical."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -26,11 +26,11 @@ How, and why this way:
   whole group. The functional collectives (``_c10d_functional.all_reduce``,
   ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_to_all_single``) resolve the
   group by name and call those virtuals, so they, DTensor and torch.compile'd graphs go
-  through the emulation. C++ virtuals the trampoline does *not* route (``_allgather_base`` /
-  ``all_gather_single``, ``reduce_scatter_single``, ``reduce``, ``gather``, ``scatter``,
-  e.g. ``_c10d_functional.all_gather_into_tensor_out``) fail with "no backend for cpu" rather
-  than silently bypassing the link; their *Python* entry points (``dist.all_gather_into_tensor``
-  etc.) are wrapped here.
+  through the emulation. C++ callers of the virtuals the trampoline does *not* route
+  (``all_gather_single``, ``reduce_scatter_single``, ``reduce``, ``gather``, ``scatter``; e.g.
+  ``_c10d_functional.all_gather_into_tensor_out``) fail with "No backend type associated with
+  device type cpu" rather than silently bypassing the link; the *Python* callers
+  (``dist.all_gather_into_tensor``, ``dist.scatter``, ...) reach the overrides here.
 - The returned Work wraps a ``torch.futures.Future`` (``_create_work_from_future``, as torch's
   own ``multi_threaded_pg`` does). One daemon thread per group completes the futures in issue
   order: it blocks in the gloo work's ``wait()`` and then ``time.sleep``s to the modeled
@@ -42,22 +42,23 @@ Limits: each rank models its own issue time, so when a peer issues late the real
 absorbs the skew instead of adding the full modeled time after the late peer (SPMD ranks issue
 together, so this is small). The completing thread needs the GIL to set the future, so while
 the main thread runs pure-Python code completion can lag by up to ``sys.getswitchinterval()``
-(torch ops and waits release the GIL). Collectives are not emitted into torch.profiler traces
-(``record_function`` brackets a span on one thread; an in-flight interval starts on the issuing
-thread and ends on the link thread): use :func:`collective_log`.
+(torch ops and waits release the GIL). Collectives are not emitted into torch.profiler traces:
+``record_function`` spans open and close on one profiled thread (on the issuing thread it would
+end at the wait, not at completion), and there is no public API to add an event with given
+timestamps; :func:`collective_log` has the intervals.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 import queue
+import sys
 import threading
 import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import (
     AllgatherOptions,
@@ -84,7 +85,7 @@ class CollectiveRecord:
     """One completed collective on an emulated group (times from ``time.perf_counter()``)."""
 
     kind: str
-    """Canonical kind (``comm.COLLECTIVE_KINDS``), or ``"barrier"``."""
+    """Canonical kind (``comm.COLLECTIVE_KINDS``), or barrier / gather / scatter / reduce."""
     nbytes: int
     """Payload in ``comm.collective_time``'s convention for ``kind``."""
     issue_t: float
@@ -94,7 +95,9 @@ class CollectiveRecord:
     done_t: float
     """When its Work completed: ``max(inner_done_t, modeled_done_t)`` plus thread wake-up."""
     inner_done_t: float
-    """When gloo itself finished (after ``modeled_done_t`` means gloo, not the link, bound it)."""
+    """When the link thread found gloo finished: gloo's own finish, or later when the thread
+    was still completing an earlier op. After ``modeled_done_t`` means gloo, not the emulated
+    link, bound this op (its own gloo work or an earlier one)."""
     group_name: str
     """The process group's name."""
 
@@ -172,6 +175,29 @@ def _emulated_name(link: LinkProfile) -> LinkProfile:
     return dataclasses.replace(link, name=NAME_PREFIX + link.name)
 
 
+# Kinds the α–β model has no formula for, priced as the collective moving the same bytes.
+_MODEL_KIND = {
+    "barrier": "all_reduce",  # NCCL's barrier is a one-element allreduce
+    "gather": "all_gather",  # the root receives (n-1)/n of the full buffer, as in all_gather
+    "scatter": "all_gather",  # the root sends (n-1)/n of the full buffer
+    "reduce": "broadcast",  # a pipelined chain toward the root: broadcast run backwards
+}
+
+
+@dataclass
+class _Op:
+    """An issued op waiting in a link's FIFO."""
+
+    kind: str
+    nbytes: int
+    issue_t: float
+    modeled_done_t: float
+    works: list  # the gloo Works carrying it
+    result: list  # what the Work's future resolves to (the output tensors)
+    fut: Future
+    group_name: str
+
+
 class _LinkThread:
     """A serial link: a FIFO of issued ops and one daemon thread completing them in order."""
 
@@ -186,33 +212,45 @@ class _LinkThread:
                group_name: str):
         """Queue gloo ``works`` (already issued at ``issue_t``); return a Work that completes
         when they have and the link has carried ``nbytes`` of ``kind``."""
-        model_kind = "all_reduce" if kind == "barrier" else kind  # NCCL barrier = tiny allreduce
+        seconds = collective_time(_MODEL_KIND.get(kind, kind), nbytes, self.world_size, self.link)
         fut = Future()
         with self._lock:
-            start = max(issue_t, self._busy_until)
-            self._busy_until = start + collective_time(model_kind, nbytes, self.world_size, self.link)
-            self._queue.put((kind, nbytes, issue_t, self._busy_until, works, result, fut, group_name))
+            self._busy_until = max(issue_t, self._busy_until) + seconds
+            self._queue.put(_Op(kind, nbytes, issue_t, self._busy_until, works, result, fut,
+                                group_name))
         return _create_work_from_future(fut)
 
     def close(self) -> None:
-        self._queue.put(None)
+        """Let the thread exit (it ends after the ops queued so far)."""
+        # A thread woken while the interpreter finalizes dies inside pybind's GIL handling,
+        # which aborts the process; a daemon thread left blocked in get() is harmless.
+        if not sys.is_finalizing():
+            self._queue.put(None)
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            kind, nbytes, issue_t, modeled_done, works, result, fut, group_name = item
-            try:
-                for w in works:
-                    w.wait()  # releases the GIL
-            except Exception as e:  # a gloo error or timeout: the waiter sees it
-                fut.set_exception(e)
-                continue
-            inner_done = time.perf_counter()
-            if modeled_done > inner_done:
-                time.sleep(modeled_done - inner_done)
-            done = time.perf_counter()
-            _LOG.append(CollectiveRecord(kind, nbytes, issue_t, modeled_done, done, inner_done,
-                                         group_name))
-            fut.set_result(result)
+        while self._complete_next():
+            pass
+
+    def _complete_next(self) -> bool:
+        # One op per call, so its Works and buffers are released when the call returns
+        # rather than kept alive by loop variables while the link is idle.
+        op = self._queue.get()
+        if op is None:
+            return False
+        try:
+            for w in op.works:
+                w.wait()  # releases the GIL
+        except Exception as e:  # a gloo error or timeout: the waiter sees it
+            op.fut.set_exception(e)
+            return True
+        inner_done = time.perf_counter()
+        if op.modeled_done_t > inner_done:
+            time.sleep(op.modeled_done_t - inner_done)
+        done = time.perf_counter()
+        _LOG.append(CollectiveRecord(op.kind, op.nbytes, op.issue_t, op.modeled_done_t, done,
+                                     inner_done, op.group_name))
+        op.fut.set_result(op.result)
+        return True
 
 
 def _nbytes(tensors) -> int:
@@ -233,9 +271,13 @@ class EmulatedProcessGroup(dist.ProcessGroup):
         self._name = self._desc = ""
         self._link = _LinkThread(link, world_size)
         # The thread must not keep the group alive; stop it when the group goes away.
-        weakref.finalize(self, self._link.close)
+        weakref.finalize(self, self._link.close).atexit = False  # at exit, nothing to wake
 
-    def _issue(self, kind: str, nbytes: int, issue_t: float, works, result):
+    def _issue(self, kind: str, nbytes: int, result: list, start, *args):
+        """Run gloo's ``start(*args)`` (a Work, or a list of them) now; return a Work that
+        completes when gloo and the modeled link are both done, resolving to ``result``."""
+        issue_t = time.perf_counter()
+        works = start(*args)
         works = works if isinstance(works, list) else [works]
         return self._link.submit(kind, nbytes, issue_t, works, result, self._name)
 
@@ -263,90 +305,89 @@ class EmulatedProcessGroup(dist.ProcessGroup):
     def __repr__(self) -> str:
         return f"EmulatedProcessGroup({self.rank()}/{self.size()}, {self.link})"
 
-    # -- collectives
+    # -- collectives. c10d passes opts; Python callers of the older names may not.
     def allreduce(self, tensors, opts=None):
-        t0 = time.perf_counter()
-        work = self.inner.allreduce(tensors, opts or AllreduceOptions())
-        return self._issue("all_reduce", _nbytes(tensors), t0, work, tensors)
+        return self._issue("all_reduce", _nbytes(tensors), tensors,
+                           self.inner.allreduce, tensors, opts or AllreduceOptions())
 
     def allreduce_coalesced(self, tensors, opts=None):
-        t0 = time.perf_counter()
-        work = self.inner.allreduce_coalesced(tensors, opts or AllreduceCoalescedOptions())
-        return self._issue("all_reduce", _nbytes(tensors), t0, work, tensors)
+        return self._issue("all_reduce", _nbytes(tensors), tensors, self.inner.allreduce_coalesced,
+                           tensors, opts or AllreduceCoalescedOptions())
 
     def allgather(self, output_lists, inputs, opts=None):
-        t0 = time.perf_counter()
-        work = self.inner.allgather(output_lists, inputs, opts or AllgatherOptions())
         outs = [t for ts in output_lists for t in ts]
-        return self._issue("all_gather", _nbytes(outs), t0, work, outs)
+        return self._issue("all_gather", _nbytes(outs), outs,
+                           self.inner.allgather, output_lists, inputs, opts or AllgatherOptions())
 
     def all_gather_single(self, output, input, opts=None):
-        t0 = time.perf_counter()
-        work = self.inner._allgather_base(output, input, opts or AllgatherOptions())
-        return self._issue("all_gather", _nbytes([output]), t0, work, [output])
+        return self._issue("all_gather", _nbytes([output]), [output],
+                           self.inner._allgather_base, output, input, opts or AllgatherOptions())
 
-    _allgather_base = all_gather_single  # the pre-2.13 name Python callers may use
+    _allgather_base = all_gather_single  # the pre-2.13 name
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        # gloo has no coalesced form: issue one per tensor, model them as one transfer.
-        t0, opts = time.perf_counter(), opts or AllgatherOptions()
-        works = [self.inner._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)]
-        return self._issue("all_gather", _nbytes(outputs), t0, works, outputs)
+        # gloo has no coalesced form: one op per tensor, modeled as one transfer (as NCCL does).
+        opts = opts or AllgatherOptions()
+        return self._issue("all_gather", _nbytes(outputs), outputs, lambda: [
+            self.inner._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)])
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def reduce_scatter_single(self, output, input, opts=None):
-        t0 = time.perf_counter()
-        work = self.inner._reduce_scatter_base(output, input, opts or ReduceScatterOptions())
-        return self._issue("reduce_scatter", _nbytes([input]), t0, work, [output])
+        return self._issue("reduce_scatter", _nbytes([input]), [output], self.inner._reduce_scatter_base,
+                           output, input, opts or ReduceScatterOptions())
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        t0, opts = time.perf_counter(), opts or ReduceScatterOptions()
-        works = [self.inner._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)]
-        return self._issue("reduce_scatter", _nbytes(inputs), t0, works, outputs)
+        opts = opts or ReduceScatterOptions()
+        return self._issue("reduce_scatter", _nbytes(inputs), outputs, lambda: [
+            self.inner._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)])
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
-        t0 = time.perf_counter()
-        work = self.inner.reduce_scatter(outputs, input_lists, opts or ReduceScatterOptions())
         ins = [t for ts in input_lists for t in ts]
-        return self._issue("reduce_scatter", _nbytes(ins), t0, work, outputs)
+        return self._issue("reduce_scatter", _nbytes(ins), outputs, self.inner.reduce_scatter,
+                           outputs, input_lists, opts or ReduceScatterOptions())
 
     def all_to_all_single(self, output, input, output_splits, input_splits, opts=None):
-        t0 = time.perf_counter()
-        work = self.inner.alltoall_base(output, input, output_splits, input_splits,
-                                        opts or AllToAllOptions())
-        return self._issue("all_to_all", _nbytes([input]), t0, work, [output])
+        return self._issue("all_to_all", _nbytes([input]), [output], self.inner.alltoall_base,
+                           output, input, output_splits, input_splits, opts or AllToAllOptions())
 
     alltoall_base = all_to_all_single
 
     def alltoall(self, outputs, inputs, opts=None):
-        t0 = time.perf_counter()
-        work = self.inner.alltoall(outputs, inputs, opts or AllToAllOptions())
-        return self._issue("all_to_all", _nbytes(inputs), t0, work, outputs)
+        return self._issue("all_to_all", _nbytes(inputs), outputs,
+                           self.inner.alltoall, outputs, inputs, opts or AllToAllOptions())
 
     def broadcast(self, tensors, opts=None):
-        t0 = time.perf_counter()
-        work = self.inner.broadcast(tensors, opts or BroadcastOptions())
-        return self._issue("broadcast", _nbytes(tensors), t0, work, tensors)
+        return self._issue("broadcast", _nbytes(tensors), tensors,
+                           self.inner.broadcast, tensors, opts or BroadcastOptions())
 
     def barrier(self, opts=None):
-        t0 = time.perf_counter()
-        work = self.inner.barrier(opts or BarrierOptions())
-        return self._issue("barrier", 0, t0, work, [])
+        return self._issue("barrier", 0, [], self.inner.barrier, opts or BarrierOptions())
+
+    # gather / scatter / reduce: c10d's C++ does not route these to Python, but the
+    # torch.distributed functions (and DTensor's distribute_tensor) call them from Python.
+    # nbytes: the full buffer, as for all_gather.
+    def gather(self, output_lists, inputs, opts):
+        outs = [t for ts in output_lists for t in ts]
+        return self._issue("gather", _nbytes(inputs) * self.size(), outs,
+                           self.inner.gather, output_lists, inputs, opts)
+
+    def scatter(self, outputs, input_lists, opts):
+        return self._issue("scatter", _nbytes(outputs) * self.size(), outputs,
+                           self.inner.scatter, outputs, input_lists, opts)
+
+    def reduce(self, tensors, opts):
+        return self._issue("reduce", _nbytes(tensors), tensors, self.inner.reduce, tensors, opts)
 
     def send(self, tensors, dst: int, tag: int = 0):
-        t0 = time.perf_counter()
-        work = self.inner.send(tensors, dst, tag)
-        return self._issue("send", _nbytes(tensors), t0, work, tensors)
+        return self._issue("send", _nbytes(tensors), tensors, self.inner.send, tensors, dst, tag)
 
     def recv(self, tensors, src: int, tag: int = 0):
-        t0 = time.perf_counter()
-        work = self.inner.recv(tensors, src, tag)
-        return self._issue("recv", _nbytes(tensors), t0, work, tensors)
+        return self._issue("recv", _nbytes(tensors), tensors, self.inner.recv, tensors, src, tag)
 
 
 def _create(store, rank: int, world_size: int, timeout) -> EmulatedProcessGroup:

@@ -40,13 +40,27 @@ class Heartbeat:
             except Exception:  # the store is gone (rank 0 died): nothing left to stamp
                 return
 
-    def stop(self, clean: bool = True) -> None:
+    def stop(self, status: str = "ok") -> None:
+        """Stop stamping and record how this rank left (``ok`` or ``failed: <why>``)."""
         self._stop.set()
-        if clean:
-            try:
-                self.store.set(f"lynx/exit/{self.rank}", "ok")
-            except Exception:
-                pass
+        try:
+            self.store.set(f"lynx/exit/{self.rank}", status)
+        except Exception:  # the store is gone with rank 0
+            pass
+
+    def failed_ranks(self) -> dict[int, str]:
+        """Other ranks that recorded a failure, with their reason."""
+        out = {}
+        try:
+            for r in range(self.world_size):
+                key = f"lynx/exit/{r}"
+                if r != self.rank and self.store.check([key]):
+                    status = self.store.get(key).decode()
+                    if status.startswith("failed"):
+                        out[r] = status
+        except Exception:
+            pass
+        return out
 
     def dead_ranks(self, stale_after_s: float | None = None) -> list[int] | None:
         """Ranks whose heartbeat is older than ``stale_after_s`` (default 4 intervals) and that
@@ -71,7 +85,10 @@ class Heartbeat:
     def explain(self, error: BaseException) -> str:
         """A one-paragraph message for a failed step: which ranks stopped, and the error."""
         dead = self.dead_ranks()
-        if dead is None:
+        failed = self.failed_ranks()
+        if failed:
+            who = "; ".join(f"rank {r} {why}" for r, why in sorted(failed.items()))
+        elif dead is None:
             who = "the rendezvous store on rank 0 is unreachable: rank 0 has most likely died"
         elif dead:
             who = f"rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} stopped (no heartbeat)"

@@ -40,6 +40,7 @@ import torch.distributed._functional_collectives as fc
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
 
 from lynx_compile.models.gpt import GPT
 from lynx_compile.models.llama import Llama
@@ -243,7 +244,12 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(
-        self, dense: nn.Linear, group: ProcessGroup, *, fused: int = 1, input_comm: InputComm = "copy"
+        self,
+        dense: nn.Linear,
+        group: ProcessGroup,
+        *,
+        fused: int = 1,
+        input_comm: InputComm = "copy",
     ) -> None:
         super().__init__()
         self.group, self.input_comm = group, input_comm
@@ -326,14 +332,14 @@ _LAYOUTS: dict[type, _ZooLayout] = {
 }
 
 
-def _check_divisible(model: nn.Module, tp: int) -> None:
+def check_tp_divisible(model: nn.Module, tp: int) -> None:
     """ValueError naming the first head count or ffn width that ``tp`` does not divide."""
     config = model.config
     widths = {"n_heads": config.n_heads}
     if isinstance(model, Llama):
         widths |= {"n_kv_heads": config.n_kv_heads, "ffn_dim": config.ffn_dim}
     else:
-        widths |= {"ffn width 4 * hidden": 4 * config.hidden}
+        widths |= {"mlp width 4*hidden": 4 * config.hidden}
     for what, width in widths.items():
         if width % tp:
             raise ValueError(f"{what}={width} is not divisible by the tensor-parallel size {tp}")
@@ -368,7 +374,8 @@ def tensor_parallelize(
     row-parallel. The attention modules get their local head counts (``n_heads / tp``,
     ``n_kv_heads / tp``). Parameter names are unchanged. Every block is converted the same way,
     so blocks stay structurally identical. Embeddings, norms and the LM head stay replicated:
-    no vocab parallelism.
+    no vocab parallelism. Dropout inside the sharded regions draws per-rank masks, so only
+    ``dropout=0`` reproduces the single-process model exactly.
 
     The TP-region entry of each ``attn`` / ``mlp`` is a forward pre-hook (see
     :func:`_enter_hook`). With ``sequence_parallel`` the output of the embedding module is
@@ -383,15 +390,17 @@ def tensor_parallelize(
     if any(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) for m in model.modules()):
         raise ValueError("model is already tensor-parallel")
     tp = group.size()
-    _check_divisible(model, tp)
-    in_comm: InputComm = "none"  # done by the sublayer's pre-hook
+    check_tp_divisible(model, tp)
     out_comm: OutputComm = "reduce_scatter_sequence" if sequence_parallel else "all_reduce"
     for block in model.blocks:
         for path, fused in layout.column.items():
             dense = block.get_submodule(path)
-            block.set_submodule(path, ColumnParallelLinear(dense, group, fused=fused, input_comm=in_comm))
+            # input_comm "none": the sublayer's pre-hook brings the input in, once.
+            column = ColumnParallelLinear(dense, group, fused=fused, input_comm="none")
+            block.set_submodule(path, column)
         for path in layout.row:
-            block.set_submodule(path, RowParallelLinear(block.get_submodule(path), group, output_comm=out_comm))
+            dense = block.get_submodule(path)
+            block.set_submodule(path, RowParallelLinear(dense, group, output_comm=out_comm))
         block.attn.n_heads //= tp
         if isinstance(model, Llama):
             block.attn.n_kv_heads //= tp
@@ -425,7 +434,9 @@ def sync_sequence_parallel_grads(model: nn.Module, group: ProcessGroup) -> None:
     parallelism.
     """
     grads = [
-        p.grad for p in model.parameters() if getattr(p, SP_PARTIAL_GRAD_ATTR, False) and p.grad is not None
+        p.grad
+        for p in model.parameters()
+        if getattr(p, SP_PARTIAL_GRAD_ATTR, False) and p.grad is not None
     ]
     if not grads:
         return
@@ -443,8 +454,6 @@ def full_gradients(tp_model: nn.Module, group: ProcessGroup) -> dict[str, Tensor
     Parameters without a gradient are left out. A collective: every rank must call it. Under
     sequence parallelism call :func:`sync_sequence_parallel_grads` first.
     """
-    from torch.distributed.tensor import DTensor
-
     full: dict[str, Tensor] = {}
     for name, param in tp_model.named_parameters():
         grad = param.grad
