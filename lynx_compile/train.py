@@ -55,6 +55,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--check", action="store_true", help="also train unsharded in one process; print both losses")
     p.add_argument("--trace", default=None, metavar="DIR", help="per-rank Chrome trace + overlap figure")
+    p.add_argument("--trace-steps", type=int, default=2,
+                   help="profile the last N steps (the step-time median uses the untraced ones)")
     p.add_argument("--timeout", type=float, default=120.0, help="process-group timeout, seconds")
     p.add_argument("--json", default=None, metavar="PATH", help="rank 0 writes the results here")
 
@@ -75,6 +77,13 @@ class TrainResult:
     link: str = ""
     overlap: dict | None = None
     reference_losses: list[float] | None = None
+    comm_bytes_per_step: float | None = None
+    """Emulated link only: payload bytes and modeled seconds of this rank's collectives per
+    steady step (steps after the first, before any trace)."""
+    comm_modeled_s_per_step: float | None = None
+    comm_ops_per_step: float | None = None
+    timed_steps: list[int] = field(default_factory=list)
+    """Steps whose times enter the median: after the compile step, before the traced ones."""
 
 
 def _device() -> torch.device:
@@ -207,12 +216,20 @@ def train(args: argparse.Namespace, *, on_step: Callable[[int], None] | None = N
 
         heartbeat = Heartbeat(_get_default_store(), rank, world).start()
     prof = None
-    warm = min(2, args.steps - 1)  # the trace skips the compile step and one warm step
+    # The trace covers the last --trace-steps steps (never the compile step); step times are
+    # taken from the untraced steps in between (the profiler slows CPU execution).
+    trace_from = max(1, args.steps - args.trace_steps) if args.trace else args.steps
+    result.timed_steps = list(range(1, trace_from)) or [i for i in range(args.steps) if i > 0] or [0]
+    emulated = _emulated_log_module() if world > 1 else None
     try:
         for i, idx in enumerate(batches):
             if on_step is not None:
                 on_step(i)
-            if args.trace and i == warm:
+            if emulated is not None and i == 1:
+                emulated.clear_collective_log()
+            if emulated is not None and i == trace_from:
+                _comm_stats(result, emulated, world, trace_from - 1)
+            if args.trace and i == trace_from:
                 prof = _start_trace(args)
             start_mem = reset()
             t0 = time.perf_counter()
@@ -245,6 +262,8 @@ def train(args: argparse.Namespace, *, on_step: Callable[[int], None] | None = N
             if _is_communication_failure(e):
                 raise RuntimeError(heartbeat.explain(e)) from e
         raise
+    if emulated is not None and trace_from == args.steps:
+        _comm_stats(result, emulated, world, args.steps - 1)
     if prof is not None:
         result.overlap = _finish_trace(prof, args, rank)
     if heartbeat is not None:
@@ -254,6 +273,22 @@ def train(args: argparse.Namespace, *, on_step: Callable[[int], None] | None = N
     if rank == 0:
         _summary(result, args, say)
     return result
+
+
+def _comm_stats(result: TrainResult, emulated, world: int, steps: int) -> None:
+    if steps < 1:
+        return
+    log = emulated.collective_log()
+    result.comm_bytes_per_step = sum(r.nbytes for r in log) / steps
+    result.comm_ops_per_step = len(log) / steps
+    result.comm_modeled_s_per_step = _modeled_seconds(log, emulated.emulated_link_of(), world) / steps
+
+
+def _modeled_seconds(log, link, world: int) -> float:
+    """Sum of each logged collective's alpha-beta time on ``link`` (no queueing)."""
+    from lynx_compile.costs.comm import COLLECTIVE_KINDS, collective_time
+
+    return sum(collective_time(r.kind, r.nbytes, world, link) for r in log if r.kind in COLLECTIVE_KINDS)
 
 
 def _first_line(e: BaseException) -> str:
@@ -350,12 +385,16 @@ def _reference_losses(args: argparse.Namespace) -> list[float]:
 
 
 def _summary(result: TrainResult, args: argparse.Namespace, say: Callable[[str], None]) -> None:
-    steady = result.step_s[1:] or result.step_s
-    say(f"median step time (steps 1..{len(result.step_s) - 1}): {statistics.median(steady) * 1e3:.2f} ms"
+    steady = [result.step_s[i] for i in result.timed_steps]
+    say(f"median step time (steps {result.timed_steps[0]}..{result.timed_steps[-1]}): "
+        f"{statistics.median(steady) * 1e3:.2f} ms"
         f"  [{result.world_size} rank(s), {'TP ' + str(result.world_size) if result.world_size > 1 else 'single process'}"
         f"{', sequence parallel' if args.sp else ''}, policy {args.policy}]")
     if args.emulate_link:
         say(f"link: EMULATED ({args.emulate_link}): collective completion delayed to the alpha-beta time")
+        if result.comm_modeled_s_per_step is not None:
+            say(f"collectives per step (rank 0): {result.comm_bytes_per_step / 2**20:.2f} MiB, "
+                f"{result.comm_modeled_s_per_step * 1e3:.2f} ms modeled on the emulated link")
     if result.link:
         say(f"collectives priced on: {result.link}")
     for i, p in enumerate(result.plans):

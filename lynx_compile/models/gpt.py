@@ -95,9 +95,10 @@ class CausalSelfAttention(nn.Module):
         # Widths come from c_attn's output, not from C: under tensor parallelism c_attn holds
         # this rank's n_heads / tp heads of each of q, k and v (distributed/tensor_parallel.py).
         q, k, v = self.c_attn(x).chunk(3, dim=2)  # 3 x (B, T, C)
-        q = q.view(B, T, nh, -1).transpose(1, 2)  # (B, nh, T, hd)
-        k = k.view(B, T, nh, -1).transpose(1, 2)  # (B, nh, T, hd)
-        v = v.view(B, T, nh, -1).transpose(1, 2)  # (B, nh, T, hd)
+        hd = q.size(-1) // nh
+        q = q.view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
+        v = v.view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
         y = causal_attention(
             q, k, v, impl=self.attn_impl, dropout_p=self.dropout, training=self.training
         )  # (B, nh, T, hd)
