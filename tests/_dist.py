@@ -1,0 +1,137 @@
+"""Run a function on N gloo CPU ranks from a test, and never hang pytest.
+
+    results = run_ranks(check_something, 2, "gpt")   # check_something(rank, 2, "gpt") per rank
+
+``fn`` must be a module-level function (it is pickled by name into spawned processes; the tests
+directory is on ``sys.path`` in the children because spawn copies the parent's). Each child sets
+one intra-op thread, joins a gloo process group on 127.0.0.1, runs ``fn`` and sends back its
+pickled result or its traceback. The parent kills every child and raises AssertionError on the
+first failing rank, on a child that dies without reporting, or when ``timeout_s`` runs out.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import socket
+import sys
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# How long other ranks may keep reporting after the first failure, so that the report shows
+# every rank's error (the first one is usually the cause, the rest its consequences).
+_GRACE_S = 1.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn: Callable, rank: int, world_size: int, port: int, timeout_s: float,
+           results: Any, args: tuple) -> None:
+    try:
+        torch.set_num_threads(1)
+        if sys.platform.startswith("linux"):
+            # Keep gloo on loopback: the hostname may resolve to an address that is not.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        # Pickle here, not in the queue's feeder thread, so an unpicklable result is reported
+        # as this rank's error instead of being dropped silently.
+        message = (rank, True, pickle.dumps(fn(rank, world_size, *args)))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        message = (rank, False, traceback.format_exc())
+    # Report before tearing down, so a teardown that blocks cannot swallow the result.
+    results.put(message)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120) -> list[Any]:
+    """``[fn(0, world_size, *args), ..., fn(world_size - 1, world_size, *args)]``, one process each.
+
+    Raises AssertionError with the failing rank's traceback if a rank raises, with the exit code
+    if a child dies without a result, or with the missing ranks after ``timeout_s`` seconds
+    (which also bounds the process group's collective timeout). Children are always killed.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        # Not daemonic, so fn may start processes of its own (e.g. inductor's compile workers);
+        # the finally below kills the children on every way out.
+        ctx.Process(target=_child, args=(fn, rank, world_size, port, timeout_s, results, args))
+        for rank in range(world_size)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        return _collect(procs, results, world_size, fn.__name__, time.monotonic() + timeout_s)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=5)
+        results.close()
+
+
+def _collect(procs: list, results: Any, world_size: int, name: str, deadline: float) -> list[Any]:
+    """Every rank's unpickled result in rank order, or AssertionError (see :func:`run_ranks`)."""
+    done: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    dead_since: dict[int, float] = {}
+    error_deadline = None
+    while len(done) + len(errors) < world_size:
+        now = time.monotonic()
+        if error_deadline is not None and now > error_deadline:
+            break
+        if now > deadline:
+            if errors:
+                break
+            missing = sorted(set(range(world_size)) - set(done))
+            raise AssertionError(f"{name}: ranks {missing} did not finish in time (hang?)")
+        try:
+            rank, ok, payload = results.get(timeout=0.2)
+        except queue.Empty:
+            _check_exits(procs, done, errors, dead_since, name)
+            continue
+        if ok:
+            done[rank] = pickle.loads(payload)
+        else:
+            errors[rank] = payload
+            error_deadline = error_deadline or time.monotonic() + _GRACE_S
+    if errors:
+        first = next(iter(errors))
+        others = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in errors.items() if r != first)
+        # A rank that crashed outright (no traceback) is often why the others failed.
+        dead = [f"rank {r} exited with code {p.exitcode} without a result"
+                for r, p in enumerate(procs)
+                if r not in done and r not in errors and p.exitcode not in (None, 0)]
+        dead_note = "".join(f"\n--- {d} ---" for d in dead)
+        raise AssertionError(f"{name}: rank {first} failed:\n{errors[first]}{others}{dead_note}")
+    return [done[rank] for rank in range(world_size)]
+
+
+def _check_exits(procs: list, done: dict, errors: dict, dead_since: dict, name: str) -> None:
+    """AssertionError if a child that has not reported exited with an error code a while ago.
+
+    The wait lets a result that a child queued just before crashing on exit still arrive.
+    """
+    now = time.monotonic()
+    for rank, p in enumerate(procs):
+        if rank in done or rank in errors or p.exitcode in (None, 0):
+            continue
+        if now - dead_since.setdefault(rank, now) > _GRACE_S:
+            raise AssertionError(f"{name}: rank {rank} died with exit code {p.exitcode}, no result")
