@@ -23,6 +23,22 @@ from . import meta
 from .context import PassContext
 
 
+def _with_recomputed_inputs(group: list[fx.Node], coll: fx.Node, gm: fx.GraphModule) -> list[fx.Node]:
+    """``group`` plus the recomputed nodes it reads that sit after ``coll``, in graph order.
+
+    Nodes the partitioner creates itself carry no plan role: the RNG replay
+    (``run_with_rng_state``) whose getitem a window unit is, for one. They must move with the
+    unit that reads them."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    members, todo = set(group), list(group)
+    while todo:
+        for a in todo.pop().all_input_nodes:
+            if a not in members and order[a] > order[coll] and a.meta.get(meta.RECOMPUTED):
+                members.add(a)
+                todo.append(a)
+    return sorted(members, key=order.__getitem__)
+
+
 def insert_recompute_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     # Windows are numbered over the backward's own collectives; a forward collective re-issued
     # by a policy that recomputes it (``full``) is a recomputed node, not a window.
@@ -31,6 +47,7 @@ def insert_recompute_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
     for w, coll in enumerate(collectives):
         role = f"window:{w}"
         group = [n for n in gm.graph.nodes if n.meta.get(meta.RECOMPUTED) and n.meta.get(meta.ROLE) == role]
+        group = _with_recomputed_inputs(group, coll, gm)
         anchor = coll
         for node in group:
             anchor.append(node)

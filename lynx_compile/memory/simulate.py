@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from lynx_compile.costs.comm import is_wait_node
+
 
 def _nbytes(val) -> int:
     if isinstance(val, torch.Tensor):
@@ -47,6 +49,8 @@ def aliased_input(node: fx.Node) -> fx.Node | None:
     if node.target is operator.getitem:
         parent = node.args[0]
         return parent if isinstance(parent, fx.Node) and aliased_input(parent) is not None else None
+    if is_wait_node(node):  # wait_tensor hands back its input, the collective's output buffer
+        return node.args[0] if isinstance(node.args[0], fx.Node) else None
     schema = getattr(node.target, "_schema", None)
     if schema is None or not schema.returns or schema.returns[0].alias_info is None:
         return None

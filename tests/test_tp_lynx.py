@@ -1,0 +1,196 @@
+"""lynx on tensor-parallel graphs, real gloo ranks: same numbers as one process, recompute
+placed inside the collectives' windows, ranks that agree on the plan, failures that say who.
+
+Each test is one spawn of all ranks; inside it every rank runs several configurations in turn
+(process start-up and compilation dominate the runtime).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import lynx_compile
+from _dist import free_port, run_ranks
+from lynx_compile.distributed.tensor_parallel import (
+    full_gradients,
+    sync_sequence_parallel_grads,
+    tensor_parallelize,
+)
+from lynx_compile.models import GPTConfig, LlamaConfig, build_model
+
+# Small enough for 4 ranks on 2 cores; long enough sequences that block activations, not the
+# logits, dominate memory, so a budget forces recompute inside the blocks.
+CONFIGS = {
+    "gpt": GPTConfig(vocab_size=32, seq_len=128, n_layers=2, hidden=32, n_heads=8, dropout=0.0),
+    "llama": LlamaConfig(vocab_size=32, seq_len=128, n_layers=2, hidden=32, n_heads=8, n_kv_heads=4,
+                         ffn_hidden=64, dropout=0.0),
+}
+BATCH = 2
+BUDGET = 0.85
+RTOL = 1e-5
+
+
+def _batch(cfg) -> torch.Tensor:
+    return torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len), generator=torch.Generator().manual_seed(3))
+
+
+def _reference(cfg):
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    loss = model(_batch(cfg)).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _assert_close(name, got, want):
+    err = (got - want).abs().max().item()
+    scale = want.abs().max().item()
+    assert err <= RTOL * max(scale, 1e-3), f"{name}: max abs error {err:.3g} vs scale {scale:.3g}"
+
+
+def _lynx_tp_matches(rank, world, configs):
+    out = []
+    for name, sp in configs:
+        cfg = CONFIGS[name]
+        ref_loss, ref_grads = _reference(cfg)
+        torch.manual_seed(0)
+        model = tensor_parallelize(build_model(cfg), dist.group.WORLD, sequence_parallel=sp)
+        torch._dynamo.reset()
+        backend = lynx_compile.backend(policy="lynx", memory_budget=BUDGET, solver="highs",
+                                       plan_cache=False, hardware="cpu", link="pcie4")
+        loss = torch.compile(model, backend=backend)(_batch(cfg)).loss
+        loss.backward()
+        if sp:
+            sync_sequence_parallel_grads(model, dist.group.WORLD)
+        _assert_close(f"{name} sp={sp} loss", loss.detach(), ref_loss)
+        grads = full_gradients(model, dist.group.WORLD)
+        assert set(grads) == set(ref_grads)
+        for pname, g in grads.items():
+            _assert_close(f"{name} sp={sp} grad {pname}", g, ref_grads[pname])
+        plan = backend.plans[-1]
+        decisions = plan.decisions.values()
+        out.append({"name": name, "sp": sp, "peak_fraction": plan.peak_fraction,
+                    "recomputed": sum(d != "keep" and d != "none" for d in decisions),
+                    "windowed": sum(d.startswith("window:") for d in decisions),
+                    "moved": backend.records[-1].decisions.get("recompute_nodes_in_windows", 0),
+                    "fingerprint": backend.records[-1].decisions["plan_fingerprint"]})
+    return out
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("tp", [2, 4])
+def test_lynx_tensor_parallel_matches_single_process(tp):
+    configs = [("gpt", False), ("gpt", True), ("llama", False), ("llama", True)]
+    results = run_ranks(_lynx_tp_matches, tp, configs, timeout_s=380)
+    for per_rank in zip(*results):
+        # every rank ran the same plan
+        assert len({r["fingerprint"] for r in per_rank}) == 1, per_rank
+        r = per_rank[0]
+        assert r["peak_fraction"] <= BUDGET + 0.02, r
+        assert r["recomputed"] > 0 and r["windowed"] > 0 and r["moved"] > 0, r
+
+
+def _lynx_tp_dropout_matches_eager_tp(rank, world):
+    """With dropout on, lynx's TP run (windows, RNG replay) equals the eager TP run."""
+    cfg = GPTConfig(vocab_size=32, seq_len=128, n_layers=2, hidden=32, n_heads=8, dropout=0.1)
+    grads = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = tensor_parallelize(build_model(cfg), dist.group.WORLD)
+        run = model
+        if compiled:
+            run = torch.compile(model, backend=lynx_compile.backend(
+                policy="lynx", memory_budget=BUDGET, solver="heu", plan_cache=False, hardware="cpu",
+                link="pcie4"))
+        torch.manual_seed(7)
+        run(_batch(cfg)).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for n in grads[0]:
+        _assert_close(f"dropout grad {n}", grads[1][n], grads[0][n])
+    return True
+
+
+@pytest.mark.timeout(200)
+def test_lynx_tensor_parallel_dropout_replays_rng():
+    assert run_ranks(_lynx_tp_dropout_matches_eager_tp, 2, timeout_s=180) == [True, True]
+
+
+def _mismatched_budgets(rank, world):
+    from lynx_compile.distributed.agreement import PlanMismatchError
+
+    cfg = CONFIGS["gpt"]
+    torch.manual_seed(0)
+    model = tensor_parallelize(build_model(cfg), dist.group.WORLD)
+    budget = 0.85 if rank == 0 else 1.0  # a per-rank option: the plans differ
+    backend = lynx_compile.backend(policy="lynx", memory_budget=budget, solver="heu", plan_cache=False,
+                                   hardware="cpu", link="pcie4")
+    try:
+        torch.compile(model, backend=backend)(_batch(cfg)).loss.backward()
+    except Exception as e:  # dynamo wraps backend errors
+        inner = getattr(e, "inner_exception", e)
+        return type(inner).__name__, str(inner)
+    return "no error", ""
+
+
+@pytest.mark.timeout(200)
+def test_plan_mismatch_stops_every_rank_with_one_error():
+    results = run_ranks(_mismatched_budgets, 2, timeout_s=180)
+    for kind, msg in results:
+        assert kind == "PlanMismatchError", (kind, msg)
+        assert "ranks [0] planned" in msg and "ranks [1] planned" in msg
+    assert results[0][1] == results[1][1]  # the same message on every rank
+
+
+def _train_until_rank1_dies(rank, world, port, path):
+    import argparse
+
+    from lynx_compile.train import add_train_arguments, train
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
+    p = argparse.ArgumentParser()
+    add_train_arguments(p)
+    args = p.parse_args(["--model", "gpt-tiny", "--policy", "eager", "--steps", "6", "--dropout", "0"])
+
+    def die(step):
+        if rank == 1 and step == 2:
+            os._exit(7)  # no clean-up, no message: a crashed rank
+
+    t0 = time.monotonic()
+    try:
+        train(args, on_step=die, say=lambda s: None)
+        msg = "finished"
+    except Exception as e:
+        msg = str(e)
+    with open(path, "w") as f:
+        f.write(f"{time.monotonic() - t0:.1f}\n{msg}")
+    os._exit(0)
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_rank_is_named_by_the_survivors(tmp_path):
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    path = str(tmp_path / "rank0.txt")
+    procs = [ctx.Process(target=_train_until_rank1_dies, args=(r, 2, port, path)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        procs[0].join(timeout=90)
+        assert procs[0].exitcode == 0, "rank 0 did not exit on its own within 90 s"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+    assert procs[1].exitcode == 7
+    elapsed, msg = open(path).read().split("\n", 1)
+    assert "rank 1 stopped (no heartbeat)" in msg, msg
+    assert float(elapsed) < 60  # well within the 30 s process-group timeout plus start-up
