@@ -46,7 +46,8 @@ def _launch(args, policy: str, link: str, extra: list[str], tag: str, trace: boo
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
            str(args.port), "-m", "lynx_compile.train", "--model", args.model, "--tp", "2",
            "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--policy", policy,
-           "--emulate-link", link, "--json", out, "--solver", args.solver, *extra]
+           "--emulate-link", link, "--json", out, "--solver", args.solver,
+           "--cost-source", args.cost_source, *extra]
     if args.dropout is not None:
         cmd += ["--dropout", str(args.dropout)]
     if trace:
@@ -57,7 +58,8 @@ def _launch(args, policy: str, link: str, extra: list[str], tag: str, trace: boo
     if proc.returncode != 0 or not os.path.exists(out):
         lines = [ln for ln in (proc.stderr + proc.stdout).splitlines()
                  if ln.strip() and not ln.startswith(("W1", "E1", "USDT", "I1")) and "Warning" not in ln]
-        return {"error": next((ln for ln in lines if "rror" in ln or "lynx" in ln), lines[-1] if lines else "?")}
+        useful = [ln for ln in lines if not ln.startswith((" ", "Traceback", "torch.distributed.elastic"))]
+        return {"error": next((ln for ln in useful if "rror" in ln or "lynx" in ln), useful[-1] if useful else "?")}
     with open(out) as f:
         res = json.load(f)
     res["wall_s"] = wall
@@ -89,7 +91,9 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--trace-steps", type=int, default=3)
-    p.add_argument("--budget", type=float, default=0.5)
+    p.add_argument("--budget", type=float, default=0.55)
+    p.add_argument("--cost-source", default="measured", choices=["analytic", "measured"],
+                   help="lynx's per-node costs (the CPU roofline underprices recompute several-fold)")
     p.add_argument("--comm-fraction", type=float, default=0.3)
     p.add_argument("--dropout", type=float, default=None)
     p.add_argument("--solver", default="auto")
@@ -165,7 +169,8 @@ def _write(args, rows, t0, link, alpha, bw, scale, target, nbytes, h, h_od) -> N
         "allows; the CPU is free while they are in flight.",
         "",
         f"Command: `python benchmarks/bench_tp_overlap.py --model {args.model} --budget {args.budget} "
-        f"--comm-fraction {args.comm_fraction}`",
+        f"--comm-fraction {args.comm_fraction} --cost-source {args.cost_source}` (lynx plans from "
+        f"{args.cost_source} per-node costs; solver {args.solver}).",
         "",
         "| " + " | ".join(keys) + " |",
         "|" + "---|" * len(keys),

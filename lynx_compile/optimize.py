@@ -98,6 +98,13 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, ref_fw: fx.GraphModule, r
                 sol = solve_remat(problem, target, solver=cfg.solver, time_limit_s=cfg.time_limit_s,
                                   mip_gap=cfg.mip_gap, progress=lambda line: log.info("lynx: %s", line))
             except InfeasibleBudget as e:
+                if budget is not None and target < budget:  # a re-solve round, not the budget itself
+                    raise BudgetError(
+                        f"memory_budget={cfg.memory_budget!r} ({budget} B) is at the edge of what can "
+                        f"be reached: the plan solved for it peaked at {mem.peak_bytes} B when the "
+                        f"rewritten graphs were simulated exactly, and no plan below that exists in "
+                        f"the optimizer's model (smallest {e.smallest} B). Use memory_budget >= "
+                        f"{mem.peak_bytes / problem.reference_peak:.3f}.") from e
                 raise BudgetError(_infeasible_message(cfg, budget, e, problem)) from e
             decisions, solver, status, exposed = unit_decisions(problem, sol), sol.solver, sol.status, sol.exposed_s
             solve_s += sol.solve_s

@@ -45,6 +45,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="policy lynx: ignore communication windows (recompute on demand only)")
     p.add_argument("--link", default="auto", help="link that prices collectives (LynxConfig.link)")
     p.add_argument("--hardware", default="auto")
+    p.add_argument("--cost-source", default="analytic", choices=["analytic", "measured"],
+                   help="per-node costs for planning (measured: run on this device; rank 0's are used)")
     p.add_argument("--emulate-link", default=None,
                    help="CPU: delay collectives to this link's time (name in LINKS or 'alpha_s,bytes_per_s')")
     p.add_argument("--steps", type=int, default=10)
@@ -140,6 +142,7 @@ def _build(args: argparse.Namespace, device: torch.device):
 def _options(args: argparse.Namespace) -> dict:
     opts = {"policy": args.policy, "solver": args.solver, "time_limit_s": args.time_limit,
             "link": args.link, "hardware": args.hardware, "plan_cache": False,
+            "cost_source": args.cost_source,
             "trace_recompute": bool(args.trace), "windows": not args.no_windows}
     if args.memory_budget is not None:
         opts["memory_budget"] = args.memory_budget
