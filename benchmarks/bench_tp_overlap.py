@@ -97,6 +97,9 @@ def main() -> None:
     p.add_argument("--comm-fraction", type=float, default=0.3)
     p.add_argument("--dropout", type=float, default=None)
     p.add_argument("--solver", default="auto")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="launches per configuration, interleaved; the launch with the lowest median is kept "
+                        "(CPU timings on a shared 2-core machine swing by tens of percent)")
     p.add_argument("--port", type=int, default=29517)
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--out", default=os.path.join(RESULTS, "tp_overlap"))
@@ -125,14 +128,23 @@ def main() -> None:
             (f"torch min-cut @{budget}", "torch", ["--memory-budget", budget], budget, False),
             (f"lynx on-demand only @{budget}", "lynx", ["--memory-budget", budget, "--no-windows"], budget, True),
             (f"lynx with windows @{budget}", "lynx", ["--memory-budget", budget], budget, True)]
-    rows = []
-    for name, policy, extra, b, trace in runs:
-        res = _launch(args, policy, link, extra, policy + str(len(rows)), trace)
-        row = _row(name, res, b)
-        if "error" not in res and res.get("comm_modeled_s_per_step") is not None:
-            row["comm_ms_modeled"] = res["comm_modeled_s_per_step"] * 1e3
-        rows.append(row)
-        print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+    best: dict[str, dict] = {}
+    for rep in range(args.repeats):  # interleaved, so a slow spell hits every configuration alike
+        for k, (name, policy, extra, b, trace) in enumerate(runs):
+            res = _launch(args, policy, link, extra, f"{policy}{k}r{rep}", trace)
+            row = _row(name, res, b)
+            if "error" not in res and res.get("comm_modeled_s_per_step") is not None:
+                row["comm_ms_modeled"] = res["comm_modeled_s_per_step"] * 1e3
+            row["launch_medians_ms"] = best.get(name, {}).get("launch_medians_ms", "")
+            if row["step_ms"] is not None:
+                row["launch_medians_ms"] = "/".join(filter(None, [row["launch_medians_ms"], f"{row['step_ms']:.0f}"]))
+            if name not in best or (row["step_ms"] is not None and
+                                    (best[name]["step_ms"] is None or row["step_ms"] < best[name]["step_ms"])):
+                best[name] = row
+            else:
+                best[name]["launch_medians_ms"] = row["launch_medians_ms"]
+            print({k2: (round(v, 3) if isinstance(v, float) else v) for k2, v in row.items()}, flush=True)
+    rows = [best[name] for name, *_ in runs]
 
     t = {r["config"].split(" ")[0] + (" windows" if "windows" in r["config"] else ""): r["step_ms"] for r in rows}
     t_none, t_full, t_lynx = t.get("none"), t.get("full"), t.get("lynx windows")
@@ -144,7 +156,7 @@ def main() -> None:
 
 def _write(args, rows, t0, link, alpha, bw, scale, target, nbytes, h, h_od) -> None:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    keys = ["config", "budget", "step_ms", "step_ms_min", "pred_peak_MiB", "peak_vs_none", "pred_recompute_ms",
+    keys = ["config", "budget", "step_ms", "launch_medians_ms", "step_ms_min", "pred_peak_MiB", "peak_vs_none", "pred_recompute_ms",
             "pred_exposed_ms", "window_units", "overlap_share", "traced_recompute_ms", "comm_ms_modeled", "error"]
     with open(args.out + ".csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
@@ -159,8 +171,8 @@ def _write(args, rows, t0, link, alpha, bw, scale, target, nbytes, h, h_od) -> N
     lines = [
         f"{time.strftime('%Y-%m-%d')}; {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
         f"python {platform.python_version()}, torch {torch.__version__}. TP=2 (2 processes, gloo underneath), "
-        f"{args.model}, batch {args.batch_size}, {args.steps} steps, step time = median of the untraced steps after "
-        f"the compile step.",
+        f"{args.model}, batch {args.batch_size}, {args.steps} steps per launch, step_ms = median of the untraced steps "
+        f"after the compile step, best of {args.repeats} interleaved launches (all launches' medians listed).",
         "",
         f"**EMULATED link** (lynx_compile.distributed.emulated_link): alpha = {alpha * 1e6:.1f} us, bandwidth = "
         f"{bw / 1e6:.1f} MB/s (PCIe 4's alpha and bandwidth slowed {scale:.0f}x so that communication, "

@@ -99,12 +99,13 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, ref_fw: fx.GraphModule, r
                                   mip_gap=cfg.mip_gap, progress=lambda line: log.info("lynx: %s", line))
             except InfeasibleBudget as e:
                 if budget is not None and target < budget:  # a re-solve round, not the budget itself
+                    need = max(mem.peak_bytes, e.smallest) / problem.reference_peak
                     raise BudgetError(
                         f"memory_budget={cfg.memory_budget!r} ({budget} B) is at the edge of what can "
-                        f"be reached: the plan solved for it peaked at {mem.peak_bytes} B when the "
-                        f"rewritten graphs were simulated exactly, and no plan below that exists in "
-                        f"the optimizer's model (smallest {e.smallest} B). Use memory_budget >= "
-                        f"{mem.peak_bytes / problem.reference_peak:.3f}.") from e
+                        f"be reached: the smallest reachable peak in the optimizer's model is "
+                        f"{e.smallest} B, and the plan solved for this budget peaked at {mem.peak_bytes} B "
+                        f"when the rewritten graphs were simulated exactly. Use memory_budget >= "
+                        f"{need:.3f}.") from e
                 raise BudgetError(_infeasible_message(cfg, budget, e, problem)) from e
             decisions, solver, status, exposed = unit_decisions(problem, sol), sol.solver, sol.status, sol.exposed_s
             solve_s += sol.solve_s

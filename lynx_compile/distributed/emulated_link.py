@@ -103,6 +103,8 @@ class CollectiveRecord:
 
 
 _LOG: list[CollectiveRecord] = []
+SWITCH_INTERVAL_S = 2e-4
+"""Python's GIL switch interval while an emulated group exists (see ``_create``)."""
 _configured: LinkProfile | None = None
 
 
@@ -392,6 +394,11 @@ class EmulatedProcessGroup(dist.ProcessGroup):
 
 def _create(store, rank: int, world_size: int, timeout) -> EmulatedProcessGroup:
     """The creator c10d calls for ``init_process_group("lynx_emulated")`` / ``new_group``."""
+    # The link thread needs the GIL to complete a collective. While the main thread runs Python
+    # (the generated backward calling ops), the interpreter hands the GIL over only every
+    # switch interval (5 ms by default): each completion could land up to 5 ms late, exactly
+    # when recompute overlaps the transfer. 0.2 ms keeps that lag small against the windows.
+    sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
     return EmulatedProcessGroup(store, rank, world_size, timeout, current_link())
 
 
