@@ -110,10 +110,10 @@ def init_distributed(args: argparse.Namespace) -> tuple[int, int]:
         torch.cuda.set_device(_device())
         backend = "nccl"
     elif args.emulate_link:
-        from lynx_compile.distributed.emulated_link import configure_emulated_link, parse_link
+        from lynx_compile.distributed.emulated_link import BACKEND_NAME, configure_emulated_link, parse_link
 
         configure_emulated_link(parse_link(args.emulate_link))
-        backend = "lynx_emulated"
+        backend = BACKEND_NAME
     else:
         backend = "gloo"
     dist.init_process_group(backend, timeout=timeout)
@@ -294,9 +294,14 @@ def _modeled_seconds(log, link, world: int) -> float:
     return sum(collective_time(r.kind, r.nbytes, world, link) for r in log if r.kind in COLLECTIVE_KINDS)
 
 
+def _unwrap(e: BaseException) -> BaseException:
+    """The backend's own error when dynamo wrapped it (BackendCompilerFailed), else ``e``."""
+    inner = getattr(e, "inner_exception", None)
+    return inner if inner is not None else e
+
+
 def _first_line(e: BaseException) -> str:
-    inner = getattr(e, "inner_exception", None)  # dynamo wraps backend errors
-    e = inner if inner is not None else e
+    e = _unwrap(e)
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
@@ -331,8 +336,6 @@ def _record_plans(result: TrainResult, backend) -> None:
 
 
 def _emulated_log_module():
-    import torch.distributed as dist
-
     from lynx_compile.distributed import emulated_link
 
     return emulated_link if emulated_link.emulated_link_of() is not None else None
@@ -436,8 +439,7 @@ def run(args: argparse.Namespace) -> int:
 
         if os.environ.get("LYNX_DEBUG"):
             traceback.print_exc()
-        inner = getattr(e, "inner_exception", None)
-        print(f"{inner if inner is not None else e}", file=sys.stderr)
+        print(f"{_unwrap(e)}", file=sys.stderr)
         return 1
     finally:
         import torch.distributed as dist

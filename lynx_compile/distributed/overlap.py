@@ -20,8 +20,9 @@ import json
 from dataclasses import dataclass
 from typing import Iterable
 
+from lynx_compile.passes.trace_ranges import RANGE_PREFIX as RECOMPUTE_PREFIX
+
 CLOCK_SYNC = "lynx::clock_sync"
-RECOMPUTE_PREFIX = "lynx::recompute"
 _COLLECTIVE_OPS = ("_c10d_functional::all_reduce", "_c10d_functional::all_gather_into_tensor",
                    "_c10d_functional::reduce_scatter_tensor", "_c10d_functional::all_to_all_single")
 _WAIT_OP = "_c10d_functional::wait_tensor"
