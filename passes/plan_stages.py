@@ -1,0 +1,415 @@
+"""``plan_stages``: cut a block stack into pipeline stages, balancing compute *and* recompute.
+
+A pure planner (no torch, no graphs): :class:`PipelineCosts` in, a frozen :class:`StagePlan` out.
+
+Why recompute-aware: under 1F1B, stage i keeps ``k_i = min(p - i, m)`` micro-batches' activations
+in flight (GPipe: all m), so with the same memory per device early stages must drop more
+activations and recompute them. Balancing on compute alone leaves those stages slowest.
+
+The model (per stage i holding blocks S_i, pre-block work on stage 0, post-block work on the last):
+
+    static_i  = state_bytes_per_param_byte * params(S_i)              weights, grads, optimizer
+    allowance a_i = (memory_per_device - static_i) / k_i              one micro-batch's fw+bw peak
+    kept      = min  sum_b e_b(kept_b)  s.t.  fixed_i + W + sum_b kept_b <= a_i
+    t_i       = sum_b (F_b + B_b) + [pre/post] + exposed recompute                 per micro-batch
+
+``e_b`` is block b's :class:`RecomputeCurve` (exposed recompute seconds against the bytes the
+block keeps; from Lynx-HEU solves of the traced model, see ``lynx_compile.pipeline.costs``),
+``W`` the working bytes of one micro-batch (temporaries, gradients in flight), ``fixed_i`` the
+activations of pre/post work, which are always kept. ``k_i * a_i`` bounds the device peak
+because the k_i - 1 waiting micro-batches hold only their saved bytes, which never exceed one
+micro-batch's peak; the same allowance is each stage's ``memory_budget`` when lynx compiles it.
+Curves are convex piecewise linear (lower hull of the solved points), so splitting a stage's
+bytes between its blocks is a greedy by seconds saved per byte, which is exact for them.
+
+``method``:
+- ``"lynx"``: dynamic programme over cut positions minimizing the bottleneck stage time
+  max_i t_i (ties: the smaller sum), each candidate stage priced with its own in-flight count;
+- ``"compute"``: the same programme on compute alone (F + B), then priced like the others;
+- ``"uniform"``: equal numbers of blocks per stage (the remainder to the last stages, which
+  hold the fewest micro-batches).
+The predicted step time comes from ``lynx_compile.sim.pipeline`` (the schedule's timeline),
+with and without recompute run while the stage waits for its gradient.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from typing import Any, Literal, Sequence
+
+Schedule = Literal["GPipe", "1F1B", "Interleaved1F1B"]
+SCHEDULES: frozenset[str] = frozenset({"GPipe", "1F1B", "Interleaved1F1B"})
+Method = Literal["lynx", "compute", "uniform"]
+METHODS: frozenset[str] = frozenset({"lynx", "compute", "uniform"})
+
+
+class StagePlanError(ValueError):
+    """The pipeline cannot be planned as asked; the message names the limit and the fix."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecomputeCurve:
+    """Exposed recompute seconds of one block (one micro-batch) against the bytes it keeps.
+
+    Points sorted by ``kept_bytes``; ``kept_bytes[0]`` is the least the block can keep (full
+    recompute), ``kept_bytes[-1]`` keeps everything (``exposed_s[-1] == 0``)."""
+
+    kept_bytes: tuple[int, ...]
+    exposed_s: tuple[float, ...]
+
+    def hull(self) -> tuple[tuple[int, float], ...]:
+        """Lower convex hull of the points (non-increasing, convex in bytes)."""
+        pts = sorted(zip(self.kept_bytes, self.exposed_s))
+        best: list[tuple[int, float]] = []
+        for x, y in pts:  # keep the cheapest point per byte count, and monotone non-increasing
+            if best and y >= best[-1][1] - 1e-15:
+                continue
+            if best and x == best[-1][0]:
+                best[-1] = (x, y)
+                continue
+            best.append((x, y))
+        hull: list[tuple[int, float]] = []
+        for p in best:
+            while len(hull) >= 2 and _cross(hull[-2], hull[-1], p) <= 0:
+                hull.pop()
+            hull.append(p)
+        return tuple(hull)
+
+    @property
+    def min_bytes(self) -> int:
+        return min(self.kept_bytes)
+
+    @property
+    def max_bytes(self) -> int:
+        return max(self.kept_bytes)
+
+
+def _cross(o, a, b) -> float:
+    return (a[0] - o[0]) * (b[1] - o[1]) - (a[1] - o[1]) * (b[0] - o[0])
+
+
+@dataclass(frozen=True, kw_only=True)
+class SegmentCost:
+    """One block (or the pre-/post-block work) for one micro-batch."""
+
+    name: str
+    """Module path (``blocks.3``), or ``<pre>`` / ``<post>``."""
+    forward_s: float
+    backward_s: float
+    param_bytes: int = 0
+    activation_bytes: int = 0
+    """Bytes kept with no recompute (pre/post: always kept)."""
+    curve: RecomputeCurve | None = None
+    """None: nothing to recompute (keeps ``activation_bytes``)."""
+    output_bytes: int = 0
+    """Bytes of the tensor it hands to the next segment (what a stage boundary sends)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineCosts:
+    """Everything ``plan_stages`` needs, as plain data (JSON round-trips)."""
+
+    blocks: tuple[SegmentCost, ...]
+    pre: SegmentCost = SegmentCost(name="<pre>", forward_s=0.0, backward_s=0.0)
+    post: SegmentCost = SegmentCost(name="<post>", forward_s=0.0, backward_s=0.0)
+    working_bytes: int = 0
+    """Transient bytes of one micro-batch's fw+bw beyond what its blocks keep."""
+    state_bytes_per_param_byte: float = 4.0
+    """Static bytes per parameter byte: weights + gradients + two Adam moments = 4."""
+    p2p_bytes_per_s: float = float("inf")
+    p2p_latency_s: float = 0.0
+    microbatch_size: int = 1
+
+    def p2p_s(self, nbytes: int) -> float:
+        return self.p2p_latency_s + (nbytes / self.p2p_bytes_per_s if nbytes else 0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "PipelineCosts":
+        def seg(s):
+            c = s.get("curve")
+            curve = RecomputeCurve(kept_bytes=tuple(c["kept_bytes"]), exposed_s=tuple(c["exposed_s"])) if c else None
+            return SegmentCost(**{**s, "curve": curve})
+        d = dict(d)
+        d["blocks"] = tuple(seg(b) for b in d["blocks"])
+        d["pre"], d["post"] = seg(d["pre"]), seg(d["post"])
+        return cls(**d)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageInfo:
+    index: int
+    blocks: tuple[int, int]
+    """Half-open range [start, end) of block indices."""
+    block_names: tuple[str, ...]
+    in_flight: int
+    static_bytes: int
+    budget_bytes: int | None
+    """Peak allowed for one micro-batch's fw+bw (the stage's lynx ``memory_budget``); None: no limit."""
+    kept_bytes: int
+    """Activation bytes one micro-batch keeps under the plan."""
+    peak_bytes: int
+    """Predicted device peak: static + in_flight x (kept + fixed) + working."""
+    compute_s: float
+    recompute_s: float
+    """Exposed recompute per micro-batch."""
+    fits: bool = True
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_s + self.recompute_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagePlan:
+    method: str
+    schedule: str
+    num_stages: int
+    num_microbatches: int
+    memory_per_device: int | None
+    stages: tuple[StageInfo, ...]
+    predicted_step_s: float
+    """Timeline of the schedule, recompute on the critical path."""
+    predicted_step_in_wait_s: float
+    """Same, with recompute run while the stage waits for its gradient."""
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def cuts(self) -> tuple[str, ...]:
+        """Name of the first block of every stage after the first (where a stage begins)."""
+        return tuple(s.block_names[0] for s in self.stages[1:])
+
+    @property
+    def layers_per_stage(self) -> tuple[int, ...]:
+        return tuple(s.blocks[1] - s.blocks[0] for s in self.stages)
+
+    @property
+    def bottleneck_s(self) -> float:
+        return max(s.time_s for s in self.stages)
+
+    @property
+    def fits(self) -> bool:
+        return all(s.fits for s in self.stages)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["cuts"], d["layers_per_stage"] = list(self.cuts), list(self.layers_per_stage)
+        return d
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def table(self) -> str:
+        """One line per stage, for logs and the CLI."""
+        lines = [f"stage plan ({self.method}, {self.schedule}, p={self.num_stages}, m={self.num_microbatches}): "
+                 f"layers {list(self.layers_per_stage)}, predicted step {self.predicted_step_s * 1e3:.1f} ms "
+                 f"({self.predicted_step_in_wait_s * 1e3:.1f} ms with recompute in the gradient wait)"]
+        for s in self.stages:
+            budget = f"{s.budget_bytes / 2**20:.1f} MiB" if s.budget_bytes is not None else "-"
+            lines.append(f"  stage {s.index}: blocks {s.blocks[0]}..{s.blocks[1] - 1} in-flight {s.in_flight} "
+                         f"budget/mb {budget} peak {s.peak_bytes / 2**20:.1f} MiB compute "
+                         f"{s.compute_s * 1e3:.2f} ms recompute {s.recompute_s * 1e3:.2f} ms"
+                         f"{'' if s.fits else '  DOES NOT FIT'}")
+        return "\n".join(lines)
+
+
+def in_flight(schedule: str, num_stages: int, num_microbatches: int, stage: int) -> int:
+    """Micro-batches whose activations stage ``stage`` holds at its peak."""
+    if schedule == "GPipe":
+        return num_microbatches
+    return min(num_stages - stage, num_microbatches)
+
+
+def check_inputs(costs: PipelineCosts, num_stages: int, num_microbatches: int, schedule: str) -> None:
+    n = len(costs.blocks)
+    if schedule not in SCHEDULES:
+        raise StagePlanError(f"schedule={schedule!r} is not valid; choose one of {sorted(SCHEDULES)}")
+    if num_stages < 1:
+        raise StagePlanError(f"num_stages={num_stages} must be >= 1")
+    if num_stages > n:
+        raise StagePlanError(f"num_stages={num_stages} is more than the model's {n} transformer blocks: "
+                             f"every stage needs at least one block; use num_stages <= {n}")
+    if num_microbatches < num_stages and schedule != "GPipe":
+        raise StagePlanError(f"num_microbatches={num_microbatches} is fewer than num_stages={num_stages}: "
+                             f"{schedule} needs at least one micro-batch per stage to fill the pipeline; "
+                             f"use num_microbatches >= {num_stages}")
+    if num_microbatches < 1:
+        raise StagePlanError(f"num_microbatches={num_microbatches} must be >= 1")
+
+
+class _Pricer:
+    """Prices a candidate stage [s, e) at position i; memoized."""
+
+    def __init__(self, costs: PipelineCosts, p: int, m: int, memory: int | None, schedule: str):
+        self.c, self.p, self.m, self.memory, self.schedule = costs, p, m, memory, schedule
+        self.n = len(costs.blocks)
+        self.price = lru_cache(maxsize=None)(self._price)
+
+    def segments(self, i: int, s: int, e: int) -> list[SegmentCost]:
+        segs = list(self.c.blocks[s:e])
+        if i == 0:
+            segs.insert(0, self.c.pre)
+        if i == self.p - 1:
+            segs.append(self.c.post)
+        return segs
+
+    def compute_s(self, i: int, s: int, e: int) -> float:
+        return sum(g.forward_s + g.backward_s for g in self.segments(i, s, e))
+
+    def _price(self, i: int, s: int, e: int) -> StageInfo:
+        segs = self.segments(i, s, e)
+        k = in_flight(self.schedule, self.p, self.m, i)
+        static = int(self.c.state_bytes_per_param_byte * sum(g.param_bytes for g in segs))
+        fixed = sum(g.activation_bytes for g in segs if g.curve is None)
+        curves = [g.curve for g in segs if g.curve is not None]
+        full_keep = sum(cv.max_bytes for cv in curves)
+        if self.memory is None:
+            budget, kept, exposed, fits = None, full_keep, 0.0, True
+        else:
+            budget = (self.memory - static) // k
+            room = budget - fixed - self.c.working_bytes
+            kept, exposed, fits = allocate(curves, room)
+        peak = static + k * (kept + fixed) + self.c.working_bytes
+        return StageInfo(index=i, blocks=(s, e), block_names=tuple(b.name for b in self.c.blocks[s:e]),
+                         in_flight=k, static_bytes=static, budget_bytes=budget, kept_bytes=kept + fixed,
+                         peak_bytes=peak, compute_s=self.compute_s(i, s, e), recompute_s=exposed, fits=fits)
+
+    def min_memory(self, i: int, s: int, e: int) -> int:
+        """Least memory per device under which stage i = [s, e) fits (full recompute)."""
+        segs = self.segments(i, s, e)
+        k = in_flight(self.schedule, self.p, self.m, i)
+        static = int(self.c.state_bytes_per_param_byte * sum(g.param_bytes for g in segs))
+        least = sum(g.curve.min_bytes if g.curve else g.activation_bytes for g in segs)
+        return static + k * (least + self.c.working_bytes)
+
+
+def allocate(curves: Sequence[RecomputeCurve], room: float) -> tuple[int, float, bool]:
+    """Split ``room`` kept bytes between blocks minimizing summed exposed recompute.
+
+    Returns (kept bytes, exposed seconds, fits). Greedy over hull segments by seconds saved per
+    byte: exact for convex piecewise-linear curves (a fractional last segment interpolates)."""
+    hulls = [c.hull() for c in curves]
+    kept = sum(h[0][0] for h in hulls)
+    exposed = sum(h[0][1] for h in hulls)
+    if kept > room:
+        return kept, exposed, False
+    steps = []
+    for h in hulls:
+        for (x0, y0), (x1, y1) in zip(h, h[1:]):
+            steps.append(((y0 - y1) / (x1 - x0), x1 - x0, y0 - y1))
+    steps.sort(key=lambda t: -t[0])  # convexity keeps each hull's segments in order
+    left = room - kept
+    for _, dx, dy in steps:
+        if left <= 0:
+            break
+        take = min(1.0, left / dx)
+        kept += int(dx * take)
+        exposed -= dy * take
+        left -= dx * take
+    return int(kept), max(0.0, exposed), True
+
+
+def _dp(pr: _Pricer, stage_time) -> list[int]:
+    """Cut starts [s_1 .. s_{p-1}] minimizing (max stage time, sum of stage times)."""
+    n, p = pr.n, pr.p
+    INF = (math.inf, math.inf)
+    best: dict[tuple[int, int], tuple[float, float]] = {}
+    choice: dict[tuple[int, int], int] = {}
+    for i in range(p - 1, -1, -1):
+        for s in range(i, n - (p - 1 - i)):
+            if i == p - 1:
+                t = stage_time(i, s, n)
+                best[i, s] = (t, t)
+                continue
+            val, arg = INF, -1
+            for e in range(s + 1, n - (p - 1 - i) + 1):
+                t = stage_time(i, s, e)
+                rest = best[i + 1, e]
+                cand = (max(t, rest[0]), t + rest[1])
+                if cand < val:
+                    val, arg = cand, e
+            best[i, s], choice[i, s] = val, arg
+    if best[0, 0][0] == math.inf:
+        return []
+    cuts, s = [], 0
+    for i in range(p - 1):
+        s = choice[i, s]
+        cuts.append(s)
+    return cuts
+
+
+def uniform_cuts(n: int, p: int) -> list[int]:
+    """Equal blocks per stage; the remainder goes to the last stages (fewest in flight)."""
+    sizes = [n // p + (1 if i >= p - n % p else 0) for i in range(p)] if n % p else [n // p] * p
+    out, acc = [], 0
+    for size in sizes[:-1]:
+        acc += size
+        out.append(acc)
+    return out
+
+
+def plan_stages(costs: PipelineCosts, num_stages: int, num_microbatches: int,
+                memory_per_device: int | None = None, schedule: str = "1F1B", *,
+                method: str = "lynx", pinned_cuts: Sequence[int] | None = None) -> StagePlan:
+    """Cut ``costs.blocks`` into ``num_stages`` stages (see the module docstring).
+
+    ``pinned_cuts``: block indices where stages must begin (user pins); with p - 1 of them the
+    split is fixed and only priced. Raises :class:`StagePlanError` on bad input and, for
+    ``method="lynx"``, when no split fits ``memory_per_device`` (naming the least that fits)."""
+    check_inputs(costs, num_stages, num_microbatches, schedule)
+    if method not in METHODS:
+        raise StagePlanError(f"method={method!r} is not valid; choose one of {sorted(METHODS)}")
+    n, p, m = len(costs.blocks), num_stages, num_microbatches
+    pr = _Pricer(costs, p, m, memory_per_device, schedule)
+    pins = sorted(set(pinned_cuts or ()))
+    if pins and (pins[0] < 1 or pins[-1] >= n or len(pins) > p - 1):
+        raise StagePlanError(f"pinned cuts {pins} must be block indices in 1..{n - 1}, at most {p - 1} of them")
+
+    def allowed(i: int, s: int, e: int) -> bool:  # a stage may not straddle a pinned cut
+        return not any(s < c < e for c in pins)
+
+    def timed(fn):
+        return lambda i, s, e: fn(i, s, e) if allowed(i, s, e) else math.inf
+
+    if len(pins) == p - 1:
+        cuts = pins
+    elif method == "uniform":
+        cuts = uniform_cuts(n, p)
+    elif method == "compute":
+        cuts = _dp(pr, timed(pr.compute_s))
+    else:
+        def lynx_time(i, s, e):
+            info = pr.price(i, s, e)
+            return info.time_s if info.fits else math.inf
+        cuts = _dp(pr, timed(lynx_time))
+        if not cuts and p > 1 or (p == 1 and not pr.price(0, 0, n).fits):
+            least = _dp(pr, timed(lambda i, s, e: float(pr.min_memory(i, s, e))))
+            need = max(pr.min_memory(i, s, e) for i, (s, e) in enumerate(_ranges(least, n)))
+            raise StagePlanError(
+                f"memory_per_device={memory_per_device} B ({memory_per_device / 2**30:.2f} GiB) is too small "
+                f"for any split of {n} blocks into {p} stages with {m} micro-batches ({schedule}): even with "
+                f"full recompute the smallest split needs {need} B ({need / 2**30:.2f} GiB) on its fullest "
+                f"device. Give each device at least that, use more stages, or a smaller micro-batch.")
+    stages = tuple(pr.price(i, s, e) for i, (s, e) in enumerate(_ranges(cuts, n)))
+    from lynx_compile.sim.pipeline import simulate_stages
+
+    step = simulate_stages(stages, costs, schedule, m, recompute_in_wait=False)
+    step_wait = simulate_stages(stages, costs, schedule, m, recompute_in_wait=True)
+    notes = []
+    if not all(s.fits for s in stages):
+        bad = [s.index for s in stages if not s.fits]
+        notes.append(f"stages {bad} do not fit memory_per_device={memory_per_device} B even with full recompute")
+    if pins:
+        notes.append(f"pinned cuts at blocks {pins}")
+    return StagePlan(method=method, schedule=schedule, num_stages=p, num_microbatches=m,
+                     memory_per_device=memory_per_device, stages=stages, predicted_step_s=step,
+                     predicted_step_in_wait_s=step_wait, notes=tuple(notes))
+
+
+def _ranges(cuts: Sequence[int], n: int) -> list[tuple[int, int]]:
+    bounds = [0, *cuts, n]
+    return list(zip(bounds, bounds[1:]))
