@@ -8,5 +8,6 @@ __version__ = "0.1.0"
 from lynx_compile.backend import LynxBackend, backend  # noqa: E402
 from lynx_compile.config import LynxConfig, make_config  # noqa: E402
 from lynx_compile.plan import RecomputePlan  # noqa: E402
+from lynx_compile.pipeline import pipeline  # noqa: E402  (shadows the subpackage name on purpose)
 
-__all__ = ["LynxBackend", "LynxConfig", "RecomputePlan", "backend", "make_config", "__version__"]
+__all__ = ["LynxBackend", "LynxConfig", "RecomputePlan", "backend", "make_config", "pipeline", "__version__"]

@@ -40,6 +40,11 @@ class LynxBackend:
         self.config = config
         self.plan_only = plan_only
         self.records: list[GraphRecord] = []
+        self.runtimes: list = []  # GraphRuntime per graph when config.recompute_in_wait
+        from lynx_compile.distributed.agreement import WORLD
+
+        self.planning_group = WORLD
+        """Ranks compiling the same graphs (see ``distributed.agreement.planning_group``)."""
         self._lock = threading.Lock()
         self._warned_breaks = False
         if config.verbose:
@@ -65,23 +70,49 @@ class LynxBackend:
                             "recompiles, or another model); each graph gets its own plan, listed in "
                             "backend.records. TORCH_LOGS=graph_breaks shows why dynamo split a model.")
         partition_fn = functools.partial(lynx_partition, config=self.config, record=record)
-        compiler = self._compiler
+        compiler = fw_compiler = self._compiler
+        bw_compiler = self._bw_compiler
+        if self.config.recompute_in_wait and not self.plan_only:
+            from lynx_compile.runtime.prefetch import GraphRuntime
+
+            runtime = GraphRuntime()
+            self.runtimes.append(runtime)
+            fw_compiler = functools.partial(self._fw_compiler_early, runtime=runtime, record=record)
+            bw_compiler = functools.partial(self._bw_compiler, runtime=runtime)
         extra = {}
         if self.config.compiler == "inductor":  # Inductor lowers only its own decomposed aten
             extra["decompositions"] = _compat.inductor_decompositions()
-        return _compat.aot_autograd(fw_compiler=compiler, bw_compiler=self._bw_compiler,
-                                    inference_compiler=compiler,
-                                    partition_fn=partition_fn, **extra)(gm, example_inputs)
+        from lynx_compile.distributed.agreement import planning_group
 
-    def _bw_compiler(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
+        with planning_group(self.planning_group):
+            return _compat.aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler,
+                                        inference_compiler=compiler,
+                                        partition_fn=partition_fn, **extra)(gm, example_inputs)
+
+    def run_early(self, key: Any) -> int:
+        """Run the recompute prefix of micro-batch ``key``'s backward in every graph now (see
+        ``lynx_compile.runtime.prefetch``); returns how many graphs ran one."""
+        return sum(rt.run_early(key) for rt in self.runtimes)
+
+    def _fw_compiler_early(self, gm: fx.GraphModule, example_inputs: list, *, runtime, record) -> Callable:
+        runtime.saved_names = record.saved_names
+        return runtime.wrap_forward(gm, self._compiler(gm, example_inputs))
+
+    def _bw_compiler(self, gm: fx.GraphModule, example_inputs: list, runtime=None) -> Callable:
         """The backward, reporting its outputs (gradients) to a running memory measurement."""
         from lynx_compile.memory.measure import record_backward_outputs
 
-        if self.config.trace_recompute:
-            from lynx_compile.passes.trace_ranges import trace_ranges_pass
+        def compile_one(g: fx.GraphModule) -> Callable:
+            if self.config.trace_recompute:
+                from lynx_compile.passes.trace_ranges import trace_ranges_pass
 
-            trace_ranges_pass(gm)
-        inner = self._compiler(gm, example_inputs)
+                trace_ranges_pass(g)
+            return self._compiler(g, example_inputs)
+
+        if runtime is not None:
+            inner = runtime.wrap_backward(gm, compile_one, self.config.recompute_in_wait_bytes)
+        else:
+            inner = compile_one(gm)
 
         def run(args: list) -> Any:
             out = inner(args)

@@ -76,6 +76,16 @@ class LynxConfig:
     """Let ``policy="lynx"`` place recompute inside communication windows. ``False`` plans
     on-demand recompute only (the "lynx without overlap" baseline of the TP benchmark)."""
 
+    recompute_in_wait: bool = False
+    """Keep each forward's saved tensors per pipeline micro-batch so that the recompute prefix of
+    its backward (the recomputed ops no gradient flows into) can run early, while the stage waits
+    for the next stage's gradient (``lynx_compile.pipeline`` sets it; see
+    ``lynx_compile.runtime.prefetch``). Outside a pipeline stage it changes nothing."""
+
+    recompute_in_wait_bytes: int | None = None
+    """Most bytes of recomputed tensors run early and held until the backward uses them (the
+    stage's memory headroom); None: no limit."""
+
     check_plan_agreement: bool = True
     """With more than one rank, compare each graph's plan fingerprint across ranks before it
     runs and stop every rank with one error when they differ (different plans issue
@@ -139,6 +149,9 @@ def make_config(options: dict[str, Any] | None = None) -> LynxConfig:
 
         if not os.path.isfile(options["plan"]):
             raise ValueError(f"plan={options['plan']!r}: no such file; write one with `lynx plan --out`")
+    if options.get("recompute_in_wait") and options.get("compiler") == "inductor":
+        raise ValueError("recompute_in_wait=True splits the backward graph at runtime and needs "
+                         "compiler='eager'; drop one of the two")
     if "link" in options:
         from lynx_compile.costs import LINKS
 

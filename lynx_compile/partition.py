@@ -113,6 +113,10 @@ def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs:
         bw = run_passes(bw, ctx, BACKWARD_PIPELINE, "backward")
         mem = simulate_step(fw, bw)
     record.plan = build_plan(config.policy, joint, fw, bw, mem, ctx, budget, outcome)
+    record.saved_names = tuple(p.name for p in bw.graph.find_nodes(op="placeholder")
+                               if not p.name.startswith("tangents"))
+    record.problem = outcome.problem if outcome else None
+    record.segment_costs = segment_costs(joint, ctx.forward_names)
     if config.check_plan_agreement:
         with _compat.eager_dispatch():  # real tensors for the all-gather, not the compile's fakes
             record.decisions["plan_fingerprint"] = check_plan_agreement(record.plan, record.graph_id)
@@ -134,6 +138,34 @@ def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs:
             raise _budget_error(config, budget, reference.peak_bytes, smallest, mem.peak_bytes)
     _log_plan(record)
     return fw, bw
+
+
+def segment_costs(joint: fx.GraphModule, forward_names: frozenset[str]) -> dict:
+    """Forward / backward seconds per block and of the work before (``pre``) and after
+    (``post``) the blocks. Backward nodes outside blocks follow their forward op (``seq_nr``)."""
+    out = {"blocks": {}, "pre": [0.0, 0.0], "post": [0.0, 0.0]}
+    fwd = [n for n in joint.graph.nodes if n.name in forward_names and n.op == "call_function"]
+    in_block = [i for i, n in enumerate(fwd) if n.meta.get(meta.BLOCK) is not None]
+    first = in_block[0] if in_block else len(fwd)
+    side_of_seq = {}
+    for i, n in enumerate(fwd):
+        if n.meta.get(meta.BLOCK) is None and "seq_nr" in n.meta:
+            side_of_seq[n.meta["seq_nr"]] = "pre" if i < first else "post"
+    for n in joint.graph.nodes:
+        cost = n.meta.get(meta.COST)
+        if n.op != "call_function" or cost is None:
+            continue
+        is_fw = n.name in forward_names
+        block = n.meta.get(meta.BLOCK)
+        if block is not None:
+            out["blocks"].setdefault(block, [0.0, 0.0])[0 if is_fw else 1] += cost.runtime_s
+            continue
+        if is_fw:
+            side = "pre" if fwd.index(n) < first else "post"
+        else:
+            side = side_of_seq.get(n.meta.get("seq_nr"), "post")
+        out[side][0 if is_fw else 1] += cost.runtime_s
+    return out
 
 
 def _smallest_reachable(joint, ctx, joint_inputs, kw, reference_peak) -> tuple[str, int]:

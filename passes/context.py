@@ -32,9 +32,19 @@ class GraphRecord:
     reference_peak_bytes: int | None = None  # no-recompute peak (the budget's 100%)
     timings: list[PassTiming] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    saved_names: tuple[str, ...] = ()
+    """Backward inputs produced by the forward (saved tensors), in the backward's order."""
+    problem: Any = None
+    """The ``RematProblem`` lynx solved (policy "lynx"); not serialized with the record."""
+    segment_costs: Any = None
+    """Per block and outside blocks: forward / backward seconds (``lynx_compile.pipeline``)."""
 
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
+        problem, self.problem = self.problem, None
+        try:
+            out = dataclasses.asdict(self)
+        finally:
+            self.problem = problem
         out["plan"] = self.plan.to_dict() if self.plan is not None else None
         return out
 

@@ -26,7 +26,13 @@ _INDEXED = re.compile(r"^(?P<parent>.*)\.(?P<index>\d+)$")
 
 
 def normalize_module_path(path: str) -> str:
-    """``"L['self'].blocks._modules['0'].ln"`` → ``"blocks.0.ln"`` (dynamo's spellings vary)."""
+    """``"L['self'].blocks._modules['0'].ln"`` → ``"blocks.0.ln"`` (dynamo's spellings vary;
+    modules torch.export unflattened appear as ``"getattr(L['self'].blocks, '0').ln"``)."""
+    while "getattr(" in path:
+        new = re.sub(r"getattr\(([^()]*?),\s*['\"]([^'\"]+)['\"]\)", r"\1.\2", path)
+        if new == path:
+            break
+        path = new
     path = re.sub(r"^L\[['\"][^'\"]*['\"]\]\.?", "", path)
     path = re.sub(r"\.?_modules\[['\"]([^'\"]+)['\"]\]", r".\1", path)
     path = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path)

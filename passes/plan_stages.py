@@ -10,13 +10,15 @@ The model (per stage i holding blocks S_i, pre-block work on stage 0, post-block
 
     static_i  = state_bytes_per_param_byte * params(S_i)              weights, grads, optimizer
     allowance a_i = (memory_per_device - static_i) / k_i              one micro-batch's fw+bw peak
-    kept      = min  sum_b e_b(kept_b)  s.t.  fixed_i + W + sum_b kept_b <= a_i
+    kept      = min  sum_b e_b(kept_b)  s.t.  fixed_i + W + T_i + sum_b kept_b <= a_i
     t_i       = sum_b (F_b + B_b) + [pre/post] + exposed recompute                 per micro-batch
 
 ``e_b`` is block b's :class:`RecomputeCurve` (exposed recompute seconds against the bytes the
 block keeps; from Lynx-HEU solves of the traced model, see ``lynx_compile.pipeline.costs``),
-``W`` the working bytes of one micro-batch (temporaries, gradients in flight), ``fixed_i`` the
-activations of pre/post work, which are always kept. ``k_i * a_i`` bounds the device peak
+``W`` the working bytes of one micro-batch (temporaries, gradients in flight), ``T_i`` the
+largest block of the stage at full size (while a block's backward runs, what it dropped is
+recomputed and alive: at most the whole block), ``fixed_i`` the activations of pre/post work,
+which are always kept. ``k_i * a_i`` bounds the device peak
 because the k_i - 1 waiting micro-batches hold only their saved bytes, which never exceed one
 micro-batch's peak; the same allowance is each stage's ``memory_budget`` when lynx compiles it.
 Curves are convex piecewise linear (lower hull of the solved points), so splitting a stage's
@@ -153,7 +155,9 @@ class StageInfo:
     kept_bytes: int
     """Activation bytes one micro-batch keeps under the plan."""
     peak_bytes: int
-    """Predicted device peak: static + in_flight x (kept + fixed) + working."""
+    """Predicted device peak: static + in_flight x kept + working + the largest block (the
+    waiting micro-batches hold only what they keep). The fit test is stricter: in_flight x the
+    whole per-micro-batch peak, as the stage's lynx budget bounds only that peak."""
     compute_s: float
     recompute_s: float
     """Exposed recompute per micro-batch."""
@@ -267,13 +271,14 @@ class _Pricer:
         fixed = sum(g.activation_bytes for g in segs if g.curve is None)
         curves = [g.curve for g in segs if g.curve is not None]
         full_keep = sum(cv.max_bytes for cv in curves)
+        transient = max((cv.max_bytes for cv in curves), default=0)
         if self.memory is None:
             budget, kept, exposed, fits = None, full_keep, 0.0, True
         else:
             budget = (self.memory - static) // k
-            room = budget - fixed - self.c.working_bytes
+            room = budget - fixed - self.c.working_bytes - transient
             kept, exposed, fits = allocate(curves, room)
-        peak = static + k * (kept + fixed) + self.c.working_bytes
+        peak = static + k * (kept + fixed) + self.c.working_bytes + transient
         return StageInfo(index=i, blocks=(s, e), block_names=tuple(b.name for b in self.c.blocks[s:e]),
                          in_flight=k, static_bytes=static, budget_bytes=budget, kept_bytes=kept + fixed,
                          peak_bytes=peak, compute_s=self.compute_s(i, s, e), recompute_s=exposed, fits=fits)
@@ -284,7 +289,8 @@ class _Pricer:
         k = in_flight(self.schedule, self.p, self.m, i)
         static = int(self.c.state_bytes_per_param_byte * sum(g.param_bytes for g in segs))
         least = sum(g.curve.min_bytes if g.curve else g.activation_bytes for g in segs)
-        return static + k * (least + self.c.working_bytes)
+        transient = max((g.curve.max_bytes for g in segs if g.curve), default=0)
+        return static + k * (least + self.c.working_bytes + transient)
 
 
 def allocate(curves: Sequence[RecomputeCurve], room: float) -> tuple[int, float, bool]:
@@ -390,9 +396,9 @@ def plan_stages(costs: PipelineCosts, num_stages: int, num_microbatches: int,
             least = _dp(pr, timed(lambda i, s, e: float(pr.min_memory(i, s, e))))
             need = max(pr.min_memory(i, s, e) for i, (s, e) in enumerate(_ranges(least, n)))
             raise StagePlanError(
-                f"memory_per_device={memory_per_device} B ({memory_per_device / 2**30:.2f} GiB) is too small "
+                f"memory_per_device={memory_per_device} B ({_fmt(memory_per_device)}) is too small "
                 f"for any split of {n} blocks into {p} stages with {m} micro-batches ({schedule}): even with "
-                f"full recompute the smallest split needs {need} B ({need / 2**30:.2f} GiB) on its fullest "
+                f"full recompute the smallest split needs {need} B ({_fmt(need)}) on its fullest "
                 f"device. Give each device at least that, use more stages, or a smaller micro-batch.")
     stages = tuple(pr.price(i, s, e) for i, (s, e) in enumerate(_ranges(cuts, n)))
     from lynx_compile.sim.pipeline import simulate_stages
@@ -408,6 +414,10 @@ def plan_stages(costs: PipelineCosts, num_stages: int, num_microbatches: int,
     return StagePlan(method=method, schedule=schedule, num_stages=p, num_microbatches=m,
                      memory_per_device=memory_per_device, stages=stages, predicted_step_s=step,
                      predicted_step_in_wait_s=step_wait, notes=tuple(notes))
+
+
+def _fmt(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
 
 
 def _ranges(cuts: Sequence[int], n: int) -> list[tuple[int, int]]:

@@ -11,10 +11,47 @@ rank all-gathers a fingerprint of its decisions; on a mismatch every rank raises
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import json
+from typing import Any, Iterator
 
 from lynx_compile.plan import RecomputePlan
+
+WORLD = "world"
+"""Planning group sentinel: every rank of the default group compiles this same graph."""
+SOLO = "solo"
+"""Planning group sentinel: this rank alone compiles this graph (e.g. a pipeline stage)."""
+_GROUP: contextvars.ContextVar[Any] = contextvars.ContextVar("lynx_planning_group", default=WORLD)
+
+
+@contextlib.contextmanager
+def planning_group(group: Any) -> Iterator[None]:
+    """Ranks that compile the same graphs as this one, while planning inside the block:
+    ``WORLD`` (default), ``SOLO``, or a process group (a pipeline stage's tensor-parallel group).
+    Rank-0 values, plan agreement and link calibration are collectives over it, so ranks that
+    compile *different* graphs (pipeline stages) never wait for each other while planning."""
+    token = _GROUP.set(group)
+    try:
+        yield
+    finally:
+        _GROUP.reset(token)
+
+
+def current_planning_group() -> Any:
+    """The group (``None`` = WORLD) planning collectives run over, or ``SOLO``."""
+    g = _GROUP.get()
+    return None if g is WORLD else g
+
+
+def planning_world_size() -> int:
+    import torch.distributed as dist
+
+    g = current_planning_group()
+    if g is SOLO or not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(g)
 
 
 class PlanMismatchError(RuntimeError):
@@ -38,7 +75,8 @@ def check_plan_agreement(plan: RecomputePlan, graph_id: int, group=None) -> str:
     import torch.distributed as dist
 
     mine = plan_fingerprint(plan)
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
+    group = group if group is not None else current_planning_group()
+    if group is SOLO or planning_world_size() < 2:
         return mine
     everyone: list[str | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
@@ -63,8 +101,10 @@ def rank0_value(value):
     slightly per rank; planning from rank 0's copy everywhere keeps the plans identical."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+    if planning_world_size() < 2:
         return value
+    group = current_planning_group()
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]

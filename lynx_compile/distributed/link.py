@@ -20,9 +20,9 @@ _CALIBRATED: dict[tuple[str, int], LinkProfile] = {}
 
 
 def _dist_world() -> int:
-    import torch.distributed as dist
+    from lynx_compile.distributed.agreement import planning_world_size
 
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return planning_world_size()
 
 
 def _emulated() -> LinkProfile | None:
@@ -52,9 +52,12 @@ def resolve_link(link: str, default_link: str) -> LinkProfile:
         return LINKS[default_link]
     import torch.distributed as dist
 
-    key = (str(dist.get_backend()), world)
+    from lynx_compile.distributed.agreement import current_planning_group
+
+    group = current_planning_group()
+    key = (str(dist.get_backend(group)), world)
     if key not in _CALIBRATED:
-        _CALIBRATED[key] = calibrate_link()
+        _CALIBRATED[key] = calibrate_link(group)
         p = _CALIBRATED[key]
         log.info("lynx: calibrated %s: alpha=%.3g s, bandwidth=%.3g GB/s", p.name, p.alpha_s,
                  p.bandwidth_bytes_per_s / 1e9)

@@ -154,11 +154,15 @@ class GPT(nn.Module):
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> LMOutput:
         """idx (B, T) int64 with T <= seq_len; targets (B, T) or None (next-token of idx)."""
+        logits = self.logits(idx)  # (B, T, V)
+        return LMOutput(lm_loss(logits, idx, targets), logits)
+
+    def logits(self, idx: Tensor) -> Tensor:
+        """(B, T) token ids -> (B, T, V) scores, no loss (what a pipeline's last stage returns)."""
         B, T = idx.shape
         pos = torch.arange(T, device=idx.device)  # (T,)
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
         for block in self.blocks:
             x = block(x)  # (B, T, C)
         x = self.ln_f(x)  # (B, T, C)
-        logits = self.lm_head(x)  # (B, T, V)
-        return LMOutput(lm_loss(logits, idx, targets), logits)
+        return self.lm_head(x)  # (B, T, V)

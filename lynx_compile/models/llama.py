@@ -223,9 +223,13 @@ class Llama(nn.Module):
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> LMOutput:
         """idx (B, T) int64 with T <= seq_len; targets (B, T) or None (next-token of idx)."""
+        logits = self.logits(idx)  # (B, T, V)
+        return LMOutput(lm_loss(logits, idx, targets), logits)
+
+    def logits(self, idx: Tensor) -> Tensor:
+        """(B, T) token ids -> (B, T, V) scores, no loss (what a pipeline's last stage returns)."""
         x = self.tok_embeddings(idx)  # (B, T, C)
         for block in self.blocks:
             x = block(x)  # (B, T, C)
         x = self.norm(x)  # (B, T, C)
-        logits = self.output(x)  # (B, T, V)
-        return LMOutput(lm_loss(logits, idx, targets), logits)
+        return self.output(x)  # (B, T, V)

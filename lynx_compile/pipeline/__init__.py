@@ -1,0 +1,219 @@
+"""Pipeline parallelism with recompute-aware stages: ``lynx_compile.pipeline(...)``.
+
+::
+
+    model ─profile_pipeline─▶ PipelineCosts ─plan_stages─▶ StagePlan (cuts, per-stage budgets)
+      │                                                        │
+      └─ torch pipeline() split at the cuts ◀──────────────────┘
+             │ local stage(s)
+             ▼
+      torch.compile(stage, backend=lynx(memory_budget=stage allowance, recompute_in_wait))
+             ▼
+      LynxPipelineStage ──▶ torch schedule (GPipe / 1F1B / Interleaved1F1B)
+
+Every rank traces and plans the whole model (deterministically, from the same costs: rank 0's
+when measured) and builds only its own stages.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lynx_compile.passes.plan_stages import (
+    METHODS, SCHEDULES, PipelineCosts, StagePlan, StagePlanError, plan_stages)
+
+from .costs import profile_pipeline
+from .stages import LynxPipelineStage, split_model, sync_tied_grads
+
+log = logging.getLogger("lynx_compile")
+
+__all__ = ["LocalPipeline", "PipelineCosts", "StagePlan", "StagePlanError", "pipeline", "plan_pipeline",
+           "plan_stages", "profile_pipeline"]
+
+
+class _Forward(nn.Module):
+    """``model`` with the forward the pipeline cuts (e.g. ``model.logits``, no loss inside)."""
+
+    def __init__(self, model: nn.Module, forward: Callable | None):
+        super().__init__()
+        self.model = model
+        self._fn = forward
+
+    def forward(self, *args: Any) -> Any:
+        return self._fn(*args) if self._fn is not None else self.model(*args)
+
+
+@dataclass
+class LocalPipeline:
+    """What ``pipeline`` returns on one rank."""
+
+    stages: list[LynxPipelineStage]
+    """This rank's stages (one, or v for interleaved schedules)."""
+    schedule: Any
+    """A torch.distributed.pipelining schedule over ``stages``: ``schedule.step(x, target=y,
+    losses=[])`` on the first / last stage ranks; ``schedule.step()`` in between."""
+    plan: StagePlan
+    costs: PipelineCosts
+    modules: dict[int, nn.Module]
+    """Stage index -> the uncompiled stage module (its parameters are the trained ones)."""
+    backends: dict[int, Any]
+    tied: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    shapes: dict[str, Any] = field(default_factory=dict)
+    group: Any = None
+    prefix: str = "model."
+
+    @property
+    def is_first(self) -> bool:
+        return 0 in self.modules
+
+    @property
+    def is_last(self) -> bool:
+        return self.plan.num_stages - 1 in self.modules
+
+    def parameters(self):
+        seen = set()
+        for m in self.modules.values():
+            for p in m.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
+
+    def named_parameters(self):
+        """(name in the original model, parameter) for every parameter this rank holds."""
+        for i, m in sorted(self.modules.items()):
+            for name, p in m.named_parameters():
+                yield name.removeprefix(self.prefix), p
+
+    def step(self, *inputs: Any, target: Any = None, losses: list | None = None) -> Any:
+        """One pipeline step (forward + backward of every micro-batch); tied grads summed."""
+        kwargs = {}
+        if self.is_last:
+            kwargs = {"target": target, "losses": losses if losses is not None else []}
+        out = self.schedule.step(*(inputs if self.is_first else ()), **kwargs)
+        if self.tied:
+            sync_tied_grads(self.modules, self.tied, self.shapes, group=self.group)
+        return out
+
+    @property
+    def early_recomputes(self) -> int:
+        return sum(s.early_recomputes for s in self.stages)
+
+
+def _tied_parameters(model: nn.Module, pipe, num_stages: int):
+    """Parameters of ``model`` that more than one stage parameter copies (a tied embedding and
+    LM head): canonical name -> ((stage, stage parameter name), ...), and their shapes."""
+    canonical: dict[int, str] = {}
+    alias: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        alias["model." + name] = canonical.setdefault(id(p), name)
+    where: dict[str, list[tuple[int, str]]] = {}
+    shapes = {}
+    for i in range(num_stages):
+        for name, p in pipe.get_stage_module(i).named_parameters(remove_duplicate=False):
+            c = alias.get(name, name)
+            where.setdefault(c, []).append((i, name))
+            shapes[c] = (p.shape, p.dtype)
+    tied = {c: tuple(occ) for c, occ in where.items() if len(occ) > 1}
+    return tied, {c: shapes[c] for c in tied}
+
+
+def plan_pipeline(model: nn.Module, example_microbatch: Sequence[Any], *, num_stages: int, num_microbatches: int,
+                  memory_per_device: int | None = None, schedule: str = "1F1B", method: str = "lynx",
+                  forward: Callable | None = None, options: dict[str, Any] | None = None,
+                  pinned_cuts: Sequence[int] | None = None) -> tuple[StagePlan, PipelineCosts, list[str]]:
+    """Trace, profile and plan (nothing runs distributed); returns (plan, costs, block paths)."""
+    wrapped = _Forward(model, forward if forward is not None else getattr(model, "logits", None))
+    costs, paths = profile_pipeline(wrapped, example_microbatch, options)
+    plan = plan_stages(costs, num_stages, num_microbatches, memory_per_device, schedule, method=method,
+                       pinned_cuts=pinned_cuts)
+    return plan, costs, paths
+
+
+def pipeline(model: nn.Module, example_inputs: Sequence[Any], *, num_stages: int, num_microbatches: int,
+             loss_fn: Callable, memory_per_device: int | None = None, schedule: str = "1F1B",
+             method: str = "lynx", recompute_in_wait: bool = True, forward: Callable | None = None,
+             options: dict[str, Any] | None = None, group=None, device: torch.device | str | None = None,
+             pinned_cuts: Sequence[int] | None = None, plan: StagePlan | None = None,
+             planning_group=None) -> LocalPipeline:
+    """Cut ``model`` into ``num_stages`` recompute-aware stages and return this rank's part.
+
+    ``example_inputs``: one full batch (split into ``num_microbatches`` along dim 0).
+    ``loss_fn(output, target)``: the loss of the last stage's output. ``forward``: what the
+    pipeline runs (default ``model.logits`` when the model has it, else ``model``); its output
+    must be the tensor ``loss_fn`` takes. ``memory_per_device``: bytes per device (None: no
+    limit, nothing recomputed). ``schedule``: ``GPipe``, ``1F1B`` or ``Interleaved1F1B``
+    (``num_stages`` a multiple of the group size). ``method``: ``lynx`` (recompute-aware),
+    ``compute`` or ``uniform`` (baselines). ``options``: lynx backend options for every stage
+    (``memory_budget`` is set per stage). Needs torch.distributed initialized; ``group``
+    (default: world) holds one rank per stage (or per ``num_stages / size`` stages).
+    ``planning_group``: the ranks that compile the same stage (the tensor-parallel group under
+    TP x PP); None: each rank plans its stages alone."""
+    from torch.distributed.pipelining import ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B
+
+    import lynx_compile
+    from lynx_compile.distributed.agreement import SOLO
+
+    if schedule not in SCHEDULES:
+        raise StagePlanError(f"schedule={schedule!r} is not valid; choose one of {sorted(SCHEDULES)}")
+    if method not in METHODS:
+        raise StagePlanError(f"method={method!r} is not valid; choose one of {sorted(METHODS)}")
+    if not dist.is_initialized():
+        raise RuntimeError("lynx_compile.pipeline needs torch.distributed initialized (launch with torchrun "
+                           "and call torch.distributed.init_process_group)")
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if num_stages % size:
+        raise StagePlanError(f"num_stages={num_stages} is not a multiple of the pipeline group size {size}")
+    per_rank = num_stages // size
+    if per_rank > 1 and schedule != "Interleaved1F1B":
+        raise StagePlanError(f"{num_stages} stages on {size} ranks needs schedule='Interleaved1F1B'; "
+                             f"{schedule} runs one stage per rank (use num_stages={size})")
+    batch = example_inputs[0].shape[0]
+    if batch % num_microbatches:
+        raise StagePlanError(f"batch size {batch} does not split into num_microbatches={num_microbatches} "
+                             "equal micro-batches")
+    mb = tuple(x[: batch // num_microbatches] if torch.is_tensor(x) else x for x in example_inputs)
+    options = dict(options or {})
+    if plan is None:
+        plan, costs, paths = plan_pipeline(model, mb, num_stages=num_stages, num_microbatches=num_microbatches,
+                                           memory_per_device=memory_per_device, schedule=schedule, method=method,
+                                           forward=forward, options=options, pinned_cuts=pinned_cuts)
+    else:
+        costs = None
+    log.info("lynx: %s", plan.table())
+    wrapped = _Forward(model, forward if forward is not None else getattr(model, "logits", None))
+    pipe = split_model(wrapped, mb, list(plan.cuts))
+    if pipe.num_stages != num_stages:
+        raise StagePlanError(f"torch split the model into {pipe.num_stages} stages, not {num_stages} "
+                             f"(cuts {list(plan.cuts)}); does the model contain pipe_split() markers?")
+    tied, shapes = _tied_parameters(model, pipe, num_stages)
+    dev = torch.device(device) if device is not None else next(model.parameters()).device
+    local = [rank + k * size for k in range(per_rank)]
+    stages, modules, backends = [], {}, {}
+    for i in local:
+        info = plan.stages[i]
+        mod = pipe.get_stage_module(i).to(dev)
+        stage_opts = dict(options)
+        if info.budget_bytes is not None and stage_opts.get("policy", "lynx") == "lynx":
+            stage_opts["memory_budget"] = int(info.budget_bytes)
+        wait = recompute_in_wait and stage_opts.get("compiler", "eager") == "eager"
+        if wait:
+            stage_opts["recompute_in_wait"] = True
+            if memory_per_device is not None:
+                stage_opts["recompute_in_wait_bytes"] = max(0, memory_per_device - info.peak_bytes)
+        backend = lynx_compile.LynxBackend(lynx_compile.make_config(stage_opts))
+        backend.planning_group = planning_group if planning_group is not None else SOLO
+        compiled = torch.compile(mod, backend=backend)
+        stages.append(LynxPipelineStage(submodule=compiled, stage_index=i, num_stages=num_stages, device=dev,
+                                        group=group, lynx_backend=backend, recompute_in_wait=wait))
+        modules[i], backends[i] = mod, backend
+    cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}[schedule]
+    sched = cls(stages if per_rank > 1 or schedule == "Interleaved1F1B" else stages[0],
+                n_microbatches=num_microbatches, loss_fn=loss_fn)
+    return LocalPipeline(stages=stages, schedule=sched, plan=plan, costs=costs, modules=modules, backends=backends,
+                         tied=tied, shapes=shapes, group=group)

@@ -1,0 +1,157 @@
+"""``profile_pipeline``: the :class:`PipelineCosts` of a model, from one plan-only lynx trace.
+
+The whole model (one micro-batch) is traced by a plan-only lynx backend: its joint graph gives
+per-block forward / backward seconds (the cost model: analytic or measured) and its
+``RematProblem`` (the units each block could keep or recompute). Each block's recompute curve
+comes from Lynx-HEU solves of that problem at a ladder of budgets: at each budget, the bytes a
+block keeps and the seconds of its recompute left on the critical path (recompute the plan
+hides in communication windows counts as free). Parameters are attributed by module path
+(blocks) and by call order (modules called before the first block are ``pre``, after the last
+``post``; a tied weight counts on both sides, because both end stages hold a copy).
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from lynx_compile.passes.plan_stages import PipelineCosts, RecomputeCurve, SegmentCost
+
+log = logging.getLogger("lynx_compile")
+BUDGET_LADDER = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.45, 0.4, 0.35, 0.3, 0.25, 0.2, 0.15, 0.1)
+
+
+def profile_pipeline(module: nn.Module, example_inputs: Sequence[Any], options: dict[str, Any] | None = None,
+                     *, state_bytes_per_param_byte: float = 4.0) -> tuple[PipelineCosts, list[str]]:
+    """Costs of ``module`` (whose forward returns the tensor the last stage hands to the loss)
+    for one micro-batch ``example_inputs``; also returns the block module paths in order."""
+    from lynx_compile.planning import plan_model
+    from lynx_compile.remat.heuristic import solve_heu
+    from lynx_compile.remat.problem import InfeasibleBudget
+
+    opts = {k: v for k, v in (options or {}).items()
+            if k in ("cost_source", "hardware", "link", "measure_repeats", "windows")}
+    records = plan_model(module, tuple(example_inputs), policy="lynx", check_plan_agreement=False, **opts)
+    record = records[0]
+    problem, seg = record.problem, record.segment_costs
+    if not record.blocks:
+        raise ValueError("lynx found no transformer blocks in this model, so it cannot cut it into "
+                         "pipeline stages: put the layers in an nn.ModuleList (paths like layers.3)")
+    n = len(record.blocks)
+    points: list[list[tuple[int, float]]] = [[] for _ in range(n)]
+    full = {b: sum(u.nbytes for u in problem.units if u.block == b) for b in range(n)}
+    for b in range(n):
+        points[b].append((full[b], 0.0))
+    by_id = {u.id: u for u in problem.units}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for frac in BUDGET_LADDER[1:]:
+            try:
+                sol = solve_heu(problem, int(frac * problem.reference_peak))
+            except InfeasibleBudget:
+                break
+            kept = [0] * n
+            exposed = [0.0] * n
+            for uid in sol.keep:
+                u = by_id[uid]
+                if u.block is not None:
+                    kept[u.block] += u.nbytes
+            for uid in sol.demand:
+                u = by_id[uid]
+                if u.block is not None:
+                    exposed[u.block] += u.compute_s
+            for b in range(n):
+                points[b].append((kept[b], exposed[b]))
+    block_fw = [u.fw_pos for u in problem.units if u.block is not None]
+    first_fw = min(block_fw) if block_fw else 0
+    outside = [u for u in problem.units if u.block is None]
+    pre_act = sum(u.nbytes for u in outside if u.fw_pos < first_fw)
+    post_act = sum(u.nbytes for u in outside if u.fw_pos >= first_fw)
+    working = max(0, problem.reference_peak - sum(u.nbytes for u in problem.units))
+    params = _param_bytes(module, example_inputs, record.blocks)
+    outputs = _block_output_bytes(problem, n)
+    blocks = tuple(SegmentCost(
+        name=path, forward_s=seg["blocks"].get(b, [0.0, 0.0])[0], backward_s=seg["blocks"].get(b, [0.0, 0.0])[1],
+        param_bytes=params[path], activation_bytes=full[b],
+        curve=RecomputeCurve(kept_bytes=tuple(p[0] for p in points[b]), exposed_s=tuple(p[1] for p in points[b])),
+        output_bytes=outputs[b]) for b, path in enumerate(record.blocks))
+    pre = SegmentCost(name="<pre>", forward_s=seg["pre"][0], backward_s=seg["pre"][1],
+                      param_bytes=params["<pre>"], activation_bytes=pre_act)
+    post = SegmentCost(name="<post>", forward_s=seg["post"][0], backward_s=seg["post"][1],
+                       param_bytes=params["<post>"], activation_bytes=post_act)
+    costs = PipelineCosts(blocks=blocks, pre=pre, post=post, working_bytes=working,
+                          state_bytes_per_param_byte=state_bytes_per_param_byte,
+                          p2p_bytes_per_s=_p2p_bandwidth(options or {}),
+                          microbatch_size=int(example_inputs[0].shape[0]) if example_inputs else 1)
+    return costs, list(record.blocks)
+
+
+def _block_output_bytes(problem, n: int) -> list[int]:
+    """Bytes of each block's last forward unit (the activation a stage boundary would send)."""
+    out = [0] * n
+    last: dict[int, int] = {}
+    for u in problem.units:
+        if u.block is not None and u.fw_pos >= last.get(u.block, -1):
+            last[u.block] = u.fw_pos
+            out[u.block] = u.nbytes
+    return out
+
+
+def _param_bytes(module: nn.Module, example_inputs: Sequence[Any], block_paths: list[str]) -> dict[str, int]:
+    """Parameter bytes per block path, plus ``<pre>`` / ``<post>`` by module call order."""
+    out = {p: 0 for p in block_paths}
+    out["<pre>"] = out["<post>"] = 0
+    names = {m: name for name, m in module.named_modules()}
+    order: list[str] = []
+
+    def hook(mod: nn.Module, args: Any) -> None:
+        if mod in names:
+            order.append(names[mod])
+
+    handle = nn.modules.module.register_module_forward_pre_hook(hook)
+    try:
+        with torch.no_grad():
+            module(*example_inputs)
+    finally:
+        handle.remove()
+
+    def block_of(path: str) -> str | None:
+        return next((b for b in block_paths if path == b or path.startswith(b + ".")), None)
+
+    first = next((i for i, p in enumerate(order) if block_of(p)), 0)
+    last = max((i for i, p in enumerate(order) if block_of(p)), default=len(order))
+    sides: dict[int, set[str]] = {}
+    owner: dict[int, nn.Parameter] = {}
+    for i, path in enumerate(order):
+        mod = module.get_submodule(path) if path else module
+        for p in mod.parameters(recurse=False):
+            blk = block_of(path)
+            side = blk if blk else ("<pre>" if i < first else "<post>" if i > last else "<pre>")
+            sides.setdefault(id(p), set()).add(side)
+            owner[id(p)] = p
+    for pid, where in sides.items():
+        p = owner[pid]
+        for side in where:
+            out[side] += p.numel() * p.element_size()
+    return out
+
+
+def _p2p_bandwidth(options: dict[str, Any]) -> float:
+    from lynx_compile.costs import LINKS, PROFILES
+
+    link = options.get("link", "auto")
+    if link in LINKS:
+        return LINKS[link].bandwidth_bytes_per_s
+    hw = options.get("hardware", "auto")
+    if hw == "auto":
+        hw = "cpu" if not torch.cuda.is_available() else None
+    profile = PROFILES.get(hw) if hw else None
+    return LINKS[profile.default_link].bandwidth_bytes_per_s if profile else float("inf")
+
+
+def output_selector(model: nn.Module) -> Callable[..., torch.Tensor] | None:
+    """For zoo-style models with ``logits(idx)``: the loss-free forward a pipeline should cut."""
+    return getattr(model, "logits", None)

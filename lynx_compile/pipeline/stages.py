@@ -1,0 +1,93 @@
+"""Apply a :class:`StagePlan`: split the model, compile each local stage with lynx, wrap it for
+torch's schedules.
+
+Splitting is torch's own (``torch.distributed.pipelining.pipeline``: export, then
+``split_module`` at a ``SplitPoint.BEGINNING`` before every cut block). Each local stage is
+compiled by its own lynx backend with ``memory_budget`` = the stage's allowance per micro-batch
+(``StageInfo.budget_bytes``: its in-flight count differs from the other stages') and wrapped in
+:class:`LynxPipelineStage`, a ``PipelineStage`` that can recompute while the gradient is in flight:
+
+    schedule asks for the gradient recv ops of j   -> the stage posts the irecv itself, returns []
+    schedule calls backward_one_chunk(j)           -> run j's recompute prefix (gradient-free)
+                                                      wait for the irecv, then the backward
+
+Posting the receive inside ``get_bwd_recv_ops`` works with every torch schedule (GPipe, 1F1B,
+Interleaved1F1B) unchanged, without a schedule of our own: they only ever wait on what they
+are handed, and they hand the chunk to ``backward_one_chunk`` after the wait they would have
+done.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+from lynx_compile.runtime.prefetch import microbatch
+
+
+class LynxPipelineStage(PipelineStage):
+    """A ``PipelineStage`` whose compiled module recomputes during the gradient wait."""
+
+    def __init__(self, *args: Any, lynx_backend=None, recompute_in_wait: bool = False, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.lynx_backend = lynx_backend
+        self.recompute_in_wait = bool(recompute_in_wait and lynx_backend is not None)
+        self._pending: dict[int, list] = {}
+        self.early_recomputes = 0
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any):
+        with microbatch(fwd_chunk_id):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list:
+        ops = super().get_bwd_recv_ops(bwd_chunk_id)
+        if not self.recompute_in_wait or not ops:
+            return ops
+        self._pending[bwd_chunk_id] = dist.batch_isend_irecv(ops)  # in flight from now on
+        return []
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any):
+        if self.recompute_in_wait:
+            self.early_recomputes += self.lynx_backend.run_early(bwd_chunk_id)
+        for work in self._pending.pop(bwd_chunk_id, ()):
+            work.wait()
+        with microbatch(bwd_chunk_id):
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+
+def split_model(module: nn.Module, example_microbatch: tuple, cuts: list[str]):
+    """torch's ``Pipe`` of ``module`` cut before each block path in ``cuts``."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    spec = {name: SplitPoint.BEGINNING for name in cuts}
+    return pipeline(module, mb_args=tuple(example_microbatch), split_spec=spec or None)
+
+
+def stage_params(pipe, num_stages: int) -> list[dict[str, nn.Parameter]]:
+    return [dict(pipe.get_stage_module(i).named_parameters()) for i in range(num_stages)]
+
+
+def sync_tied_grads(stage_modules: dict[int, nn.Module], tied: dict[str, tuple[tuple[int, str], ...]],
+                    shapes: dict[str, tuple[torch.Size, torch.dtype]], group=None) -> None:
+    """Sum the gradients of every copy of a parameter that several stages hold (a tied
+    embedding / LM head) over the pipeline group, and give every copy the sum: each copy then
+    steps with the gradient the unsplit model would have. Ranks holding no copy contribute zeros
+    (one all-reduce per tied parameter, on every rank of the group, in the same order)."""
+    device = next(p for m in stage_modules.values() for p in m.parameters()).device
+    for name in sorted(tied):
+        copies: dict[int, nn.Parameter] = {}
+        for stage, pname in tied[name]:
+            if stage in stage_modules:
+                p = dict(stage_modules[stage].named_parameters(remove_duplicate=False))[pname]
+                copies[id(p)] = p
+        shape, dtype = shapes[name]
+        total = torch.zeros(shape, dtype=dtype, device=device)
+        for p in copies.values():
+            if p.grad is not None:
+                total += p.grad
+        dist.all_reduce(total, group=group)
+        for p in copies.values():
+            p.grad = total.clone()
