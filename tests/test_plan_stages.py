@@ -100,11 +100,13 @@ def memory_costs():
 
 
 def test_memory_bound_lynx_shifts_blocks_to_late_stages():
-    costs, mem = memory_costs(), 6 * MiB
-    # 2|2: stage 0 allowance 6/2 = 3 MiB, keeps 2 + 1 -> exposed 8 - 4 = 4 ms: 6 + 4 = 10 ms;
-    #      stage 1 allowance 6 MiB >= 4: 6 ms.                                     bottleneck 10
-    # 1|3: stage 0 keeps 2 <= 3: 3 ms; stage 1 keeps 6 <= 6: 9 ms.                  bottleneck 9
-    # 3|1: stage 0 keeps 3 = 3 (full recompute): 9 + 12 = 21 ms.
+    costs, mem = memory_costs(), 10 * MiB
+    # No params, no working bytes; every stage reserves T = 2 MiB (its largest block at full size),
+    # so a stage's room for kept bytes is mem / k - 2 (stage 0: 10/2 - 2 = 3 MiB, stage 1: 10 - 2 = 8).
+    # 2|2: stage 0 keeps 3 of 2..4 MiB -> exposed 8 - 4 = 4 ms: 6 + 4 = 10 ms;
+    #      stage 1 keeps all 4 <= 8: 6 ms.                                         bottleneck 10
+    # 1|3: stage 0 keeps all 2 <= 3: 3 ms; stage 1 keeps all 6 <= 8: 9 ms.        bottleneck 9
+    # 3|1: stage 0 keeps 3 = its least 3 (full recompute): 9 + 12 = 21 ms.
     lynx = plan_stages(costs, 2, 2, mem)
     comp = plan_stages(costs, 2, 2, mem, method="compute")
     uni = plan_stages(costs, 2, 2, mem, method="uniform")
@@ -113,8 +115,10 @@ def test_memory_bound_lynx_shifts_blocks_to_late_stages():
     assert lynx.layers_per_stage[0] < comp.layers_per_stage[0]
     assert lynx.bottleneck_s == pytest.approx(9 * ms) and comp.bottleneck_s == pytest.approx(10 * ms)
     assert lynx.bottleneck_s <= uni.bottleneck_s and lynx.bottleneck_s <= comp.bottleneck_s
-    s0 = comp.stages[0]
-    assert (s0.in_flight, s0.budget_bytes, s0.kept_bytes, s0.recompute_s) == (2, 3 * MiB, 3 * MiB, pytest.approx(4 * ms))
+    s0 = comp.stages[0]  # budget = allowance mem / k = 5 MiB; kept 3 MiB + T 2 MiB fill it
+    assert (s0.in_flight, s0.budget_bytes, s0.kept_bytes, s0.recompute_s) == (2, 5 * MiB, 3 * MiB, pytest.approx(4 * ms))
+    # peak = static + k * kept + working + T: stage 0 0 + 2*2 + 0 + 2 = 6, stage 1 0 + 1*6 + 0 + 2 = 8 MiB
+    assert [s.peak_bytes for s in lynx.stages] == [6 * MiB, 8 * MiB]
     assert lynx.fits and all(s.peak_bytes <= mem for s in lynx.stages)
 
 
@@ -128,7 +132,7 @@ def brute_costs():
 
 
 @pytest.mark.parametrize("schedule,m", [("1F1B", 3), ("1F1B", 5), ("GPipe", 2)])
-@pytest.mark.parametrize("mem_mib", [8, 8.5, 12, 16, 24, 40])
+@pytest.mark.parametrize("mem_mib", [8, 16, 16.5, 20, 24, 40])  # least: 16.5 (1F1B), 20 (GPipe)
 def test_lynx_matches_brute_force(schedule, m, mem_mib):
     costs, p, mem = brute_costs(), 3, int(mem_mib * MiB)
     pr = _Pricer(costs, p, m, mem, schedule)
@@ -166,16 +170,21 @@ def test_errors():
 
 
 def test_memory_too_small_names_least_memory():
-    # 4 blocks: 1 MiB params (x4 state = 4 MiB static), min kept 1 MiB; working 1 MiB; 1F1B p=2, m=2 (k = 2, 1)
-    # static + k * (min + working):  1|3: 4 + 2*2 = 8,  12 + 1*4 = 16 -> 16
-    #                                2|2: 8 + 2*3 = 14,  8 + 1*3 = 11 -> 14   <- least
-    #                                3|1: 12 + 2*4 = 20                 -> 20
+    # 4 blocks: 1 MiB params (x4 state = 4 MiB static), min kept 1 MiB, T = 2 MiB (largest block at full
+    # size); working 0.5 MiB; 1F1B p=2, m=2 (k = 2, 1)
+    # static + k * (min + working + T):  1|3: 4 + 2*3.5 = 11,   12 + 1*5.5 = 17.5 -> 17.5
+    #                                    2|2: 8 + 2*4.5 = 17,    8 + 1*4.5 = 12.5 -> 17   <- least
+    #                                    3|1: 12 + 2*5.5 = 23,   4 + 1*3.5 = 7.5  -> 23
     blocks = tuple(block(i, cv=curve((1, 4), (2, 0)), param_mib=1) for i in range(4))
-    costs = PipelineCosts(blocks=blocks, working_bytes=MiB)
-    with pytest.raises(StagePlanError, match=rf"needs {14 * MiB} B \(0\.01 GiB\)"):
-        plan_stages(costs, 2, 2, 14 * MiB - 1)
-    plan = plan_stages(costs, 2, 2, 14 * MiB)
+    costs = PipelineCosts(blocks=blocks, working_bytes=MiB // 2)
+    pr = _Pricer(costs, 2, 2, None, "1F1B")  # brute force over the three splits agrees
+    assert min(max(pr.min_memory(0, 0, c), pr.min_memory(1, c, 4)) for c in (1, 2, 3)) == 17 * MiB
+    with pytest.raises(StagePlanError, match=rf"needs {17 * MiB} B \(17\.00 MiB\)"):
+        plan_stages(costs, 2, 2, 17 * MiB - 1)
+    # at 17 MiB only 2|2 fits: stage 0 allowance (17 - 8) / 2 = 4.5, room 4.5 - 0.5 - 2 = 2 = its least
+    plan = plan_stages(costs, 2, 2, 17 * MiB)
     assert plan.layers_per_stage == (2, 2) and plan.fits
+    assert plan.stages[0].kept_bytes == 2 * MiB and plan.stages[0].recompute_s == pytest.approx(8 * ms)
     # compute/uniform do not raise; they say what does not fit
     bad = plan_stages(costs, 2, 2, 10 * MiB, method="uniform")
     assert not bad.fits and "do not fit" in bad.notes[0]
