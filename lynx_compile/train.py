@@ -61,6 +61,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="profile the last N steps (the step-time median uses the untraced ones)")
     p.add_argument("--timeout", type=float, default=120.0, help="process-group timeout, seconds")
     p.add_argument("--json", default=None, metavar="PATH", help="rank 0 writes the results here")
+    from lynx_compile.pipeline.train_pp import add_pipeline_arguments
+
+    add_pipeline_arguments(p)
 
 
 @dataclass
@@ -101,9 +104,10 @@ def init_distributed(args: argparse.Namespace) -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     if "RANK" not in os.environ:
-        if (args.tp or 1) > 1:
-            raise SystemExit(f"lynx train: --tp {args.tp} needs {args.tp} processes; launch with "
-                             f"`torchrun --nproc-per-node {args.tp} -m lynx_compile.train ...`")
+        if (args.tp or 1) > 1 or getattr(args, "pp", 1) > 1:
+            n = max(args.tp or 1, getattr(args, "pp", 1))
+            raise SystemExit(f"lynx train: --tp/--pp {n} needs {n} processes; launch with "
+                             f"`torchrun --nproc-per-node {n} -m lynx_compile.train ...`")
         return 0, 1
     timeout = datetime.timedelta(seconds=args.timeout)
     if _device().type == "cuda":
@@ -195,6 +199,8 @@ def train(args: argparse.Namespace, *, on_step: Callable[[int], None] | None = N
     from lynx_compile.distributed.failures import Heartbeat
 
     rank, world = init_distributed(args)
+    if args.pp > 1:
+        return _train_pipeline(args, rank, world, say)
     if args.tp is not None and args.tp != world:
         raise SystemExit(f"lynx train: --tp {args.tp} but {world} processes; this launcher runs "
                          f"tensor parallelism only, so --tp must equal --nproc-per-node")
@@ -374,7 +380,27 @@ def _finish_trace(prof, args: argparse.Namespace, rank: int) -> dict:
             "collectives": report.collectives, "source": report.source}
 
 
-def _reference_losses(args: argparse.Namespace) -> list[float]:
+def _train_pipeline(args: argparse.Namespace, rank: int, world: int, say) -> TrainResult:
+    from lynx_compile.pipeline.train_pp import train_pipeline
+
+    losses, times, pl = train_pipeline(args, rank, world, say)
+    result = TrainResult(rank=rank, world_size=world, losses=losses, step_s=times, peak_method="predicted",
+                         timed_steps=list(range(1, len(times))) or [0])
+    result.plans = [pl.plan.to_dict()]
+    if args.check and rank == 0:
+        result.reference_losses = _reference_losses(args, microbatches=args.microbatches or 2 * (args.stages or args.pp))
+        worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(result.losses, result.reference_losses))
+        say("check: step  pipeline loss    single-process loss")
+        for i, (a, b) in enumerate(zip(result.losses, result.reference_losses)):
+            say(f"       {i:4d}  {a:.8f}     {b:.8f}")
+        say(f"check: max relative loss difference {worst:.2e}")
+    if args.json and rank == 0:
+        with open(args.json, "w") as f:
+            json.dump(result.__dict__, f, indent=2)
+    return result
+
+
+def _reference_losses(args: argparse.Namespace, microbatches: int = 1) -> list[float]:
     """The same steps, unsharded, eager, in this process."""
     device = _device()
     model = _build(args, device)
@@ -382,7 +408,8 @@ def _reference_losses(args: argparse.Namespace) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     losses = []
     for idx in batches:
-        loss = model(idx).loss
+        # mean of the micro-batch losses, as a pipeline step computes it
+        loss = sum(model(chunk).loss for chunk in idx.chunk(microbatches)) / microbatches
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

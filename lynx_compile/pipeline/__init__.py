@@ -105,6 +105,20 @@ class LocalPipeline:
         return sum(s.early_recomputes for s in self.stages)
 
 
+def _refuse_tensor_parallel(model: nn.Module) -> None:
+    """TP x PP is not supported: say so instead of training with wrong gradients."""
+    from torch.distributed.tensor import DTensor
+
+    from lynx_compile.distributed.tensor_parallel import TP_SHARD_ATTR
+
+    if any(hasattr(p, TP_SHARD_ATTR) or isinstance(p, DTensor) for p in model.parameters()):
+        raise NotImplementedError(
+            "lynx_compile.pipeline got a tensor-parallel model. TP x PP is not supported yet: the "
+            "stage split goes through torch.export, which keeps the forward of the tensor-parallel "
+            "autograd functions but not their backward collectives (gradients came out wrong when "
+            "tried). Use pipeline parallelism on an unsharded model, or tensor parallelism alone.")
+
+
 def _tied_parameters(model: nn.Module, pipe, num_stages: int):
     """Parameters of ``model`` that more than one stage parameter copies (a tied embedding and
     LM head): canonical name -> ((stage, stage parameter name), ...), and their shapes."""
@@ -166,6 +180,7 @@ def pipeline(model: nn.Module, example_inputs: Sequence[Any], *, num_stages: int
     if not dist.is_initialized():
         raise RuntimeError("lynx_compile.pipeline needs torch.distributed initialized (launch with torchrun "
                            "and call torch.distributed.init_process_group)")
+    _refuse_tensor_parallel(model)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if num_stages % size:
         raise StagePlanError(f"num_stages={num_stages} is not a multiple of the pipeline group size {size}")

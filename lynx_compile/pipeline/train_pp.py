@@ -1,0 +1,85 @@
+"""``lynx train --pp N`` / ``torchrun --nproc-per-node N -m lynx_compile.train --pp N``: train a zoo
+model with lynx's recompute-aware pipeline on N ranks (one stage per rank, or more with
+``--schedule Interleaved1F1B --stages``). Rank 0 prints the stage plan; the last stage's rank
+reports the loss (mean over micro-batches), which rank 0 prints each step."""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+
+def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (ranks in the pipeline)")
+    p.add_argument("--stages", type=int, default=None, help="pipeline stages (default --pp; a multiple "
+                   "of --pp with --schedule Interleaved1F1B)")
+    p.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default 2 x stages)")
+    p.add_argument("--schedule", default="1F1B", choices=["GPipe", "1F1B", "Interleaved1F1B"])
+    p.add_argument("--memory-per-device", type=_bytes, default=None,
+                   help="bytes per device for the stage plan, e.g. 30000000, 48MiB, 2GiB (default: no limit)")
+    p.add_argument("--split", default="lynx", choices=["lynx", "compute", "uniform"],
+                   help="stage split: recompute-aware (lynx), compute-only balance, or equal layers")
+    p.add_argument("--no-recompute-in-wait", action="store_true",
+                   help="run recompute only after the gradient arrives")
+
+
+def _bytes(text: str) -> int:
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+    t = text.strip().upper()
+    for suffix, mult in units.items():
+        if t.endswith(suffix):
+            return int(float(t[: -len(suffix)]) * mult)
+    return int(t)
+
+
+def train_pipeline(args: argparse.Namespace, rank: int, world: int, say: Callable[[str], None] = print):
+    """The pipeline training loop; returns (losses, step seconds, plan) on every rank."""
+    import lynx_compile
+    from lynx_compile.models.common import lm_loss
+    from lynx_compile.train import _batches, _build, _device, _options
+
+    if args.pp != world:
+        raise SystemExit(f"lynx train: --pp {args.pp} but {world} processes; launch with "
+                         f"`torchrun --nproc-per-node {args.pp} -m lynx_compile.train --pp {args.pp} ...`")
+    if (args.tp or 1) > 1:
+        raise SystemExit("lynx train: --tp with --pp (TP x PP) is not supported yet; see README")
+    stages = args.stages or args.pp
+    micro = args.microbatches or 2 * stages
+    device = _device()
+    model = _build(args, device)
+    batches = _batches(args, model.config, device)
+    options = _options(args)
+    options.pop("memory_budget", None)  # per stage, from the plan
+    pl = lynx_compile.pipeline(model, (batches[0],), num_stages=stages, num_microbatches=micro,
+                               loss_fn=lambda logits, idx: lm_loss(logits, idx, None),
+                               memory_per_device=args.memory_per_device, schedule=args.schedule,
+                               method=args.split, recompute_in_wait=not args.no_recompute_in_wait,
+                               options=options)
+    if rank == 0:
+        say(pl.plan.table())
+    opt = torch.optim.AdamW(list(pl.parameters()), lr=args.lr)
+    last_rank = (stages - 1) % world
+    losses, times = [], []
+    for i, idx in enumerate(batches):
+        dist.barrier()
+        t0 = time.perf_counter()
+        mb_losses: list = []
+        pl.step(idx, target=idx, losses=mb_losses)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dt = time.perf_counter() - t0
+        loss = torch.tensor([float(sum(x.detach() for x in mb_losses) / len(mb_losses)) if mb_losses else 0.0])
+        dist.broadcast(loss, src=last_rank)
+        losses.append(float(loss))
+        times.append(dt)
+        if rank == 0:
+            say(f"step {i:3d}  loss {losses[-1]:.6f}  time {dt * 1e3:9.2f} ms{' (compile)' if i == 0 else ''}")
+    if rank == 0 and len(times) > 1:
+        say(f"median step time (steps 1..{len(times) - 1}): {statistics.median(times[1:]) * 1e3:.2f} ms  "
+            f"[PP {world}, {stages} stages, {micro} micro-batches, {args.schedule}, split {args.split}, "
+            f"recompute in wait: {not args.no_recompute_in_wait}]")
+    return losses, times, pl
