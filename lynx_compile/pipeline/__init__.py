@@ -200,6 +200,10 @@ def pipeline(model: nn.Module, example_inputs: Sequence[Any], *, num_stages: int
                                            forward=forward, options=options, pinned_cuts=pinned_cuts)
     else:
         costs = None
+    # measured costs differ per rank: every rank runs rank 0's plan, or the stages would not match
+    box = [plan]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    plan = box[0]
     log.info("lynx: %s", plan.table())
     wrapped = _Forward(model, forward if forward is not None else getattr(model, "logits", None))
     pipe = split_model(wrapped, mb, list(plan.cuts))

@@ -1,0 +1,208 @@
+"""PP=2 on CPU (gloo): uniform vs compute-only vs lynx's recompute-aware split, with and without
+recompute in the gradient wait. Not a test: it measures and writes
+``benchmarks/results/pipeline.{csv,md}``.
+
+    python benchmarks/bench_pipeline.py [--model gpt-small] [--layers 8] [--levels 0.6,0.5]
+
+1. Plans the model once with no memory limit (compute-only balance) and takes the largest
+   predicted stage peak P (stage 0: it holds the most micro-batches under 1F1B).
+2. For each memory level f, ``memory_per_device = f x P``: for every split method (uniform,
+   compute, lynx) and recompute-in-wait on/off, one ``torchrun`` launch of 2 ranks trains
+   ``--steps`` steps with ``lynx_compile.pipeline`` (1F1B, lynx per stage). A split that cannot
+   fit the memory is reported with what it would need, not run.
+3. Step time = median of the steps after the compile step (rank 0's wall time per step, both
+   ranks barrier-aligned). Memory per stage is *predicted* (CPU has no allocator peak): the
+   planner's device peak and the compiled stage's (static + (k-1) x saved + one micro-batch's
+   peak, from lynx's exact simulation of the stage graph).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+
+
+def worker(args) -> None:
+    """One launch (inside torchrun): train, then rank 0 writes what every rank measured."""
+    import torch.distributed as dist
+
+    import lynx_compile
+    from lynx_compile.models import build_model, example_batch
+    from lynx_compile.models.common import lm_loss
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = build_model(args.model, n_layers=args.layers, dropout=0.0)
+    g = torch.Generator().manual_seed(1)
+    batches = [example_batch(model, args.batch_size, generator=g) for _ in range(args.steps)]
+    pl = lynx_compile.pipeline(model, (batches[0],), num_stages=2, num_microbatches=args.microbatches,
+                               loss_fn=lambda lg, t: lm_loss(lg, t, None), memory_per_device=args.memory,
+                               method=args.method, recompute_in_wait=args.wait,
+                               options={"solver": "heu", "cost_source": args.cost_source})
+    opt = torch.optim.AdamW(list(pl.parameters()), lr=1e-3)
+    times = []
+    for idx in batches:
+        dist.barrier()
+        t0 = time.perf_counter()
+        pl.step(idx, target=idx, losses=[])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    mine = {}
+    for i, backend in pl.backends.items():
+        plan = backend.records[0].plan
+        info = pl.plan.stages[i]
+        mine[i] = {"compiled_peak": info.static_bytes + (info.in_flight - 1) * plan.saved_bytes + plan.peak_bytes,
+                   "recomputed": len(plan.recomputed), "budget": plan.budget_bytes,
+                   "early": pl.early_recomputes}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        stages = {k: v for d in everyone for k, v in d.items()}
+        with open(args.out, "w") as f:
+            json.dump({"times": times, "plan": pl.plan.to_dict(), "stages": stages}, f)
+    dist.destroy_process_group()
+
+
+def launch(args, method: str, wait: bool, memory: int | None, tag: str) -> dict:
+    out = os.path.join(tempfile.mkdtemp(prefix="lynx_pp_"), f"{tag}.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(args.port), os.path.abspath(__file__), "--worker", "--model", args.model, "--layers",
+           str(args.layers), "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+           "--microbatches", str(args.microbatches), "--method", method, "--out", out,
+           "--cost-source", args.cost_source]
+    if wait:
+        cmd.append("--wait")
+    if memory is not None:
+        cmd += ["--memory", str(memory)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    if proc.returncode != 0 or not os.path.exists(out):
+        lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if "Error" in ln or "error" in ln]
+        return {"error": (lines[-1] if lines else f"exit {proc.returncode}")[:300]}
+    with open(out) as f:
+        return json.load(f)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--method", default="lynx", help=argparse.SUPPRESS)
+    p.add_argument("--wait", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--memory", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--model", default="gpt-small")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--levels", default="0.6,0.5", help="memory per device as fractions of the largest "
+                   "unconstrained stage peak")
+    p.add_argument("--cost-source", default="measured", choices=["analytic", "measured"])
+    p.add_argument("--port", type=int, default=29631)
+    p.add_argument("--timeout", type=float, default=600)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+
+    from lynx_compile.models import build_model, example_batch
+    from lynx_compile.pipeline import StagePlanError, plan_pipeline
+
+    torch.manual_seed(0)
+    model = build_model(args.model, n_layers=args.layers, dropout=0.0)
+    mb = example_batch(model, args.batch_size // args.microbatches)
+    opts = {"solver": "heu", "cost_source": args.cost_source}
+    free, _, _ = plan_pipeline(model, (mb,), num_stages=2, num_microbatches=args.microbatches,
+                               method="compute", options=opts)
+    top = max(s.peak_bytes for s in free.stages)
+    rows = []
+    for level in [float(x) for x in args.levels.split(",")]:
+        memory = int(level * top)
+        for method in ("uniform", "compute", "lynx"):
+            try:
+                plan, _, _ = plan_pipeline(model, (mb,), num_stages=2, num_microbatches=args.microbatches,
+                                           memory_per_device=memory, method=method, options=opts)
+            except StagePlanError as e:
+                rows.append(_row(level, memory, method, "-", None, error=str(e)[:160]))
+                continue
+            if not plan.fits:
+                need = max(s.peak_bytes for s in plan.stages)
+                rows.append(_row(level, memory, method, "-", plan, error="does not fit: "
+                                 f"stages {[s.index for s in plan.stages if not s.fits]} over the memory even with "
+                                 "full recompute"))
+                continue
+            for wait in (False, True):
+                tag = f"{method}_{level}_{int(wait)}"
+                res = launch(args, method, wait, memory, tag)
+                print(tag, "error" if "error" in res else statistics.median(res["times"][1:]), flush=True)
+                rows.append(_row(level, memory, method, wait, plan, res))
+    _write(args, top, rows)
+
+
+def _row(level, memory, method, wait, plan, res=None, error="") -> dict:
+    row = {"memory_level": level, "memory_MiB": round(memory / 2**20, 2), "split": method,
+           "recompute_in_wait": wait, "layers": "-", "pred_step_ms": "-", "step_ms": "-",
+           "launch_ms": "-", "pred_peak_MiB": "-", "compiled_peak_MiB": "-", "pred_recompute_ms": "-",
+           "recomputed_ops": "-", "early_runs": "-", "error": error or (res or {}).get("error", "")}
+    if plan is not None:
+        row["layers"] = "/".join(map(str, plan.layers_per_stage))
+        step = plan.predicted_step_in_wait_s if wait is True else plan.predicted_step_s
+        row["pred_step_ms"] = round(step * 1e3, 1)
+        row["pred_peak_MiB"] = "/".join(f"{s.peak_bytes / 2**20:.1f}" for s in plan.stages)
+        row["pred_recompute_ms"] = "/".join(f"{s.recompute_s * 1e3:.2f}" for s in plan.stages)
+    if res and "times" in res:
+        ran = res["plan"]  # what the ranks ran (rank 0's plan, from its own measured costs)
+        row["layers"] = "/".join(map(str, ran["layers_per_stage"]))
+        row["pred_step_ms"] = round((ran["predicted_step_in_wait_s"] if wait is True else ran["predicted_step_s"]) * 1e3, 1)
+        row["pred_peak_MiB"] = "/".join(f"{s['peak_bytes'] / 2**20:.1f}" for s in ran["stages"])
+        row["pred_recompute_ms"] = "/".join(f"{s['recompute_s'] * 1e3:.2f}" for s in ran["stages"])
+        steady = res["times"][1:]
+        row["step_ms"] = round(statistics.median(steady) * 1e3, 1)
+        row["launch_ms"] = round(min(steady) * 1e3, 1)
+        st = res["stages"]
+        keys = sorted(st, key=int)
+        row["compiled_peak_MiB"] = "/".join(f"{st[k]['compiled_peak'] / 2**20:.1f}" for k in keys)
+        row["recomputed_ops"] = "/".join(str(st[k]["recomputed"]) for k in keys)
+        row["early_runs"] = "/".join(str(st[k]["early"]) for k in keys)
+    return row
+
+
+def _write(args, top: int, rows: list[dict]) -> None:
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "pipeline.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    head = (f"{time.strftime('%Y-%m-%d')}; {platform.machine()}, {os.cpu_count()} cores; python "
+            f"{platform.python_version()}, torch {torch.__version__}. PP=2 (2 processes, gloo), "
+            f"{args.model} with {args.layers} layers, batch {args.batch_size} in {args.microbatches} micro-batches, "
+            f"1F1B, lynx per stage (Lynx-HEU, {args.cost_source} costs), {args.steps} steps per launch, step_ms = "
+            f"median of the steps after the compile step (launch_ms: the fastest). Memory levels are fractions of "
+            f"the largest unconstrained stage peak the planner predicts ({top / 2**20:.1f} MiB, stage 0). "
+            f"Peaks per stage are PREDICTED (CPU has no allocator peak): planner, and compiled = static + "
+            f"(in-flight - 1) x saved + one micro-batch's exact simulated peak.")
+    cols = list(rows[0])
+    lines = [head, "", f"Command: `python benchmarks/bench_pipeline.py --model {args.model} --layers {args.layers} "
+             f"--levels {args.levels} --cost-source {args.cost_source}`", "",
+             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    with open(os.path.join(RESULTS, "pipeline.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
