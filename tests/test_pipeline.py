@@ -34,13 +34,25 @@ def _loss_fn(logits, target):
     return lm_loss(logits, target, None)
 
 
-def _pipeline_matches(rank, world, stages, schedule, options, memory):
+class _NoStageMethod(torch.nn.Module):
+    """A model lynx cannot ask for its stages (no ``pipeline_stage``): torch.export splits it."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.m = model
+
+    def forward(self, idx):
+        return self.m.logits(idx)
+
+
+def _pipeline_matches(rank, world, stages, schedule, options, memory, export=False):
     import lynx_compile
 
     model = _model()
     ref = copy.deepcopy(model)
     idx = _batch(model)
-    pl = lynx_compile.pipeline(model, (idx,), num_stages=stages, num_microbatches=MICRO, loss_fn=_loss_fn,
+    user_model = _NoStageMethod(model) if export else model
+    pl = lynx_compile.pipeline(user_model, (idx,), num_stages=stages, num_microbatches=MICRO, loss_fn=_loss_fn,
                                schedule=schedule, options=options, memory_per_device=memory)
     losses = []
     for _ in range(2):  # the second step runs with every graph (and the split backward) compiled
@@ -54,7 +66,7 @@ def _pipeline_matches(rank, world, stages, schedule, options, memory):
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
     worst = 0.0
     for name, p in pl.named_parameters():
-        r = ref_params[name].grad
+        r = ref_params[name.removeprefix("m.")].grad
         worst = max(worst, ((p.grad - r).abs().max() / r.abs().max().clamp_min(1e-12)).item())
     got_losses = [float(x) for x in losses]
     return {"worst": worst, "losses": got_losses, "want": [float(w) for w in want] if pl.is_last else [],
@@ -76,6 +88,53 @@ def _check(results, stages):
 def test_pipeline_matches_single_process(stages, schedule):
     results = run_ranks(_pipeline_matches, stages, stages, schedule, {"solver": "heu"}, None, timeout_s=280)
     _check(results, stages)
+
+
+@pytest.mark.timeout(300)
+def test_export_split_pipeline_matches_single_process():
+    # a model without pipeline_stage(): stages come from torch's export-based split
+    results = run_ranks(_pipeline_matches, 2, 2, "1F1B", {"solver": "heu"}, None, True, timeout_s=280)
+    _check(results, 2)
+
+
+def _tp_pp_matches(rank, world):
+    import torch.distributed as dist
+
+    import lynx_compile
+    from lynx_compile.distributed.tensor_parallel import full_gradients, tensor_parallelize
+
+    # 4 ranks: TP groups {0, 1}, {2, 3} (one stage each), PP groups {0, 2}, {1, 3}
+    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    tp, pp = tp_groups[rank // 2], pp_groups[rank % 2]
+    model = _model()
+    ref = copy.deepcopy(model)
+    idx = _batch(model)
+    tensor_parallelize(model, tp)
+    pl = lynx_compile.pipeline(model, (idx,), num_stages=2, num_microbatches=MICRO, loss_fn=_loss_fn,
+                               options={"solver": "heu"}, group=pp, planning_group=tp)
+    losses = []
+    pl.step(idx, target=idx, losses=losses)
+    full = full_gradients(model, tp)  # stages share the model's modules: its grads are the stage's
+    mb = BATCH // MICRO
+    want = [ref(idx[i * mb:(i + 1) * mb]).loss for i in range(MICRO)]
+    (sum(want) / MICRO).backward()
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))
+    worst = max(((g - ref_params[n].grad).abs().max() / ref_params[n].grad.abs().max()).item()
+                for n, g in full.items())
+    return {"worst": worst, "grads": len(full), "losses": [float(x) for x in losses],
+            "want": [float(w) for w in want] if pl.is_last else []}
+
+
+@pytest.mark.timeout(300)
+def test_tensor_parallel_times_pipeline_matches_single_process():
+    results = run_ranks(_tp_pp_matches, 4, timeout_s=280)
+    for r in results:
+        assert r["worst"] < 1e-5, r
+        assert r["grads"] > 0
+        if r["want"]:
+            assert r["losses"] == pytest.approx(r["want"], rel=1e-5)
+    assert sum(bool(r["want"]) for r in results) == 2  # both ranks of the last stage's TP group
 
 
 @pytest.mark.timeout(300)

@@ -107,3 +107,34 @@ def check_common_fields(
         raise ValueError(f"dropout must be in [0, 1), got {dropout}")
     if attn_impl not in ATTN_IMPLS:
         raise ValueError(f"attn_impl must be one of {sorted(ATTN_IMPLS)}, got {attn_impl!r}")
+
+
+class PipelineStageShell(nn.Module):
+    """Blocks ``start .. end-1`` of a zoo model, plus its embedding (``first``) and its final norm
+    and head (``last``): one pipeline stage that *shares* the model's modules (nothing copied,
+    tensor-parallel modules included). Parameter names are the model's (``blocks.3.attn...``,
+    ``wte.weight``), so a stage's gradients compare name by name with the unsplit model.
+
+    ``forward``: token ids on the first stage, the (B, T, C) hidden state elsewhere; returns the
+    hidden state, or the logits on the last stage."""
+
+    def __init__(self, model: nn.Module, start: int, end: int, *, first: bool, last: bool,
+                 embed: tuple[str, ...], head: tuple[str, ...]):
+        super().__init__()
+        self.first, self.last = first, last
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(start, end)})
+        self._model_ref = [model]  # a list, so the whole model is not registered as a child
+        for name in embed if first else ():
+            setattr(self, name, getattr(model, name))
+        for name in head if last else ():
+            setattr(self, name, getattr(model, name))
+
+    def forward(self, x: Tensor) -> Tensor:
+        model = type(self._model_ref[0])
+        if self.first:
+            x = model.embed(self, x)  # (B, T) ids -> (B, T, C)
+        for block in self.blocks.values():
+            x = block(x)  # (B, T, C)
+        if self.last:
+            x = model.head(self, x)  # (B, T, C) -> (B, T, V)
+        return x

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from lynx_compile.models.common import (
     AttnImpl,
     LMOutput,
+    PipelineStageShell,
     causal_attention,
     check_common_fields,
     init_weights_,
@@ -159,10 +160,22 @@ class GPT(nn.Module):
 
     def logits(self, idx: Tensor) -> Tensor:
         """(B, T) token ids -> (B, T, V) scores, no loss (what a pipeline's last stage returns)."""
-        B, T = idx.shape
-        pos = torch.arange(T, device=idx.device)  # (T,)
-        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        x = self.embed(idx)  # (B, T, C)
         for block in self.blocks:
             x = block(x)  # (B, T, C)
-        x = self.ln_f(x)  # (B, T, C)
-        return self.lm_head(x)  # (B, T, V)
+        return self.head(x)  # (B, T, V)
+
+    def embed(self, idx: Tensor) -> Tensor:
+        """(B, T) token ids -> (B, T, C): token + position embeddings, dropout."""
+        B, T = idx.shape
+        pos = torch.arange(T, device=idx.device)  # (T,)
+        return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+
+    def head(self, x: Tensor) -> Tensor:
+        """(B, T, C) -> (B, T, V): final LayerNorm and the (tied) LM head."""
+        return self.lm_head(self.ln_f(x))
+
+    def pipeline_stage(self, start: int, end: int, *, first: bool, last: bool) -> nn.Module:
+        """Blocks [start, end) as a pipeline stage sharing this model's modules."""
+        return PipelineStageShell(self, start, end, first=first, last=last,
+                                  embed=("wte", "wpe", "drop"), head=("ln_f", "lm_head"))

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from lynx_compile.models.common import (
     AttnImpl,
     LMOutput,
+    PipelineStageShell,
     causal_attention,
     check_common_fields,
     init_weights_,
@@ -228,8 +229,18 @@ class Llama(nn.Module):
 
     def logits(self, idx: Tensor) -> Tensor:
         """(B, T) token ids -> (B, T, V) scores, no loss (what a pipeline's last stage returns)."""
-        x = self.tok_embeddings(idx)  # (B, T, C)
+        x = self.embed(idx)  # (B, T, C)
         for block in self.blocks:
             x = block(x)  # (B, T, C)
-        x = self.norm(x)  # (B, T, C)
-        return self.output(x)  # (B, T, V)
+        return self.head(x)  # (B, T, V)
+
+    def embed(self, idx: Tensor) -> Tensor:
+        return self.tok_embeddings(idx)  # (B, T, C)
+
+    def head(self, x: Tensor) -> Tensor:
+        return self.output(self.norm(x))  # (B, T, V)
+
+    def pipeline_stage(self, start: int, end: int, *, first: bool, last: bool) -> nn.Module:
+        """Blocks [start, end) as a pipeline stage sharing this model's modules."""
+        return PipelineStageShell(self, start, end, first=first, last=last,
+                                  embed=("tok_embeddings",), head=("norm", "output"))

@@ -113,28 +113,45 @@ def _refuse_tensor_parallel(model: nn.Module) -> None:
 
     if any(hasattr(p, TP_SHARD_ATTR) or isinstance(p, DTensor) for p in model.parameters()):
         raise NotImplementedError(
-            "lynx_compile.pipeline got a tensor-parallel model. TP x PP is not supported yet: the "
-            "stage split goes through torch.export, which keeps the forward of the tensor-parallel "
-            "autograd functions but not their backward collectives (gradients came out wrong when "
-            "tried). Use pipeline parallelism on an unsharded model, or tensor parallelism alone.")
+            "lynx_compile.pipeline got a tensor-parallel model without a pipeline_stage() method. "
+            "Without one, stages come from torch.export, which keeps the forward of the "
+            "tensor-parallel autograd functions but not their backward collectives (gradients come "
+            "out wrong). Give the model pipeline_stage(start, end, first=, last=) as the zoo "
+            "models have (lynx_compile.models.common.PipelineStageShell), or pipeline an unsharded model.")
 
 
-def _tied_parameters(model: nn.Module, pipe, num_stages: int):
-    """Parameters of ``model`` that more than one stage parameter copies (a tied embedding and
-    LM head): canonical name -> ((stage, stage parameter name), ...), and their shapes."""
+def _tied_parameters(model: nn.Module, stage_modules: dict[int, nn.Module], prefix: str):
+    """Parameters of ``model`` that more than one stage parameter copies or shares (a tied
+    embedding and LM head): canonical name -> ((stage, stage parameter name), ...), and shapes."""
     canonical: dict[int, str] = {}
     alias: dict[str, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        alias["model." + name] = canonical.setdefault(id(p), name)
+        alias[prefix + name] = canonical.setdefault(id(p), name)
     where: dict[str, list[tuple[int, str]]] = {}
     shapes = {}
-    for i in range(num_stages):
-        for name, p in pipe.get_stage_module(i).named_parameters(remove_duplicate=False):
+    for i, module in sorted(stage_modules.items()):
+        for name, p in module.named_parameters(remove_duplicate=False):
             c = alias.get(name, name)
             where.setdefault(c, []).append((i, name))
             shapes[c] = (p.shape, p.dtype)
     tied = {c: tuple(occ) for c, occ in where.items() if len(occ) > 1}
     return tied, {c: shapes[c] for c in tied}
+
+
+def _stage_modules(model: nn.Module, wrapped: nn.Module, plan: StagePlan, mb: tuple):
+    """Every stage's module and the prefix of its parameter names: the model's own stages when
+    it can build them (``model.pipeline_stage``: shares modules, keeps tensor-parallel layers
+    intact), else torch's export-based split of ``wrapped`` at the plan's cuts."""
+    n = plan.num_stages
+    if hasattr(model, "pipeline_stage"):
+        return {i: model.pipeline_stage(s.blocks[0], s.blocks[1], first=i == 0, last=i == n - 1)
+                for i, s in enumerate(plan.stages)}, ""
+    _refuse_tensor_parallel(model)
+    pipe = split_model(wrapped, mb, list(plan.cuts))
+    if pipe.num_stages != n:
+        raise StagePlanError(f"torch split the model into {pipe.num_stages} stages, not {n} "
+                             f"(cuts {list(plan.cuts)}); does the model contain pipe_split() markers?")
+    return {i: pipe.get_stage_module(i) for i in range(n)}, "model."
 
 
 def plan_pipeline(model: nn.Module, example_microbatch: Sequence[Any], *, num_stages: int, num_microbatches: int,
@@ -180,7 +197,6 @@ def pipeline(model: nn.Module, example_inputs: Sequence[Any], *, num_stages: int
     if not dist.is_initialized():
         raise RuntimeError("lynx_compile.pipeline needs torch.distributed initialized (launch with torchrun "
                            "and call torch.distributed.init_process_group)")
-    _refuse_tensor_parallel(model)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if num_stages % size:
         raise StagePlanError(f"num_stages={num_stages} is not a multiple of the pipeline group size {size}")
@@ -206,17 +222,14 @@ def pipeline(model: nn.Module, example_inputs: Sequence[Any], *, num_stages: int
     plan = box[0]
     log.info("lynx: %s", plan.table())
     wrapped = _Forward(model, forward if forward is not None else getattr(model, "logits", None))
-    pipe = split_model(wrapped, mb, list(plan.cuts))
-    if pipe.num_stages != num_stages:
-        raise StagePlanError(f"torch split the model into {pipe.num_stages} stages, not {num_stages} "
-                             f"(cuts {list(plan.cuts)}); does the model contain pipe_split() markers?")
-    tied, shapes = _tied_parameters(model, pipe, num_stages)
+    all_modules, prefix = _stage_modules(model, wrapped, plan, mb)
+    tied, shapes = _tied_parameters(model, all_modules, prefix)
     dev = torch.device(device) if device is not None else next(model.parameters()).device
     local = [rank + k * size for k in range(per_rank)]
     stages, modules, backends = [], {}, {}
     for i in local:
         info = plan.stages[i]
-        mod = pipe.get_stage_module(i).to(dev)
+        mod = all_modules[i].to(dev)
         stage_opts = dict(options)
         if info.budget_bytes is not None and stage_opts.get("policy", "lynx") == "lynx":
             stage_opts["memory_budget"] = int(info.budget_bytes)
@@ -235,4 +248,4 @@ def pipeline(model: nn.Module, example_inputs: Sequence[Any], *, num_stages: int
     sched = cls(stages if per_rank > 1 or schedule == "Interleaved1F1B" else stages[0],
                 n_microbatches=num_microbatches, loss_fn=loss_fn)
     return LocalPipeline(stages=stages, schedule=sched, plan=plan, costs=costs, modules=modules, backends=backends,
-                         tied=tied, shapes=shapes, group=group)
+                         tied=tied, shapes=shapes, group=group, prefix=prefix)

@@ -42,33 +42,48 @@ def train_pipeline(args: argparse.Namespace, rank: int, world: int, say: Callabl
     from lynx_compile.models.common import lm_loss
     from lynx_compile.train import _batches, _build, _device, _options
 
-    if args.pp != world:
-        raise SystemExit(f"lynx train: --pp {args.pp} but {world} processes; launch with "
-                         f"`torchrun --nproc-per-node {args.pp} -m lynx_compile.train --pp {args.pp} ...`")
-    if (args.tp or 1) > 1:
-        raise SystemExit("lynx train: --tp with --pp (TP x PP) is not supported yet; see README")
+    tp = args.tp or 1
+    if args.pp * tp != world:
+        raise SystemExit(f"lynx train: --pp {args.pp} x --tp {tp} = {args.pp * tp} ranks but {world} processes; "
+                         f"launch with `torchrun --nproc-per-node {args.pp * tp} -m lynx_compile.train "
+                         f"--pp {args.pp} --tp {tp} ...`")
+    if tp > 1 and args.tp_impl != "megatron":
+        raise SystemExit("lynx train: --pp with --tp needs --tp-impl megatron")
+    # ranks [s*tp, (s+1)*tp) hold stage s (one TP group each); PP groups take one rank per stage
+    tp_groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(args.pp)]
+    pp_groups = [dist.new_group([s * tp + t for s in range(args.pp)]) for t in range(tp)]
+    tp_group, pp_group = tp_groups[rank // tp], pp_groups[rank % tp]
     stages = args.stages or args.pp
     micro = args.microbatches or 2 * stages
     device = _device()
     model = _build(args, device)
     batches = _batches(args, model.config, device)
+    if tp > 1:
+        from lynx_compile.distributed.tensor_parallel import tensor_parallelize
+
+        tensor_parallelize(model, tp_group, sequence_parallel=args.sp)
     options = _options(args)
     options.pop("memory_budget", None)  # per stage, from the plan
     pl = lynx_compile.pipeline(model, (batches[0],), num_stages=stages, num_microbatches=micro,
                                loss_fn=lambda logits, idx: lm_loss(logits, idx, None),
                                memory_per_device=args.memory_per_device, schedule=args.schedule,
                                method=args.split, recompute_in_wait=not args.no_recompute_in_wait,
-                               options=options)
+                               options=options, group=pp_group,
+                               planning_group=tp_group if tp > 1 else None)
     if rank == 0:
         say(pl.plan.table())
     opt = torch.optim.AdamW(list(pl.parameters()), lr=args.lr)
-    last_rank = (stages - 1) % world
+    last_rank = ((stages - 1) % args.pp) * tp
     losses, times = [], []
     for i, idx in enumerate(batches):
         dist.barrier()
         t0 = time.perf_counter()
         mb_losses: list = []
         pl.step(idx, target=idx, losses=mb_losses)
+        if args.sp and tp > 1:
+            from lynx_compile.distributed.tensor_parallel import sync_sequence_parallel_grads
+
+            sync_sequence_parallel_grads(model, tp_group)
         opt.step()
         opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
@@ -80,6 +95,6 @@ def train_pipeline(args: argparse.Namespace, rank: int, world: int, say: Callabl
             say(f"step {i:3d}  loss {losses[-1]:.6f}  time {dt * 1e3:9.2f} ms{' (compile)' if i == 0 else ''}")
     if rank == 0 and len(times) > 1:
         say(f"median step time (steps 1..{len(times) - 1}): {statistics.median(times[1:]) * 1e3:.2f} ms  "
-            f"[PP {world}, {stages} stages, {micro} micro-batches, {args.schedule}, split {args.split}, "
+            f"[PP {args.pp} x TP {tp}, {stages} stages, {micro} micro-batches, {args.schedule}, split {args.split}, "
             f"recompute in wait: {not args.no_recompute_in_wait}]")
     return losses, times, pl
