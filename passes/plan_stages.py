@@ -222,7 +222,9 @@ class StagePlan:
 
 
 def in_flight(schedule: str, num_stages: int, num_microbatches: int, stage: int) -> int:
-    """Micro-batches whose activations stage ``stage`` holds at its peak."""
+    """Micro-batches whose activations stage ``stage`` holds at its peak. Interleaved1F1B is
+    priced as 1F1B over all its (virtual) stages: an approximation; its exact per-rank warm-up
+    (which holds more chunks on early ranks) is not modelled."""
     if schedule == "GPipe":
         return num_microbatches
     return min(num_stages - stage, num_microbatches)

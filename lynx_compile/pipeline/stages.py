@@ -7,14 +7,17 @@ compiled by its own lynx backend with ``memory_budget`` = the stage's allowance 
 (``StageInfo.budget_bytes``: its in-flight count differs from the other stages') and wrapped in
 :class:`LynxPipelineStage`, a ``PipelineStage`` that can recompute while the gradient is in flight:
 
+    schedule asks for the activation send ops of j -> the stage posts the isend itself, returns []
     schedule asks for the gradient recv ops of j   -> the stage posts the irecv itself, returns []
     schedule calls backward_one_chunk(j)           -> run j's recompute prefix (gradient-free)
                                                       wait for the irecv, then the backward
 
-Posting the receive inside ``get_bwd_recv_ops`` works with every torch schedule (GPipe, 1F1B,
-Interleaved1F1B) unchanged, without a schedule of our own: they only ever wait on what they
-are handed, and they hand the chunk to ``backward_one_chunk`` after the wait they would have
-done.
+Posting the transfers inside ``get_*_ops`` works with every torch schedule (GPipe, 1F1B,
+Interleaved1F1B) unchanged, without a schedule of our own: they only wait on what they are
+handed, so the stage reaches ``backward_one_chunk`` while its gradient is still in flight (1F1B
+otherwise waits for the fused activation send *and* gradient receive before the backward).
+Sends are waited before the next send and after the last backward. Tested on gloo only: on
+NCCL, posting sends and receives in separate calls may need the schedule's batching.
 """
 from __future__ import annotations
 
@@ -36,11 +39,25 @@ class LynxPipelineStage(PipelineStage):
         self.lynx_backend = lynx_backend
         self.recompute_in_wait = bool(recompute_in_wait and lynx_backend is not None)
         self._pending: dict[int, list] = {}
+        self._sends: list = []
         self.early_recomputes = 0
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any):
         with microbatch(fwd_chunk_id):
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
+        ops = super().get_fwd_send_ops(fwd_chunk_id)
+        if not self.recompute_in_wait or not ops:
+            return ops
+        self._wait_sends()
+        self._sends = dist.batch_isend_irecv(ops)
+        return []
+
+    def _wait_sends(self) -> None:
+        for work in self._sends:
+            work.wait()
+        self._sends = []
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list:
         ops = super().get_bwd_recv_ops(bwd_chunk_id)
@@ -55,7 +72,10 @@ class LynxPipelineStage(PipelineStage):
         for work in self._pending.pop(bwd_chunk_id, ()):
             work.wait()
         with microbatch(bwd_chunk_id):
-            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+            out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        if kwargs.get("last_backward"):
+            self._wait_sends()
+        return out
 
 
 def split_model(module: nn.Module, example_microbatch: tuple, cuts: list[str]):
