@@ -207,6 +207,14 @@ class StagePlan:
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "StagePlan":
+        d = {k: v for k, v in d.items() if k not in ("cuts", "layers_per_stage")}
+        d["stages"] = tuple(StageInfo(**{**s, "blocks": tuple(s["blocks"]), "block_names": tuple(s["block_names"])})
+                            for s in d["stages"])
+        d["notes"] = tuple(d.get("notes", ()))
+        return cls(**d)
+
     def table(self) -> str:
         """One line per stage, for logs and the CLI."""
         lines = [f"stage plan ({self.method}, {self.schedule}, p={self.num_stages}, m={self.num_microbatches}): "

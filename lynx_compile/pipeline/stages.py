@@ -21,6 +21,7 @@ NCCL, posting sends and receives in separate calls may need the schedule's batch
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -41,6 +42,10 @@ class LynxPipelineStage(PipelineStage):
         self._pending: dict[int, list] = {}
         self._sends: list = []
         self.early_recomputes = 0
+        self.early_s = 0.0
+        """Seconds spent recomputing early (while the gradient was in flight)."""
+        self.grad_wait_s = 0.0
+        """Seconds then spent still waiting for gradients (0: the recompute covered the wait)."""
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any):
         with microbatch(fwd_chunk_id):
@@ -67,10 +72,14 @@ class LynxPipelineStage(PipelineStage):
         return []
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any):
+        t0 = time.perf_counter()
         if self.recompute_in_wait:
             self.early_recomputes += self.lynx_backend.run_early(bwd_chunk_id)
+        t1 = time.perf_counter()
         for work in self._pending.pop(bwd_chunk_id, ()):
             work.wait()
+        self.early_s += t1 - t0
+        self.grad_wait_s += time.perf_counter() - t1
         with microbatch(bwd_chunk_id):
             out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
         if kwargs.get("last_backward"):
