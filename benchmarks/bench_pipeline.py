@@ -125,7 +125,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--levels", default="0.6,0.5", help="memory per device as fractions of the largest "
+    p.add_argument("--levels", default="0.6,0.54,0.53", help="memory per device as fractions of the largest "
                    "unconstrained stage peak")
     p.add_argument("--cost-source", default="measured", choices=["analytic", "measured"])
     p.add_argument("--port", type=int, default=29631)
@@ -219,7 +219,12 @@ def _write(args, top: int, rows: list[dict]) -> None:
     head = (f"{time.strftime('%Y-%m-%d')}; {platform.machine()}, {os.cpu_count()} cores; python "
             f"{platform.python_version()}, torch {torch.__version__}. PP=2 (2 processes, gloo), "
             f"{args.model} with {args.layers} layers, batch {args.batch_size} in {args.microbatches} micro-batches, "
-            f"1F1B, lynx per stage (Lynx-HEU, {args.cost_source} costs), {args.steps} steps per launch, X Memory levels are fractions of "
+            f"1F1B, lynx per stage (Lynx-HEU, {args.cost_source} costs), {args.steps} steps per launch, step_ms = "
+            f"median of the steps after the compile step, best of {args.repeats} interleaved launches (all "
+            f"launches' medians listed; fastest_step_ms: that launch's fastest step); every launch of a row runs "
+            f"the same stage plan, made once by this script. early_ms / grad_wait_ms: per step, the time a stage "
+            f"spent recomputing before its gradient arrived, and the time it then still waited. Memory levels "
+            f"are fractions of "
             f"the largest unconstrained stage peak the planner predicts ({top / 2**20:.1f} MiB, stage 0). "
             f"Peaks per stage are PREDICTED (CPU has no allocator peak): planner, and compiled = static + "
             f"(in-flight - 1) x saved + one micro-batch's exact simulated peak.")

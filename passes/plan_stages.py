@@ -16,9 +16,10 @@ The model (per stage i holding blocks S_i, pre-block work on stage 0, post-block
 ``e_b`` is block b's :class:`RecomputeCurve` (exposed recompute seconds against the bytes the
 block keeps; from Lynx-HEU solves of the traced model, see ``lynx_compile.pipeline.costs``),
 ``W`` the working bytes of one micro-batch (temporaries, gradients in flight), ``T_i`` the
-largest block of the stage at full size (while a block's backward runs, what it dropped is
-recomputed and alive: at most the whole block), ``fixed_i`` the activations of pre/post work,
-which are always kept. ``k_i * a_i`` bounds the device peak
+bytes a block's backward brings back on top of what the stage keeps (while a block's backward
+runs, what it dropped is recomputed and alive: the largest block's size minus its share of the
+kept bytes; ``allocate_with_transient``), ``fixed_i`` the activations of pre/post work, which
+are always kept. ``k_i * a_i`` bounds the device peak
 because the k_i - 1 waiting micro-batches hold only their saved bytes, which never exceed one
 micro-batch's peak; the same allowance is each stage's ``memory_budget`` when lynx compiles it.
 Curves are convex piecewise linear (lower hull of the solved points), so splitting a stage's
@@ -155,8 +156,8 @@ class StageInfo:
     kept_bytes: int
     """Activation bytes one micro-batch keeps under the plan."""
     peak_bytes: int
-    """Predicted device peak: static + in_flight x kept + working + the largest block (the
-    waiting micro-batches hold only what they keep). The fit test is stricter: in_flight x the
+    """Predicted device peak: static + in_flight x kept + working + the transient of a block's
+    backward (``transient_bytes``; the waiting micro-batches hold only what they keep). The fit test is stricter: in_flight x the
     whole per-micro-batch peak, as the stage's lynx budget bounds only that peak."""
     compute_s: float
     recompute_s: float
@@ -281,13 +282,12 @@ class _Pricer:
         fixed = sum(g.activation_bytes for g in segs if g.curve is None)
         curves = [g.curve for g in segs if g.curve is not None]
         full_keep = sum(cv.max_bytes for cv in curves)
-        transient = max((cv.max_bytes for cv in curves), default=0)
         if self.memory is None:
             budget, kept, exposed, fits = None, full_keep, 0.0, True
+            transient = transient_bytes(curves, kept)
         else:
             budget = (self.memory - static) // k
-            room = budget - fixed - self.c.working_bytes - transient
-            kept, exposed, fits = allocate(curves, room)
+            kept, exposed, fits, transient = allocate_with_transient(curves, budget - fixed - self.c.working_bytes)
         peak = static + k * (kept + fixed) + self.c.working_bytes + transient
         return StageInfo(index=i, blocks=(s, e), block_names=tuple(b.name for b in self.c.blocks[s:e]),
                          in_flight=k, static_bytes=static, budget_bytes=budget, kept_bytes=kept + fixed,
@@ -299,8 +299,37 @@ class _Pricer:
         k = in_flight(self.schedule, self.p, self.m, i)
         static = int(self.c.state_bytes_per_param_byte * sum(g.param_bytes for g in segs))
         least = sum(g.curve.min_bytes if g.curve else g.activation_bytes for g in segs)
-        transient = max((g.curve.max_bytes for g in segs if g.curve), default=0)
+        curves = [g.curve for g in segs if g.curve]
+        transient = transient_bytes(curves, sum(c.min_bytes for c in curves))
         return static + k * (least + self.c.working_bytes + transient)
+
+
+def transient_bytes(curves: Sequence[RecomputeCurve], kept: float) -> int:
+    """Bytes a block's backward brings back on top of what the stage keeps: the largest block's
+    full activations minus its share of ``kept`` (blocks assumed to keep equal shares, exact for
+    identical blocks). 0 without blocks."""
+    if not curves:
+        return 0
+    return int(max(0.0, max(c.max_bytes for c in curves) - kept / len(curves)))
+
+
+def allocate_with_transient(curves: Sequence[RecomputeCurve], room: float) -> tuple[int, float, bool, int]:
+    """``allocate`` under ``kept + transient_bytes(kept) <= room``: start from the largest
+    transient (every block at its least), then shrink it to what the allocation leaves,
+    re-allocating the freed bytes, a few rounds. Every round's (kept, transient) pair satisfies
+    the constraint with the transient it was allocated under, which is never below the one it
+    implies."""
+    transient = transient_bytes(curves, sum(c.min_bytes for c in curves))
+    kept, exposed, fits = allocate(curves, room - transient)
+    for _ in range(8):
+        if not fits:
+            break
+        implied = transient_bytes(curves, kept)
+        if implied >= transient - 1:
+            break
+        transient = implied
+        kept, exposed, fits = allocate(curves, room - transient)
+    return kept, exposed, fits, transient
 
 
 def allocate(curves: Sequence[RecomputeCurve], room: float) -> tuple[int, float, bool]:

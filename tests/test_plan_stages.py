@@ -5,8 +5,8 @@ import json
 import pytest
 
 from lynx_compile.passes.plan_stages import (
-    PipelineCosts, RecomputeCurve, SegmentCost, StagePlanError, _Pricer, allocate, in_flight, plan_stages,
-    uniform_cuts)
+    PipelineCosts, RecomputeCurve, SegmentCost, StagePlanError, _Pricer, allocate, allocate_with_transient, in_flight,
+    plan_stages, transient_bytes, uniform_cuts)
 
 MiB, ms = 2**20, 1e-3
 
@@ -61,6 +61,34 @@ def test_allocate_below_minimum_does_not_fit():
     assert allocate([A, B], MiB)[2] is True
 
 
+def test_transient_and_fixed_point():
+    X = curve((1, 4), (3, 0))  # 1..3 MiB, slope 2 ms/MiB; two of them: least 2 MiB at 8 ms, all 6 MiB
+    # T = largest max_bytes - kept / n, clamped at 0
+    assert transient_bytes([], 5 * MiB) == 0
+    assert transient_bytes([X, X], 2 * MiB) == 2 * MiB and transient_bytes([X, X], 5 * MiB) == MiB // 2
+    assert transient_bytes([X, X], 6 * MiB) == 0 == transient_bytes([X, X], 8 * MiB)
+    assert transient_bytes([A, B], 4 * MiB) == 2 * MiB  # largest 4 MiB (A) minus 4 / 2
+    # room 7: T0 = 3 - 2/2 = 2 -> allocate 5 (exposed 8 - 2*3 = 2 ms); implied T = 3 - 5/2 = 0.5 ->
+    # allocate 6.5 -> keeps all 6, implied T = 0 -> allocate 7 -> 6, T stays 0: done
+    kept, exposed, fits, t = allocate_with_transient([X, X], 7 * MiB)
+    assert (kept, fits, t) == (6 * MiB, True, 0) and exposed == pytest.approx(0.0)
+    # the old reserve (the largest block at full size) leaves 7 - 3 = 4 MiB: 8 - 2*2 = 4 ms exposed
+    kept, exposed, fits = allocate([X, X], 7 * MiB - X.max_bytes)
+    assert (kept, fits) == (4 * MiB, True) and exposed == pytest.approx(4 * ms)
+    # room 4: T0 = 2 leaves 2 = the least (8 ms) and implies T = 2 again: fits at full recompute,
+    # where the old reserve (4 - 3 = 1 < 2) did not fit at all
+    kept, exposed, fits, t = allocate_with_transient([X, X], 4 * MiB)
+    assert (kept, fits, t) == (2 * MiB, True, 2 * MiB) and exposed == pytest.approx(8 * ms)
+    assert allocate([X, X], 4 * MiB - X.max_bytes)[2] is False
+    kept, exposed, fits, t = allocate_with_transient([X, X], 4 * MiB - 1)
+    assert (kept, fits, t) == (2 * MiB, False, 2 * MiB)
+    # room 5.5: kept + 3 - kept/2 <= 5.5 -> kept* = 5; rounds 3.5, 4.25, 4.625, ... halve the gap
+    # (1.5 MiB) 8 times: kept within 1.5 MiB / 256 below 5, and kept + its T always within room
+    kept, exposed, fits, t = allocate_with_transient([X, X], 11 * MiB // 2)
+    assert fits and 5 * MiB - 1.5 * MiB / 256 - 2 <= kept <= 5 * MiB and kept + t <= 11 * MiB // 2
+    assert t >= transient_bytes([X, X], kept) and exposed == pytest.approx((8 - 2 * (kept / MiB - 2)) * ms)
+
+
 def test_in_flight():
     assert [in_flight("1F1B", 4, 8, i) for i in range(4)] == [4, 3, 2, 1]
     assert [in_flight("1F1B", 4, 2, i) for i in range(4)] == [2, 2, 2, 1]
@@ -95,30 +123,34 @@ def test_no_memory_limit_balances_compute(method):
 
 
 def memory_costs():
-    # blocks 3 ms, curve: keeps 1 MiB at 4 ms exposed, 2 MiB at 0. 1F1B p=2, m=2: in flight 2, 1.
-    return PipelineCosts(blocks=tuple(block(i, cv=curve((1, 4), (2, 0))) for i in range(4)))
+    # blocks 3 ms, curve: keeps 2 MiB at 4 ms exposed, 3 MiB at 0. 1F1B p=2, m=2: in flight 2, 1.
+    return PipelineCosts(blocks=tuple(block(i, cv=curve((2, 4), (3, 0))) for i in range(4)))
 
 
 def test_memory_bound_lynx_shifts_blocks_to_late_stages():
     costs, mem = memory_costs(), 10 * MiB
-    # No params, no working bytes; every stage reserves T = 2 MiB (its largest block at full size),
-    # so a stage's room for kept bytes is mem / k - 2 (stage 0: 10/2 - 2 = 3 MiB, stage 1: 10 - 2 = 8).
-    # 2|2: stage 0 keeps 3 of 2..4 MiB -> exposed 8 - 4 = 4 ms: 6 + 4 = 10 ms;
-    #      stage 1 keeps all 4 <= 8: 6 ms.                                         bottleneck 10
-    # 1|3: stage 0 keeps all 2 <= 3: 3 ms; stage 1 keeps all 6 <= 8: 9 ms.        bottleneck 9
-    # 3|1: stage 0 keeps 3 = its least 3 (full recompute): 9 + 12 = 21 ms.
+    # No params, no working bytes: a stage's room is mem / k (stage 0: 5 MiB, stage 1: 10 MiB) and must
+    # hold kept + T, T = 3 - kept / n (n blocks; the largest block minus its share of the kept bytes).
+    # The fixed point starts at T0 = 3 - 2 = 1 (every block at its least 2 MiB).
+    # 2|2: stage 0 allocates 5 - 1 = 4 = its least (full recompute): 6 + 2 * 4 = 14 ms; implied
+    #      T = 3 - 4/2 = 1, no smaller: done (kept 4 + T 1 = 5). Stage 1 allocates 10 - 1 = 9 >= 6:
+    #      keeps all, T -> 3 - 6/2 = 0: 6 ms.                                      bottleneck 14
+    # 1|3: stage 0 allocates 5 - 1 = 4 >= 3: keeps all, 3 ms (T -> 0);
+    #      stage 1 allocates 10 - 1 = 9 = all 3 blocks, T -> 3 - 9/3 = 0: 9 ms.    bottleneck 9
+    # 3|1: stage 0's least 6 MiB > 5 - 1: does not fit.
     lynx = plan_stages(costs, 2, 2, mem)
     comp = plan_stages(costs, 2, 2, mem, method="compute")
     uni = plan_stages(costs, 2, 2, mem, method="uniform")
     assert comp.layers_per_stage == uni.layers_per_stage == (2, 2)
     assert lynx.layers_per_stage == (1, 3)
     assert lynx.layers_per_stage[0] < comp.layers_per_stage[0]
-    assert lynx.bottleneck_s == pytest.approx(9 * ms) and comp.bottleneck_s == pytest.approx(10 * ms)
+    assert lynx.bottleneck_s == pytest.approx(9 * ms) and comp.bottleneck_s == pytest.approx(14 * ms)
     assert lynx.bottleneck_s <= uni.bottleneck_s and lynx.bottleneck_s <= comp.bottleneck_s
-    s0 = comp.stages[0]  # budget = allowance mem / k = 5 MiB; kept 3 MiB + T 2 MiB fill it
-    assert (s0.in_flight, s0.budget_bytes, s0.kept_bytes, s0.recompute_s) == (2, 5 * MiB, 3 * MiB, pytest.approx(4 * ms))
-    # peak = static + k * kept + working + T: stage 0 0 + 2*2 + 0 + 2 = 6, stage 1 0 + 1*6 + 0 + 2 = 8 MiB
-    assert [s.peak_bytes for s in lynx.stages] == [6 * MiB, 8 * MiB]
+    s0 = comp.stages[0]  # budget = allowance mem / k = 5 MiB; kept 4 MiB + T 1 MiB fill it
+    assert (s0.in_flight, s0.budget_bytes, s0.kept_bytes, s0.recompute_s) == (2, 5 * MiB, 4 * MiB, pytest.approx(8 * ms))
+    assert s0.peak_bytes == 9 * MiB  # 0 + 2*4 + 0 + 1
+    # peak = static + k * kept + working + T: stage 0 0 + 2*3 + 0 + 0 = 6, stage 1 0 + 1*9 + 0 + 0 = 9 MiB
+    assert [s.peak_bytes for s in lynx.stages] == [6 * MiB, 9 * MiB]
     assert lynx.fits and all(s.peak_bytes <= mem for s in lynx.stages)
 
 
@@ -132,7 +164,10 @@ def brute_costs():
 
 
 @pytest.mark.parametrize("schedule,m", [("1F1B", 3), ("1F1B", 5), ("GPipe", 2)])
-@pytest.mark.parametrize("mem_mib", [8, 16, 16.5, 20, 24, 40])  # least: 16.5 (1F1B), 20 (GPipe)
+# least (static + k * (least kept + working + T at least kept)): 15 (1F1B, split 1|2|3+post: stage 1
+# 1 + 2 MiB static + 2 * (3 + 0.5 + (4 - 3/2))), just under 17 1/3 (GPipe, 3|2|1+post: stage 0
+# 3 + 2 * (4 + 0.5 + int(4 - 4/3 MiB)))
+@pytest.mark.parametrize("mem_mib", [8, 14.5, 15, 17, 17.5, 24, 40])
 def test_lynx_matches_brute_force(schedule, m, mem_mib):
     costs, p, mem = brute_costs(), 3, int(mem_mib * MiB)
     pr = _Pricer(costs, p, m, mem, schedule)
@@ -170,21 +205,25 @@ def test_errors():
 
 
 def test_memory_too_small_names_least_memory():
-    # 4 blocks: 1 MiB params (x4 state = 4 MiB static), min kept 1 MiB, T = 2 MiB (largest block at full
-    # size); working 0.5 MiB; 1F1B p=2, m=2 (k = 2, 1)
-    # static + k * (min + working + T):  1|3: 4 + 2*3.5 = 11,   12 + 1*5.5 = 17.5 -> 17.5
-    #                                    2|2: 8 + 2*4.5 = 17,    8 + 1*4.5 = 12.5 -> 17   <- least
-    #                                    3|1: 12 + 2*5.5 = 23,   4 + 1*3.5 = 7.5  -> 23
+    # 4 blocks: 1 MiB params (x4 state = 4 MiB static), min kept 1 MiB, max 2 MiB; working 0.5 MiB;
+    # 1F1B p=2, m=2 (k = 2, 1). At full recompute T = 2 - (n * 1) / n = 1 MiB for every stage.
+    # static + k * (min + working + T):  1|3: 4 + 2*2.5 = 9,     12 + 1*4.5 = 16.5 -> 16.5
+    #                                    2|2: 8 + 2*3.5 = 15,     8 + 1*3.5 = 11.5 -> 15   <- least
+    #                                    3|1: 12 + 2*4.5 = 21,    4 + 1*2.5 = 6.5  -> 21
     blocks = tuple(block(i, cv=curve((1, 4), (2, 0)), param_mib=1) for i in range(4))
     costs = PipelineCosts(blocks=blocks, working_bytes=MiB // 2)
     pr = _Pricer(costs, 2, 2, None, "1F1B")  # brute force over the three splits agrees
-    assert min(max(pr.min_memory(0, 0, c), pr.min_memory(1, c, 4)) for c in (1, 2, 3)) == 17 * MiB
-    with pytest.raises(StagePlanError, match=rf"needs {17 * MiB} B \(17\.00 MiB\)"):
-        plan_stages(costs, 2, 2, 17 * MiB - 1)
-    # at 17 MiB only 2|2 fits: stage 0 allowance (17 - 8) / 2 = 4.5, room 4.5 - 0.5 - 2 = 2 = its least
-    plan = plan_stages(costs, 2, 2, 17 * MiB)
+    assert min(max(pr.min_memory(0, 0, c), pr.min_memory(1, c, 4)) for c in (1, 2, 3)) == 15 * MiB
+    with pytest.raises(StagePlanError, match=rf"needs {15 * MiB} B \(15\.00 MiB\)"):
+        plan_stages(costs, 2, 2, 15 * MiB - 1)
+    # at 15 MiB only 2|2 fits: stage 0 allowance (15 - 8) / 2 = 3.5, room 3.5 - 0.5 = 3, minus T0 = 1
+    # leaves 2 = its least; implied T = 2 - 2/2 = 1, no smaller. (1|3: stage 1 room 15 - 12 - 0.5 = 2.5
+    # < 3 + 1; 3|1: stage 0 room (15 - 12) / 2 - 0.5 = 1 < 3 + 1.)
+    plan = plan_stages(costs, 2, 2, 15 * MiB)
     assert plan.layers_per_stage == (2, 2) and plan.fits
     assert plan.stages[0].kept_bytes == 2 * MiB and plan.stages[0].recompute_s == pytest.approx(8 * ms)
+    # peak = static + k * kept + working + T = 8 + 2*2 + 0.5 + 1 = 13.5 (the fit test is stricter: 8 + 2*3.5)
+    assert plan.stages[0].peak_bytes == 27 * MiB // 2
     # compute/uniform do not raise; they say what does not fit
     bad = plan_stages(costs, 2, 2, 10 * MiB, method="uniform")
     assert not bad.fits and "do not fit" in bad.notes[0]
