@@ -135,22 +135,22 @@ def main() -> None:
         return worker(args)
 
     from lynx_compile.models import build_model, example_batch
-    from lynx_compile.pipeline import StagePlanError, plan_pipeline
+    from lynx_compile.pipeline import StagePlanError, plan_pipeline, plan_stages
 
     torch.manual_seed(0)
     model = build_model(args.model, n_layers=args.layers, dropout=0.0)
     mb = example_batch(model, args.batch_size // args.microbatches)
     opts = {"solver": "heu", "cost_source": args.cost_source}
-    free, _, _ = plan_pipeline(model, (mb,), num_stages=2, num_microbatches=args.microbatches,
-                               method="compute", options=opts)
+    # profile once: every method and level is planned from the same (measured) costs
+    free, costs, _ = plan_pipeline(model, (mb,), num_stages=2, num_microbatches=args.microbatches,
+                                   method="compute", options=opts)
     top = max(s.peak_bytes for s in free.stages)
     rows, runs = [], []
     for level in [float(x) for x in args.levels.split(",")]:
         memory = int(level * top)
         for method in ("uniform", "compute", "lynx"):
             try:
-                plan, _, _ = plan_pipeline(model, (mb,), num_stages=2, num_microbatches=args.microbatches,
-                                           memory_per_device=memory, method=method, options=opts)
+                plan = plan_stages(costs, 2, args.microbatches, memory, "1F1B", method=method)
             except StagePlanError as e:
                 rows.append(_row(level, memory, method, "-", None, error=str(e)[:160]))
                 continue
