@@ -142,9 +142,15 @@ def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs:
 
 def segment_costs(joint: fx.GraphModule, forward_names: frozenset[str]) -> dict:
     """Forward / backward seconds per block and of the work before (``pre``) and after
-    (``post``) the blocks. Backward nodes outside blocks follow their forward op (``seq_nr``)."""
-    out = {"blocks": {}, "pre": [0.0, 0.0], "post": [0.0, 0.0]}
+    (``post``) the blocks. Backward nodes outside blocks follow their forward op (``seq_nr``).
+    ``pipe_splits``: the block after each ``pipe_split()`` marker."""
+    out = {"blocks": {}, "pre": [0.0, 0.0], "post": [0.0, 0.0], "pipe_splits": []}
     fwd = [n for n in joint.graph.nodes if n.name in forward_names and n.op == "call_function"]
+    for i, n in enumerate(fwd):  # a user's pipe_split() marker: a stage must begin at the next block
+        if "pipe_split" in str(n.target):
+            nxt = next((m.meta[meta.BLOCK] for m in fwd[i + 1:] if m.meta.get(meta.BLOCK) is not None), None)
+            if nxt is not None:
+                out["pipe_splits"].append(nxt)
     in_block = [i for i, n in enumerate(fwd) if n.meta.get(meta.BLOCK) is not None]
     first = in_block[0] if in_block else len(fwd)
     side_of_seq = {}

@@ -124,6 +124,8 @@ class PipelineCosts:
     p2p_bytes_per_s: float = float("inf")
     p2p_latency_s: float = 0.0
     microbatch_size: int = 1
+    pinned_cuts: tuple[int, ...] = ()
+    """Blocks where the user requires a stage to begin (``pipe_split()`` markers in the model)."""
 
     def p2p_s(self, nbytes: int) -> float:
         return self.p2p_latency_s + (nbytes / self.p2p_bytes_per_s if nbytes else 0.0)
@@ -140,6 +142,7 @@ class PipelineCosts:
         d = dict(d)
         d["blocks"] = tuple(seg(b) for b in d["blocks"])
         d["pre"], d["post"] = seg(d["pre"]), seg(d["post"])
+        d["pinned_cuts"] = tuple(d.get("pinned_cuts", ()))
         return cls(**d)
 
 
@@ -182,6 +185,10 @@ class StagePlan:
     predicted_step_in_wait_s: float
     """Same, with recompute run while the stage waits for its gradient."""
     notes: tuple[str, ...] = field(default_factory=tuple)
+    pinned_cuts: tuple[int, ...] = ()
+    """Cuts the user pinned (argument or ``pipe_split()`` markers); the rest were chosen."""
+    marker_cuts: tuple[int, ...] = ()
+    """The pinned cuts that are ``pipe_split()`` markers in the model (torch splits there itself)."""
 
     @property
     def cuts(self) -> tuple[str, ...]:
@@ -214,6 +221,8 @@ class StagePlan:
         d["stages"] = tuple(StageInfo(**{**s, "blocks": tuple(s["blocks"]), "block_names": tuple(s["block_names"])})
                             for s in d["stages"])
         d["notes"] = tuple(d.get("notes", ()))
+        d["pinned_cuts"] = tuple(d.get("pinned_cuts", ()))
+        d["marker_cuts"] = tuple(d.get("marker_cuts", ()))
         return cls(**d)
 
     def table(self) -> str:
@@ -402,15 +411,16 @@ def plan_stages(costs: PipelineCosts, num_stages: int, num_microbatches: int,
                 method: str = "lynx", pinned_cuts: Sequence[int] | None = None) -> StagePlan:
     """Cut ``costs.blocks`` into ``num_stages`` stages (see the module docstring).
 
-    ``pinned_cuts``: block indices where stages must begin (user pins); with p - 1 of them the
-    split is fixed and only priced. Raises :class:`StagePlanError` on bad input and, for
+    ``pinned_cuts``: block indices where stages must begin (user pins; ``costs.pinned_cuts``,
+    from ``pipe_split()`` markers, are added); with p - 1 of them the split is fixed and only
+    priced. Raises :class:`StagePlanError` on bad input and, for
     ``method="lynx"``, when no split fits ``memory_per_device`` (naming the least that fits)."""
     check_inputs(costs, num_stages, num_microbatches, schedule)
     if method not in METHODS:
         raise StagePlanError(f"method={method!r} is not valid; choose one of {sorted(METHODS)}")
     n, p, m = len(costs.blocks), num_stages, num_microbatches
     pr = _Pricer(costs, p, m, memory_per_device, schedule)
-    pins = sorted(set(pinned_cuts or ()))
+    pins = sorted(set(pinned_cuts or ()) | set(costs.pinned_cuts))
     if pins and (pins[0] < 1 or pins[-1] >= n or len(pins) > p - 1):
         raise StagePlanError(f"pinned cuts {pins} must be block indices in 1..{n - 1}, at most {p - 1} of them")
 
@@ -452,7 +462,8 @@ def plan_stages(costs: PipelineCosts, num_stages: int, num_microbatches: int,
         notes.append(f"pinned cuts at blocks {pins}")
     return StagePlan(method=method, schedule=schedule, num_stages=p, num_microbatches=m,
                      memory_per_device=memory_per_device, stages=stages, predicted_step_s=step,
-                     predicted_step_in_wait_s=step_wait, notes=tuple(notes))
+                     predicted_step_in_wait_s=step_wait, notes=tuple(notes), pinned_cuts=tuple(pins),
+                     marker_cuts=tuple(sorted(costs.pinned_cuts)))
 
 
 def _fmt(nbytes: float) -> str:

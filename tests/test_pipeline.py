@@ -35,14 +35,23 @@ def _loss_fn(logits, target):
 
 
 class _NoStageMethod(torch.nn.Module):
-    """A model lynx cannot ask for its stages (no ``pipeline_stage``): torch.export splits it."""
+    """A model lynx cannot ask for its stages (no ``pipeline_stage``): torch.export splits it.
+    With ``marker``, a ``pipe_split()`` before block 1 pins a stage boundary there."""
 
-    def __init__(self, model):
+    def __init__(self, model, marker=False):
         super().__init__()
         self.m = model
+        self.marker = marker
 
     def forward(self, idx):
-        return self.m.logits(idx)
+        from torch.distributed.pipelining import pipe_split
+
+        x = self.m.embed(idx)
+        for i, block in enumerate(self.m.blocks):
+            if self.marker and i == 1:
+                pipe_split()
+            x = block(x)
+        return self.m.head(x)
 
 
 def _pipeline_matches(rank, world, stages, schedule, options, memory, export=False):
@@ -51,7 +60,7 @@ def _pipeline_matches(rank, world, stages, schedule, options, memory, export=Fal
     model = _model()
     ref = copy.deepcopy(model)
     idx = _batch(model)
-    user_model = _NoStageMethod(model) if export else model
+    user_model = _NoStageMethod(model, marker=export == "marker") if export else model
     pl = lynx_compile.pipeline(user_model, (idx,), num_stages=stages, num_microbatches=MICRO, loss_fn=_loss_fn,
                                schedule=schedule, options=options, memory_per_device=memory)
     losses = []
@@ -70,7 +79,8 @@ def _pipeline_matches(rank, world, stages, schedule, options, memory, export=Fal
         worst = max(worst, ((p.grad - r).abs().max() / r.abs().max().clamp_min(1e-12)).item())
     got_losses = [float(x) for x in losses]
     return {"worst": worst, "losses": got_losses, "want": [float(w) for w in want] if pl.is_last else [],
-            "stages": sorted(pl.modules), "early": pl.early_recomputes, "layers": pl.plan.layers_per_stage}
+            "stages": sorted(pl.modules), "early": pl.early_recomputes, "layers": pl.plan.layers_per_stage,
+            "pinned": pl.plan.pinned_cuts}
 
 
 def _check(results, stages):
@@ -95,6 +105,14 @@ def test_export_split_pipeline_matches_single_process():
     # a model without pipeline_stage(): stages come from torch's export-based split
     results = run_ranks(_pipeline_matches, 2, 2, "1F1B", {"solver": "heu"}, None, True, timeout_s=280)
     _check(results, 2)
+
+
+@pytest.mark.timeout(300)
+def test_pipe_split_marker_pins_the_cut():
+    # 4 blocks over 3 stages: a pipe_split() before block 1 forces stage 0 = block 0 alone
+    results = run_ranks(_pipeline_matches, 3, 3, "1F1B", {"solver": "heu"}, None, "marker", timeout_s=280)
+    _check(results, 3)
+    assert results[0]["layers"][0] == 1 and 1 in results[0]["pinned"]
 
 
 def _tp_pp_matches(rank, world):

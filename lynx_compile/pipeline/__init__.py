@@ -147,7 +147,9 @@ def _stage_modules(model: nn.Module, wrapped: nn.Module, plan: StagePlan, mb: tu
         return {i: model.pipeline_stage(s.blocks[0], s.blocks[1], first=i == 0, last=i == n - 1)
                 for i, s in enumerate(plan.stages)}, ""
     _refuse_tensor_parallel(model)
-    pipe = split_model(wrapped, mb, list(plan.cuts))
+    # pipe_split() markers in the model split it by themselves; SplitPoints only for the rest
+    cuts = [s.block_names[0] for s in plan.stages[1:] if s.blocks[0] not in plan.marker_cuts]
+    pipe = split_model(wrapped, mb, cuts)
     if pipe.num_stages != n:
         raise StagePlanError(f"torch split the model into {pipe.num_stages} stages, not {n} "
                              f"(cuts {list(plan.cuts)}); does the model contain pipe_split() markers?")

@@ -85,7 +85,8 @@ def profile_pipeline(module: nn.Module, example_inputs: Sequence[Any], options: 
     costs = PipelineCosts(blocks=blocks, pre=pre, post=post, working_bytes=working,
                           state_bytes_per_param_byte=state_bytes_per_param_byte,
                           p2p_bytes_per_s=_p2p_bandwidth(options or {}),
-                          microbatch_size=int(example_inputs[0].shape[0]) if example_inputs else 1)
+                          microbatch_size=int(example_inputs[0].shape[0]) if example_inputs else 1,
+                          pinned_cuts=tuple(sorted(set(seg.get("pipe_splits", ())))))
     return costs, list(record.blocks)
 
 
