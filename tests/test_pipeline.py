@@ -202,3 +202,30 @@ def test_memory_bound_plan_gives_the_first_stage_fewer_layers():
     assert plans["lynx"].fits and plans["lynx"].layers_per_stage[0] < 4
     assert not plans["compute"].fits and not plans["uniform"].fits
     assert all(s.peak_bytes <= tight for s in plans["lynx"].stages)
+
+
+def _stage_budget_too_small(rank, world):
+    import dataclasses
+
+    import lynx_compile
+    from lynx_compile.pipeline import plan_pipeline
+
+    model = _model("gpt-small", layers=4)
+    idx = _batch(model)
+    plan, _, _ = plan_pipeline(model, (idx[:2],), num_stages=2, num_microbatches=MICRO, memory_per_device=60_000_000)
+    # a plan whose allowances no stage can meet (as if the planner's memory model were far off)
+    bad = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, budget_bytes=100_000) for s in plan.stages))
+    pl = lynx_compile.pipeline(model, (idx,), num_stages=2, num_microbatches=MICRO, loss_fn=_loss_fn, plan=bad,
+                               memory_per_device=60_000_000)
+    try:
+        pl.step(idx, target=idx, losses=[])
+    except Exception as e:  # rank 1 sees rank 0 stop: a connection error
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.timeout(200)
+def test_a_stage_that_cannot_meet_its_allowance_names_it():
+    results = run_ranks(_stage_budget_too_small, 2, timeout_s=180)
+    assert results[0].startswith("StagePlanError"), results[0]
+    assert "stage 0 (allowance 100000 B" in results[0] and "smallest reachable peak" in results[0]

@@ -95,7 +95,18 @@ class LocalPipeline:
         kwargs = {}
         if self.is_last:
             kwargs = {"target": target, "losses": losses if losses is not None else []}
-        out = self.schedule.step(*(inputs if self.is_first else ()), **kwargs)
+        try:
+            out = self.schedule.step(*(inputs if self.is_first else ()), **kwargs)
+        except Exception as e:
+            budget_error = _budget_error_in(e)
+            if budget_error is None:
+                raise
+            local = ", ".join(f"stage {i} (allowance {self.plan.stages[i].budget_bytes} B per micro-batch, "
+                              f"{self.plan.stages[i].in_flight} in flight)" for i in sorted(self.modules))
+            raise StagePlanError(
+                f"the stage plan's memory per device ({self.plan.memory_per_device} B) is below what lynx can "
+                f"reach for {local}: {str(budget_error).rstrip('.')}. The planner's stage memory model is approximate; give "
+                "each device more memory, use more stages, or smaller micro-batches.") from e
         if self.tied:
             sync_tied_grads(self.modules, self.tied, self.shapes, group=self.group)
         return out
@@ -103,6 +114,22 @@ class LocalPipeline:
     @property
     def early_recomputes(self) -> int:
         return sum(s.early_recomputes for s in self.stages)
+
+
+def _budget_error_in(e: BaseException | None) -> BaseException | None:
+    """The lynx ``BudgetError`` under dynamo's wrappers, if that is what failed."""
+    from lynx_compile.partition import BudgetError
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, BudgetError):
+            return e
+        inner = getattr(e, "inner_exception", None)
+        if isinstance(inner, BudgetError):
+            return inner
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _refuse_tensor_parallel(model: nn.Module) -> None:
