@@ -229,3 +229,24 @@ def test_a_stage_that_cannot_meet_its_allowance_names_it():
     results = run_ranks(_stage_budget_too_small, 2, timeout_s=180)
     assert results[0].startswith("StagePlanError"), results[0]
     assert "stage 0 (allowance 100000 B" in results[0] and "smallest reachable peak" in results[0]
+
+
+def _train_cli(rank, world):
+    import argparse
+
+    from lynx_compile.train import add_train_arguments, train
+
+    p = argparse.ArgumentParser()
+    add_train_arguments(p)
+    args = p.parse_args(["--model", "gpt-tiny", "--pp", "2", "--steps", "3", "--batch-size", "4",
+                         "--dropout", "0", "--check", "--solver", "heu"])
+    lines = []
+    result = train(args, say=lines.append)
+    return {"losses": result.losses, "reference": result.reference_losses, "lines": lines}
+
+
+@pytest.mark.timeout(200)
+def test_lynx_train_pp_matches_the_unsplit_model():
+    r0, _ = run_ranks(_train_cli, 2, timeout_s=180)
+    assert r0["losses"] == pytest.approx(r0["reference"], rel=1e-5)
+    assert any(line.startswith("stage plan (lynx, 1F1B, p=2, m=4)") for line in r0["lines"])

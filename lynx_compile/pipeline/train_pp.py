@@ -17,7 +17,8 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (ranks in the pipeline)")
     p.add_argument("--stages", type=int, default=None, help="pipeline stages (default --pp; a multiple "
                    "of --pp with --schedule Interleaved1F1B)")
-    p.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default 2 x stages)")
+    p.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default: the most, "
+                   "up to 2 x stages, that split --batch-size evenly)")
     p.add_argument("--schedule", default="1F1B", choices=["GPipe", "1F1B", "Interleaved1F1B"])
     p.add_argument("--memory-per-device", type=_bytes, default=None,
                    help="bytes per device for the stage plan, e.g. 30000000, 48MiB, 2GiB (default: no limit)")
@@ -25,6 +26,15 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
                    help="stage split: recompute-aware (lynx), compute-only balance, or equal layers")
     p.add_argument("--no-recompute-in-wait", action="store_true",
                    help="run recompute only after the gradient arrives")
+
+
+def default_microbatches(batch_size: int, stages: int) -> int:
+    """The most micro-batches up to 2 x stages that split the batch evenly (>= stages)."""
+    for m in range(min(batch_size, 2 * stages), stages - 1, -1):
+        if batch_size % m == 0:
+            return m
+    raise SystemExit(f"lynx train: --batch-size {batch_size} cannot feed {stages} stages: use a batch size that is "
+                     f"a multiple of a micro-batch count >= {stages} (e.g. --batch-size {2 * stages}), or --microbatches")
 
 
 def _bytes(text: str) -> int:
@@ -54,7 +64,7 @@ def train_pipeline(args: argparse.Namespace, rank: int, world: int, say: Callabl
     pp_groups = [dist.new_group([s * tp + t for s in range(args.pp)]) for t in range(tp)]
     tp_group, pp_group = tp_groups[rank // tp], pp_groups[rank % tp]
     stages = args.stages or args.pp
-    micro = args.microbatches or 2 * stages
+    micro = args.microbatches or default_microbatches(args.batch_size, stages)
     device = _device()
     model = _build(args, device)
     batches = _batches(args, model.config, device)
