@@ -16,7 +16,6 @@ when measured) and builds only its own stages.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
