@@ -86,6 +86,12 @@ class LynxConfig:
     """Most bytes of recomputed tensors run early and held until the backward uses them (the
     stage's memory headroom); None: no limit."""
 
+    fuse_kernels: bool | str = False
+    """Replace recognized recompute chains in the backward (causal softmax, LayerNorm, GeLU) with
+    lynx's fused Triton kernels (``lynx_compile.kernels``; pass ``fuse_recompute_pass``).
+    ``"auto"``: when a kernel can run (CUDA, or ``TRITON_INTERPRET=1``). Off by default until
+    the kernels have been validated on a GPU."""
+
     check_plan_agreement: bool = True
     """With more than one rank, compare each graph's plan fingerprint across ranks before it
     runs and stop every rank with one error when they differ (different plans issue
@@ -152,6 +158,8 @@ def make_config(options: dict[str, Any] | None = None) -> LynxConfig:
     if options.get("recompute_in_wait") and options.get("compiler") == "inductor":
         raise ValueError("recompute_in_wait=True splits the backward graph at runtime and needs "
                          "compiler='eager'; drop one of the two")
+    if "fuse_kernels" in options and options["fuse_kernels"] not in (True, False, "auto"):
+        raise ValueError(f"fuse_kernels={options['fuse_kernels']!r} is not valid; choose True, False or 'auto'")
     if "link" in options:
         from lynx_compile.costs import LINKS
 
