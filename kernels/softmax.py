@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._ref_softmax import causal_softmax as _reference
+from .reference import causal_softmax as _reference
 from ._support import triton_importable, warn_fallback, why_not
 
 if triton_importable():

@@ -115,10 +115,15 @@ def _fuse_layer_norm(gm: fx.GraphModule, ln: fx.Node) -> bool:
             out = gm.graph.call_function(operator.getitem, (new, i))
             out.meta.update(new.meta)
             out.meta["val"] = new.meta["val"][i] if new.meta.get("val") is not None else None
-            if i in (1, 2):  # kernel: one per row; aten: (..., 1)
+            if i in (1, 2):  # kernel: fp32, one per row; aten: (..., 1) in its own dtype (bf16 on CPU)
                 out = gm.graph.call_function(aten.view.default, (out, stat_shape))
                 out.meta.update({k: v for k, v in new.meta.items() if k != "val"})
-                out.meta["val"] = user.meta.get("val")
+                want = user.meta.get("val")
+                out.meta["val"] = want
+                if want is not None and want.dtype != torch.float32:
+                    out = gm.graph.call_function(aten._to_copy.default, (out,), {"dtype": want.dtype})
+                    out.meta.update({k: v for k, v in new.meta.items() if k != "val"})
+                    out.meta["val"] = want
         user.replace_all_uses_with(out)
     return True
 

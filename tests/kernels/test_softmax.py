@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lynx_compile.kernels import causal_softmax
-from lynx_compile.kernels._ref_softmax import causal_softmax as reference
+from lynx_compile.kernels.reference import causal_softmax as reference
 
 DTYPES = [(torch.float32, 1e-5), (torch.float16, 1e-3), (torch.bfloat16, 8e-3)]
 
