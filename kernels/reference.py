@@ -159,3 +159,12 @@ def bias_dropout_add(x: Tensor, bias: Tensor | None, residual: Tensor, p: float,
     h = x.float() if bias is None else x.float() + bias.float()
     keep = dropout_mask(x, p, seed, offset)
     return (residual.float() + torch.where(keep, h * _scale(p), 0.0)).to(out_dtype)
+
+
+# --- causal softmax + attention dropout --------------------------------------------------------
+
+def causal_softmax_dropout(scores: Tensor, scale: float, p: float, seed: int, offset: int) -> Tensor:
+    """dropout(causal_softmax(scores, scale), p, seed, offset): the attention probabilities with
+    the keep-mask of ``dropout_mask(scores, p, seed, offset)`` (linear index row * T + col over the
+    whole (..., T, T) tensor). Differentiable (torch autograd); output in scores.dtype."""
+    return dropout(causal_softmax(scores, scale), p, seed, offset)
