@@ -28,6 +28,21 @@ class PlanningDone(Exception):
     """Raised by a ``plan_only`` backend once the graph is partitioned and planned."""
 
 
+def find_backend_error(e: BaseException | None, kind: type[BaseException]) -> BaseException | None:
+    """The ``kind`` exception a lynx backend raised, found under dynamo's wrappers
+    (``BackendCompilerFailed.inner_exception``, ``__cause__``, ``__context__``); None if absent."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, kind):
+            return e
+        inner = getattr(e, "inner_exception", None)
+        if isinstance(inner, kind):
+            return inner
+        e = e.__cause__ or e.__context__
+    return None
+
+
 class LynxBackend:
     """A dynamo backend with a bound :class:`LynxConfig`.
 

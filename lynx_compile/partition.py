@@ -151,6 +151,7 @@ def segment_costs(joint: fx.GraphModule, forward_names: frozenset[str]) -> dict:
             nxt = next((m.meta[meta.BLOCK] for m in fwd[i + 1:] if m.meta.get(meta.BLOCK) is not None), None)
             if nxt is not None:
                 out["pipe_splits"].append(nxt)
+    position = {n: i for i, n in enumerate(fwd)}
     in_block = [i for i, n in enumerate(fwd) if n.meta.get(meta.BLOCK) is not None]
     first = in_block[0] if in_block else len(fwd)
     side_of_seq = {}
@@ -167,7 +168,7 @@ def segment_costs(joint: fx.GraphModule, forward_names: frozenset[str]) -> dict:
             out["blocks"].setdefault(block, [0.0, 0.0])[0 if is_fw else 1] += cost.runtime_s
             continue
         if is_fw:
-            side = "pre" if fwd.index(n) < first else "post"
+            side = "pre" if position[n] < first else "post"
         else:
             side = side_of_seq.get(n.meta.get("seq_nr"), "post")
         out[side][0 if is_fw else 1] += cost.runtime_s

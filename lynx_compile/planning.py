@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from lynx_compile.backend import LynxBackend, PlanningDone
+from lynx_compile.backend import LynxBackend, PlanningDone, find_backend_error
 from lynx_compile.config import make_config
 from lynx_compile.passes import GraphRecord
 
@@ -31,16 +31,9 @@ def plan_model(model: torch.nn.Module, example_inputs: tuple, **options: Any) ->
         with torch.enable_grad():
             compiled(*example_inputs)
     except Exception as e:  # noqa: BLE001 - dynamo wraps the backend's exception
-        if not _is_planning_done(e):
+        if find_backend_error(e, PlanningDone) is None:
             raise
     finally:
         torch._dynamo.reset()
     return backend.records
 
-
-def _is_planning_done(e: BaseException | None) -> bool:
-    while e is not None:
-        if isinstance(e, PlanningDone) or isinstance(getattr(e, "inner_exception", None), PlanningDone):
-            return True
-        e = e.__cause__ or e.__context__
-    return False

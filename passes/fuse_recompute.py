@@ -83,10 +83,8 @@ def _fuse_softmax(gm: fx.GraphModule, softmax: fx.Node) -> bool:
     if not (isinstance(fill, fx.Node) and fill.target is aten.masked_fill.Scalar and fill.args[2] == float("-inf")):
         return False
     scaled, mask = fill.args[0], fill.args[1]
-    if not (isinstance(mask, fx.Node) and mask.target is aten.triu.default and mask.args[1:] in ((1,), ())
+    if not (isinstance(mask, fx.Node) and mask.target is aten.triu.default and mask.args[1:] == (1,)
             and isinstance(mask.args[0], fx.Node) and mask.args[0].target is aten.ones.default):
-        return False
-    if len(mask.args) == 1 or mask.args[1] != 1:
         return False
     if isinstance(scaled, fx.Node) and scaled.target is aten.mul.Tensor and isinstance(scaled.args[1], (int, float)):
         scores, scale = scaled.args[0], float(scaled.args[1])

@@ -42,6 +42,8 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Any, Literal, Sequence
 
+from lynx_compile.report import human_bytes
+
 Schedule = Literal["GPipe", "1F1B", "Interleaved1F1B"]
 SCHEDULES: frozenset[str] = frozenset({"GPipe", "1F1B", "Interleaved1F1B"})
 Method = Literal["lynx", "compute", "uniform"]
@@ -445,9 +447,9 @@ def plan_stages(costs: PipelineCosts, num_stages: int, num_microbatches: int,
             least = _dp(pr, timed(lambda i, s, e: float(pr.min_memory(i, s, e))))
             need = max(pr.min_memory(i, s, e) for i, (s, e) in enumerate(_ranges(least, n)))
             raise StagePlanError(
-                f"memory_per_device={memory_per_device} B ({_fmt(memory_per_device)}) is too small "
+                f"memory_per_device={memory_per_device} B ({human_bytes(memory_per_device)}) is too small "
                 f"for any split of {n} blocks into {p} stages with {m} micro-batches ({schedule}): even with "
-                f"full recompute the smallest split needs {need} B ({_fmt(need)}) on its fullest "
+                f"full recompute the smallest split needs {need} B ({human_bytes(need)}) on its fullest "
                 f"device. Give each device at least that, use more stages, or a smaller micro-batch.")
     stages = tuple(pr.price(i, s, e) for i, (s, e) in enumerate(_ranges(cuts, n)))
     from lynx_compile.sim.pipeline import simulate_stages
@@ -464,10 +466,6 @@ def plan_stages(costs: PipelineCosts, num_stages: int, num_microbatches: int,
                      memory_per_device=memory_per_device, stages=stages, predicted_step_s=step,
                      predicted_step_in_wait_s=step_wait, notes=tuple(notes), pinned_cuts=tuple(pins),
                      marker_cuts=tuple(sorted(costs.pinned_cuts)))
-
-
-def _fmt(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
 
 
 def _ranges(cuts: Sequence[int], n: int) -> list[tuple[int, int]]:

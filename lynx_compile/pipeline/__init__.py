@@ -97,7 +97,10 @@ class LocalPipeline:
         try:
             out = self.schedule.step(*(inputs if self.is_first else ()), **kwargs)
         except Exception as e:
-            budget_error = _budget_error_in(e)
+            from lynx_compile.backend import find_backend_error
+            from lynx_compile.partition import BudgetError
+
+            budget_error = find_backend_error(e, BudgetError)
             if budget_error is None:
                 raise
             local = ", ".join(f"stage {i} (allowance {self.plan.stages[i].budget_bytes} B per micro-batch, "
@@ -113,22 +116,6 @@ class LocalPipeline:
     @property
     def early_recomputes(self) -> int:
         return sum(s.early_recomputes for s in self.stages)
-
-
-def _budget_error_in(e: BaseException | None) -> BaseException | None:
-    """The lynx ``BudgetError`` under dynamo's wrappers, if that is what failed."""
-    from lynx_compile.partition import BudgetError
-
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, BudgetError):
-            return e
-        inner = getattr(e, "inner_exception", None)
-        if isinstance(inner, BudgetError):
-            return inner
-        e = e.__cause__ or e.__context__
-    return None
 
 
 def _refuse_tensor_parallel(model: nn.Module) -> None:

@@ -141,16 +141,13 @@ def _param_bytes(module: nn.Module, example_inputs: Sequence[Any], block_paths: 
 
 
 def _p2p_bandwidth(options: dict[str, Any]) -> float:
-    from lynx_compile.costs import LINKS, PROFILES
+    """Bandwidth of the named ``link`` option, else of the hardware profile's default link."""
+    from lynx_compile.costs import LINKS, get_profile
 
     link = options.get("link", "auto")
     if link in LINKS:
         return LINKS[link].bandwidth_bytes_per_s
-    hw = options.get("hardware", "auto")
-    if hw == "auto":
-        hw = "cpu" if not torch.cuda.is_available() else None
-    profile = PROFILES.get(hw) if hw else None
-    return LINKS[profile.default_link].bandwidth_bytes_per_s if profile else float("inf")
+    return LINKS[get_profile(options.get("hardware", "auto")).default_link].bandwidth_bytes_per_s
 
 
 def output_selector(model: nn.Module) -> Callable[..., torch.Tensor] | None:

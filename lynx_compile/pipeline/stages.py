@@ -95,10 +95,6 @@ def split_model(module: nn.Module, example_microbatch: tuple, cuts: list[str]):
     return pipeline(module, mb_args=tuple(example_microbatch), split_spec=spec or None)
 
 
-def stage_params(pipe, num_stages: int) -> list[dict[str, nn.Parameter]]:
-    return [dict(pipe.get_stage_module(i).named_parameters()) for i in range(num_stages)]
-
-
 def sync_tied_grads(stage_modules: dict[int, nn.Module], tied: dict[str, tuple[tuple[int, str], ...]],
                     shapes: dict[str, tuple[torch.Size, torch.dtype]], group=None) -> None:
     """Sum the gradients of every copy of a parameter that several stages hold (a tied

@@ -68,6 +68,12 @@ def _nbytes(node: fx.Node) -> int:
                else 0 for v in vals)
 
 
+def _placeholder_like(graph: fx.Graph, name: str, like: fx.Node) -> fx.Node:
+    node = graph.placeholder(name)
+    node.meta = dict(like.meta)
+    return node
+
+
 def split_backward(bw: fx.GraphModule, byte_limit: float | None = None) -> BackwardSplit | None:
     """Cut ``bw`` into (pre, main) as drawn in the module docstring; None when nothing moves."""
     placeholders = list(bw.graph.find_nodes(op="placeholder"))
@@ -101,23 +107,15 @@ def split_backward(bw: fx.GraphModule, byte_limit: float | None = None) -> Backw
     inputs = sorted({a for n in chosen for a in n.all_input_nodes if a.op == "placeholder"}, key=order.get)
 
     pre_graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for p in inputs:
-        env[p] = pre_graph.placeholder(p.name)
-        env[p].meta = dict(p.meta)
+    env = {p: _placeholder_like(pre_graph, p.name, p) for p in inputs}
     for n in chosen:
         env[n] = pre_graph.node_copy(n, lambda a: env[a])
     pre_graph.output(tuple(env[n] for n in outputs))
     pre = fx.GraphModule(bw, pre_graph, "lynx_recompute_pre")
 
     main_graph = fx.Graph()
-    menv: dict[fx.Node, fx.Node] = {}
-    for p in placeholders:
-        menv[p] = main_graph.placeholder(p.name)
-        menv[p].meta = dict(p.meta)
-    for n in outputs:
-        menv[n] = main_graph.placeholder(f"{n.name}_early")
-        menv[n].meta = dict(n.meta)
+    menv = {p: _placeholder_like(main_graph, p.name, p) for p in placeholders}
+    menv.update({n: _placeholder_like(main_graph, f"{n.name}_early", n) for n in outputs})
     for n in bw.graph.nodes:
         if n.op == "placeholder" or n in chosen_set:
             continue
