@@ -24,6 +24,8 @@ Not a test: it measures and writes ``benchmarks/results/kernels.{csv,md}`` and
    ``torch.cuda.Stream`` while the main stream runs a large matmul (event record / wait), against
    the two run back to back on one stream. overlap = (t_serial - t_overlap) / min(t_matmul,
    t_recompute): 1 = the shorter one is hidden entirely.
+4. Training step: a few layers of a GPT preset compiled by lynx (full recompute, fused kernels)
+   with the recompute on the main stream and on the side stream (``side_stream=True``).
 
 Every number is labelled with the date, the GPU, and the torch / triton / CUDA versions.
 """
@@ -429,6 +431,50 @@ def run_overlap(recompute: str, shape: Sequence[int], mm: int, dtype: torch.dtyp
     return row
 
 
+BACKWARD_KEYS = ["model", "policy", "side_stream", "ms_step", "peak_GiB", "segments", "launched_early",
+                 "speedup_vs_one_stream", "error"]
+
+
+def run_backward(model: str, layers: int, batch: int, dtype: torch.dtype, timer: Timer) -> list[dict]:
+    """A GPT training step (forward + backward, full recompute with the fused kernels) compiled by
+    lynx with the recompute on the main stream and on the side stream launched one segment
+    ahead (``side_stream_extra_bytes`` unbounded); median step time and peak allocated memory."""
+    import lynx_compile
+    from lynx_compile.models.presets import build_model, example_batch
+
+    rows, base = [], None
+    for side in (False, True):
+        row = {"model": f"{model} ({layers} layers, batch {batch})", "policy": "full", "side_stream": side,
+               "error": ""}
+        try:
+            torch.manual_seed(0)
+            net = build_model(model, n_layers=layers, dropout=0.0, device=timer.device, dtype=dtype)
+            idx = example_batch(net, batch).to(timer.device)
+            options = {"policy": "full", "fuse_kernels": True, "side_stream": side,
+                       "side_stream_extra_bytes": 1 << 40}
+            backend = lynx_compile.LynxBackend(lynx_compile.make_config(options))
+            compiled = torch.compile(net, backend=backend)
+
+            def step():
+                compiled(idx).loss.backward()
+
+            step()
+            torch.cuda.reset_peak_memory_stats(timer.device)
+            row["ms_step"] = t = timer(step)
+            row["peak_GiB"] = torch.cuda.max_memory_allocated(timer.device) / 2**30
+            decided = backend.records[0].decisions.get("side_stream", {})
+            row["segments"] = decided.get("segments", 0)
+            row["launched_early"] = decided.get("segments", 0) - decided.get("not_launched_early", 0)
+            base = t if not side else base
+            row["speedup_vs_one_stream"] = base / t if base else None
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = _err("backward", exc)
+        rows.append(row)
+        del net
+        torch.cuda.empty_cache()
+    return rows
+
+
 # -------------------------------------------------------------------------------------- reporting
 
 def environment(device) -> dict:
@@ -448,7 +494,7 @@ def environment(device) -> dict:
 
 
 def write_results(out: str, env: dict, argv: Sequence[str], hbm_gbs: float, settings: str, rows: Sequence[dict],
-                  overlap_rows: Sequence[dict]) -> list[str]:
+                  overlap_rows: Sequence[dict], backward_rows: Sequence[dict] = ()) -> list[str]:
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out + ".csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=KEYS + EXTRA_KEYS, extrasaction="ignore")
@@ -478,6 +524,12 @@ def write_results(out: str, env: dict, argv: Sequence[str], hbm_gbs: float, sett
                   "serial = both back to back on the main stream. overlap_frac = (ms_serial - ms_overlap) / "
                   "min(ms_matmul, ms_recompute).", ""]
         lines += md_table(overlap_rows, OVERLAP_KEYS)
+    if backward_rows:
+        lines += ["", "## Training step with the recompute on the side stream", "",
+                  "lynx policy full + fuse_kernels; side_stream=False: recompute on demand on the main stream; "
+                  "True: each block's recompute segment on a secondary stream, launched one segment ahead "
+                  "(lynx_compile.runtime.side_stream). ms_step = forward + backward, median.", ""]
+        lines += md_table(backward_rows, BACKWARD_KEYS)
     with open(out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     return lines
@@ -521,6 +573,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--overlap-tokens", type=int, default=16384)
     p.add_argument("--overlap-hidden", type=int, default=8192)
     p.add_argument("--overlap-mm", type=int, default=8192, help="square matmul size M = N = K")
+    p.add_argument("--backward-model", default="gpt-1.3b", help="zoo preset of the side-stream training step")
+    p.add_argument("--backward-layers", type=int, default=4, help="layers of that model (0: skip the section)")
+    p.add_argument("--backward-batch", type=int, default=2)
     p.add_argument("--out", default=os.path.join(RESULTS, "kernels"),
                    help="path prefix: writes PREFIX.csv, PREFIX.md, PREFIX_overlap.csv")
     args = p.parse_args(argv)
@@ -564,6 +619,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             overlap_rows.append(row)
             print(format_row(row, OVERLAP_KEYS), flush=True)
 
+    backward_rows = []
+    if args.backward_layers > 0:
+        backward_rows = run_backward(args.backward_model, args.backward_layers, args.backward_batch, dtype, timer)
+        for row in backward_rows:
+            print(format_row(row, BACKWARD_KEYS), flush=True)
+
     dropout_note = ("torch's own ops (F.dropout, rand >= p: torch's RNG, so not compared bit for bit)"
                     if args.dropout_baseline == "native" else
                     "that emulation, eager only (its Inductor compile is exponential in the Philox rounds)")
@@ -581,7 +642,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 f"batch*heads the largest multiple of 8 under {args.softmax_mem_gib:g} GiB (input + 2 outputs "
                 "+ 2 fp32 temporaries).")
     argv_used = list(sys.argv[1:] if argv is None else argv)
-    lines = write_results(args.out, env, argv_used, hbm, settings, rows, overlap_rows)
+    lines = write_results(args.out, env, argv_used, hbm, settings, rows, overlap_rows, backward_rows)
     print("\n".join(lines))
     print(f"wrote {args.out}.csv, {args.out}.md" + (f", {args.out}_overlap.csv" if overlap_rows else ""))
     return 0

@@ -56,6 +56,7 @@ class LynxBackend:
         self.plan_only = plan_only
         self.records: list[GraphRecord] = []
         self.runtimes: list = []  # GraphRuntime per graph when config.recompute_in_wait
+        self.side_stream_runners: list = []  # SideStreamRunner per backward when config.side_stream
         from lynx_compile.distributed.agreement import WORLD
 
         self.planning_group = WORLD
@@ -126,6 +127,8 @@ class LynxBackend:
 
         if runtime is not None:
             inner = runtime.wrap_backward(gm, compile_one, self.config.recompute_in_wait_bytes)
+        elif self.config.side_stream:
+            inner = self._side_stream_runner(gm, compile_one)
         else:
             inner = compile_one(gm)
 
@@ -136,6 +139,19 @@ class LynxBackend:
 
         run._boxed_call = True  # type: ignore[attr-defined]
         return run
+
+    def _side_stream_runner(self, gm: fx.GraphModule, compile_one: Callable) -> Callable:
+        """The backward cut at its side-stream markers: CUDA streams when the graph runs on a
+        GPU, else the same pieces inline (``lynx_compile.runtime.side_stream``)."""
+        from lynx_compile.runtime.side_stream import CudaStreams, InlineStreams, SideStreamRunner
+
+        devices = {v.device for p in gm.graph.find_nodes(op="placeholder")
+                   if isinstance(v := p.meta.get("val"), torch.Tensor)}
+        cuda = [d for d in devices if d.type == "cuda"]
+        streams = CudaStreams(cuda[0]) if cuda else InlineStreams()
+        runner = SideStreamRunner(gm, compile_one, streams)
+        self.side_stream_runners.append(runner)
+        return runner
 
     def _compiler(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
         if self.plan_only:  # the partition (and so the plan) is done; nothing needs to run

@@ -92,6 +92,18 @@ class LynxConfig:
     ``"auto"``: when a kernel can run (CUDA, or ``TRITON_INTERPRET=1``). Off by default until
     the kernels have been validated on a GPU."""
 
+    side_stream: bool = False
+    """Run each recompute segment of the backward on a secondary CUDA stream, launched one
+    segment ahead so it overlaps the main stream's gradient ops (pass ``side_stream_pass``,
+    runtime ``lynx_compile.runtime.side_stream``). The graph shows it as
+    ``lynx.side_stream_begin / end / wait`` ops; on CPU they are no-ops and the backward runs
+    inline. Needs ``compiler='eager'``. Off by default until validated on a GPU."""
+
+    side_stream_extra_bytes: int = 0
+    """Bytes that launching a segment early may add to the backward's simulated peak. 0: a
+    segment is launched early only where that keeps the peak (otherwise it runs where the
+    partitioner placed it, overlapping nothing); one segment's outputs buys full overlap."""
+
     check_plan_agreement: bool = True
     """With more than one rank, compare each graph's plan fingerprint across ranks before it
     runs and stop every rank with one error when they differ (different plans issue
@@ -158,6 +170,14 @@ def make_config(options: dict[str, Any] | None = None) -> LynxConfig:
     if options.get("recompute_in_wait") and options.get("compiler") == "inductor":
         raise ValueError("recompute_in_wait=True splits the backward graph at runtime and needs "
                          "compiler='eager'; drop one of the two")
+    if options.get("side_stream") and options.get("compiler") == "inductor":
+        raise ValueError("side_stream=True runs the backward in pieces on two streams and needs "
+                         "compiler='eager'; drop one of the two")
+    if int(options.get("side_stream_extra_bytes", 0)) < 0:
+        raise ValueError("side_stream_extra_bytes must be >= 0 bytes")
+    if options.get("side_stream") and options.get("recompute_in_wait"):
+        raise ValueError("side_stream=True and recompute_in_wait=True both take over the backward's "
+                         "recompute; choose one")
     if "fuse_kernels" in options and options["fuse_kernels"] not in (True, False, "auto"):
         raise ValueError(f"fuse_kernels={options['fuse_kernels']!r} is not valid; choose True, False or 'auto'")
     if "link" in options:

@@ -49,6 +49,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="per-node costs for planning (measured: run on this device; rank 0's are used)")
     p.add_argument("--emulate-link", default=None,
                    help="CPU: delay collectives to this link's time (name in LINKS or 'alpha_s,bytes_per_s')")
+    p.add_argument("--fuse-kernels", action="store_true", help="fused Triton recompute kernels (LynxConfig.fuse_kernels)")
+    p.add_argument("--side-stream", action="store_true", help="recompute on a secondary CUDA stream (LynxConfig.side_stream)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=None)
@@ -147,7 +149,8 @@ def _options(args: argparse.Namespace) -> dict:
     opts = {"policy": args.policy, "solver": args.solver, "time_limit_s": args.time_limit,
             "link": args.link, "hardware": args.hardware, "plan_cache": False,
             "cost_source": args.cost_source,
-            "trace_recompute": bool(args.trace), "windows": not args.no_windows}
+            "trace_recompute": bool(args.trace), "windows": not args.no_windows,
+            "fuse_kernels": args.fuse_kernels, "side_stream": args.side_stream}
     if args.memory_budget is not None:
         opts["memory_budget"] = args.memory_budget
     return opts

@@ -12,10 +12,12 @@ from .insert_recompute import insert_recompute_pass
 from .mark_recomputed import mark_recomputed_pass
 from .policies import select_recompute_pass
 from .runner import run_passes
+from .side_stream import side_stream_pass
 
 JOINT_PIPELINE = (annotate_costs_pass, find_blocks_pass, select_recompute_pass)
-BACKWARD_PIPELINE = (mark_recomputed_pass, insert_recompute_pass, fuse_recompute_pass)
+BACKWARD_PIPELINE = (mark_recomputed_pass, insert_recompute_pass, fuse_recompute_pass,
+                     side_stream_pass)
 
 __all__ = ["JOINT_PIPELINE", "BACKWARD_PIPELINE", "GraphRecord", "PassContext", "run_passes",
            "annotate_costs_pass", "find_blocks_pass", "select_recompute_pass", "mark_recomputed_pass",
-           "insert_recompute_pass", "fuse_recompute_pass"]
+           "insert_recompute_pass", "fuse_recompute_pass", "side_stream_pass"]

@@ -17,3 +17,5 @@ DECISION = "lynx_decision"
 RECOMPUTED = "lynx_recomputed"
 #: ``str`` name of the forward node a recomputed node copies.
 RECOMPUTED_FROM = "lynx_recomputed_from"
+#: ``int`` side-stream segment a backward node (or its begin / end / wait marker) belongs to.
+SIDE_STREAM = "lynx_side_stream"
