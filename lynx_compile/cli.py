@@ -136,12 +136,78 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, default=4)
     d.add_argument("--batch-size", type=int, default=4)
     d.set_defaults(func=cmd_demo)
+    s = sub.add_parser("simulate", help="simulate one training iteration of a paper-scale GPT on a modeled cluster")
+    s.add_argument("--model", default="gpt-13b", help="a GPT preset (gpt-1.3b ... gpt-23b)")
+    s.add_argument("--cluster", default="a100-nvlink-8", help="a100-nvlink-8, a100-pcie-8, ascend-910b-8, a100-nvlink-32")
+    s.add_argument("--tp", type=int, default=8)
+    s.add_argument("--pp", type=int, default=1)
+    s.add_argument("--microbatch", type=int, default=1)
+    s.add_argument("--global-batch", type=int, default=128, help="sequences per iteration")
+    s.add_argument("--strategy", default="all", help="one of lynx_compile.sim.scale.STRATEGIES, or all")
+    s.add_argument("--trace", default=None, metavar="PATH", help="Chrome trace JSON of the (last) strategy")
+    s.add_argument("--gantt", default=None, metavar="PATH", help="Gantt chart PNG of the (last) strategy")
+    s.add_argument("--json", default=None, metavar="PATH", help="write the outcomes as JSON")
+    s.set_defaults(func=cmd_simulate)
     t = sub.add_parser("train", help="tensor-parallel training (run under torchrun for --tp > 1)")
     from lynx_compile.train import add_train_arguments
 
     add_train_arguments(t)
     t.set_defaults(func=cmd_train)
     return parser
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """Profile the model's layer (lynx's planning trace on meta, fake TP group) and simulate."""
+    import dataclasses
+    import json
+    import logging
+    import warnings
+
+    from lynx_compile.sim.scale import CLUSTERS, STRATEGIES, Layout, evaluate
+
+    if args.cluster not in CLUSTERS:
+        raise ValueError(f"unknown cluster {args.cluster!r}; choose one of {list(CLUSTERS)}")
+    strategies = STRATEGIES if args.strategy == "all" else (args.strategy,)
+    if any(s not in STRATEGIES for s in strategies):
+        raise ValueError(f"unknown strategy {args.strategy!r}; choose 'all' or one of {list(STRATEGIES)}")
+    cluster = CLUSTERS[args.cluster]
+    devices = args.tp * args.pp
+    if devices > cluster.devices or cluster.devices % devices:
+        raise ValueError(f"tp x pp = {devices} must divide the {cluster.devices} devices of {cluster.name}")
+    layout = Layout(tp=args.tp, pp=args.pp, dp=cluster.devices // devices, microbatch=args.microbatch,
+                    global_batch=args.global_batch)
+    from lynx_compile.sim.profile import profile_layer
+
+    _say(f"profiling {args.model} (tp={args.tp}, micro-batch {args.microbatch}) on {cluster.hardware} ...")
+    warnings.filterwarnings("ignore", message=".*autograd kernel was not registered.*")
+    logging.getLogger("lynx_compile").setLevel(logging.ERROR)  # the torch policy's budget notes
+    profile = profile_layer(args.model, hardware=cluster.hardware, link=cluster.intra_link, tp=args.tp,
+                            microbatch=args.microbatch)
+    print(f"{args.model} on {cluster.name}: tp={layout.tp} pp={layout.pp} dp={layout.dp}, micro-batch "
+          f"{layout.microbatch} x {layout.num_microbatches}, simulated ({cluster.hardware} roofline, "
+          f"{cluster.intra_link}; profile {profile.profile_s:.1f} s)\n")
+    print("| strategy | iteration s | tokens/s | MFU | peak GiB per stage | fits | layers per stage | decision |")
+    print("|---|---|---|---|---|---|---|---|")
+    outcomes, result = [], None
+    for strategy in strategies:
+        out, result = evaluate(profile, strategy, cluster, layout, result=True)
+        outcomes.append(out.to_dict())
+        peaks = "/".join(f"{b / 2**30:.1f}" for b in out.peak_bytes)
+        fits = "yes" if out.fits else f"OOM (needs {out.need_bytes / 2**30:.1f} GiB of {cluster.memory_bytes / 2**30:.0f})"
+        print(f"| {strategy} | {out.iteration_s:.3f} | {out.tokens_per_s:.0f} | {out.mfu:.3f} | {peaks} | {fits} | "
+              f"{'/'.join(map(str, out.layers_per_stage))} | {'; '.join(out.choices)} |")
+    if args.trace:
+        from lynx_compile.sim.timeline import to_chrome_trace
+
+        to_chrome_trace(result, args.trace)
+    if args.gantt:
+        from lynx_compile.sim.timeline import plot_gantt
+
+        plot_gantt(result, args.gantt, title=f"{args.model} {cluster.name} {strategies[-1]}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"profile": profile.to_dict(), "layout": dataclasses.asdict(layout), "outcomes": outcomes}, f, indent=1)
+    return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
