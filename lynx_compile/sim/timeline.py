@@ -62,9 +62,10 @@ def plot_gantt(result: StepResult, path: str | os.PathLike, title: str | None = 
     for e in result.events:
         bars.setdefault((e.rank, e.lane, e.kind), []).append((e.start_s * 1e3, (e.end_s - e.start_s) * 1e3))
     fig, ax = plt.subplots(figsize=(12, 1.0 + 0.9 * R))
+    edge = "black" if len(result.events) < 400 else "none"  # outlines would blacken dense charts
     for (rank, lane, kind), spans in bars.items():
         y = (R - 1 - rank) * (rows + 1) + (rows - 1 - LANES.index(lane))  # rank 0 on top, compute first
-        ax.broken_barh(spans, (y + 0.1, 0.8), facecolors=KIND_COLORS[kind], edgecolor="black", linewidth=0.3)
+        ax.broken_barh(spans, (y + 0.1, 0.8), facecolors=KIND_COLORS[kind], edgecolor=edge, linewidth=0.3)
     ticks = [(R - 1 - r) * (rows + 1) + rows - 1 - i + 0.5 for r in range(R) for i in range(rows)]
     ax.set_yticks(ticks, [f"rank {r} {lane}" for r in range(R) for lane in LANES], fontsize=8)
     ax.set_ylim(-0.5, R * (rows + 1) - 0.5)
@@ -72,7 +73,7 @@ def plot_gantt(result: StepResult, path: str | os.PathLike, title: str | None = 
     ax.set_xlabel("time (ms)")
     kinds = [k for k in KIND_COLORS if any(key[2] == k for key in bars)]
     ax.legend(handles=[Patch(facecolor=KIND_COLORS[k], label=KIND_LABELS[k]) for k in kinds],
-              loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.3 / R), ncol=len(kinds), frameon=False)
+              loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
     mem = ", ".join(f"{b / 2**30:.2f}" for b in result.peak_bytes)
     ax.set_title(title or f"iteration {result.iteration_s * 1e3:.3f} ms, bubble {result.bubble_fraction:.1%}, "
                  f"peak GiB per rank [{mem}]" + ("" if result.fits else f", OOM on ranks {list(result.oom)}"))
