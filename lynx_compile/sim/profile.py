@@ -139,8 +139,22 @@ def profile_layer(model: str, *, hardware: str, link: str, tp: int, microbatch: 
         profile_s=time.perf_counter() - start)
 
 
-def _plan(model: str, tp: int, microbatch: int, **options):
-    """The lynx record of a two-block copy of ``model`` sharded over ``tp`` fake ranks."""
+def plan_search_time(model: str, *, hardware: str, link: str, tp: int, solver: str,
+                     memory_budget: float = 0.6) -> dict[str, float]:
+    """lynx's own plan of the whole ``model`` (every layer; micro-batch 1) on ``tp`` fake ranks:
+    the seconds inside the solver and for the whole planning step (extract, solve, check), as a
+    user pays them at compile time. Needs no GPU."""
+    start = time.perf_counter()
+    rec = _plan(model, tp, 1, layers=None, policy="lynx", memory_budget=memory_budget, solver=solver,
+                hardware=hardware, link=link, check_plan_agreement=False, plan_cache=False)
+    return {"solve_s": rec.plan.solve_s, "plan_time_s": rec.plan.plan_time_s,
+            "trace_and_plan_s": time.perf_counter() - start, "budget": memory_budget,
+            "status": rec.plan.solver_status, "notes": list(rec.plan.notes)}
+
+
+def _plan(model: str, tp: int, microbatch: int, layers: int | None = 2, **options):
+    """The lynx record of a ``layers``-block copy of ``model`` (None: all) sharded over ``tp``
+    fake ranks."""
     import torch
 
     from lynx_compile.models.presets import build_model, example_batch
@@ -148,7 +162,8 @@ def _plan(model: str, tp: int, microbatch: int, **options):
 
     group = _fake_group(tp)
     torch.manual_seed(0)
-    net = build_model(model, n_layers=2, device="meta", dtype=torch.bfloat16, dropout=0.0)
+    depth = {} if layers is None else {"n_layers": layers}
+    net = build_model(model, device="meta", dtype=torch.bfloat16, dropout=0.0, **depth)
     if tp > 1:
         from lynx_compile.distributed.tensor_parallel import tensor_parallelize
 
