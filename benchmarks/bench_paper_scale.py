@@ -228,8 +228,9 @@ def plot(rows: list[dict], path: str) -> None:
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_ylabel("throughput / full")
         ax.set_title(f"{cluster} (simulated; 0 = OOM)")
-    axes[0, 0].legend(ncol=5, fontsize=7, loc="upper left")
-    fig.tight_layout()
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, ncol=len(STRATEGIES), fontsize=7, loc="upper center", frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.975))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
