@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from .prefetch import _placeholder_like
 from .stream_ops import BEGIN, END, MARKERS
 
 
@@ -72,7 +73,6 @@ def split_at_markers(gm: fx.GraphModule) -> list[Step]:
             else:
                 close("main")
                 steps.append(Step("wait", k))
-            steps[-1].segment = k
             continue
         current.append(node)
     close("main")
@@ -92,8 +92,7 @@ def _piece(gm: fx.GraphModule, nodes: list[fx.Node]) -> fx.GraphModule:
     for n in nodes:
         for a in n.all_input_nodes:
             if a not in members and a not in env:
-                env[a] = graph.placeholder(a.name)
-                env[a].meta = dict(a.meta)
+                env[a] = _placeholder_like(graph, a.name, a)
         env[n] = graph.node_copy(n, lambda a: env[a])
     graph.output(tuple(env[n] for n in nodes if any(u not in members for u in n.users)))
     return fx.GraphModule(gm, graph, "lynx_piece")

@@ -100,8 +100,9 @@ def profile_layer(model: str, *, hardware: str, link: str, tp: int, microbatch: 
     comm = tuple(w.duration_s for w in problem.windows[:per_layer])
     fw, bw = (sum(blocks[b][i] for b in (0, 1)) / 2 for i in (0, 1))
     points: dict[str, tuple[LayerPoint, ...]] = {}
-    for policy in ("none", "full", "selective"):
-        points[policy] = (_policy_point(_plan(model, tp, microbatch, policy=policy, **common), policy),)
+    fixed = {policy: _plan(model, tp, microbatch, policy=policy, **common) for policy in ("none", "full", "selective")}
+    for policy, r in fixed.items():
+        points[policy] = (_policy_point(r, policy),)
     torch_points = []
     for frac in TORCH_BUDGETS:  # fractions of the two-block graph's peak; unreachable ones skipped
         try:
@@ -125,8 +126,7 @@ def profile_layer(model: str, *, hardware: str, link: str, tp: int, microbatch: 
             points[name] = pts
         solve_s[name] = secs
     base = points["none"][0].kept_bytes
-    saved_none = _plan_saved(model, tp, microbatch, **common)
-    outside = max(0, saved_none - 2 * base)
+    outside = max(0, fixed["none"].plan.saved_bytes - 2 * base)
     h, s, V = cfg.hidden, cfg.seq_len, cfg.vocab_size
     pre_bytes = microbatch * s * h * 2
     return LayerProfile(
@@ -170,10 +170,6 @@ def _plan(model: str, tp: int, microbatch: int, layers: int | None = 2, **option
         tensor_parallelize(net, group)
     x = example_batch(net, microbatch).to("meta")
     return plan_model(net, (x,), **options)[0]
-
-
-def _plan_saved(model: str, tp: int, microbatch: int, **options) -> int:
-    return _plan(model, tp, microbatch, policy="none", **options).plan.saved_bytes
 
 
 def _fake_group(tp: int):
