@@ -60,12 +60,16 @@ def default_partition(joint_gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_ou
 
 def min_cut_partition(joint_gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
                       static_lifetime_input_indices: list[int] | None = None,
-                      memory_budget: float = 1.0):
-    """torch's min-cut partitioner with ``activation_memory_budget`` set for this call only."""
+                      memory_budget: float = 1.0, compiler: str = "inductor"):
+    """torch's min-cut partitioner with ``activation_memory_budget`` set for this call only.
+
+    It honours ``meta["recompute"]`` tags (MUST_RECOMPUTE / PREFER_RECOMPUTE nodes are never
+    saved, MUST_SAVE nodes never recomputed) and, for untagged nodes, recomputes what it judges
+    free once Inductor fuses it (cheap pointwise chains): what ``torch.compile`` does by default."""
     with _functorch_config.patch(activation_memory_budget=float(memory_budget)):
         return _call_by_keyword(
             _partitioners.min_cut_rematerialization_partition, joint_gm, joint_inputs,
-            num_fwd_outputs=num_fwd_outputs,
+            num_fwd_outputs=num_fwd_outputs, compiler=compiler,
             static_lifetime_input_indices=static_lifetime_input_indices,
         )
 
@@ -128,18 +132,38 @@ def boxed(gm: fx.GraphModule) -> Callable[[list], Any]:
     return run
 
 
-def inductor_decompositions() -> dict:
-    """The decomposition table Inductor expects its aten graphs to be traced with."""
-    from torch._inductor.decomposition import select_decomp_table
+def inductor_partitioner_base() -> type:
+    """``torch._inductor.custom_graph_pass.CustomPartitionerFn`` (2.9.1+): the base class of a
+    partitioner that Inductor calls after its joint-graph passes (RNG replacement included)."""
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-    return select_decomp_table()
+    return CustomPartitionerFn
 
 
-def inductor_compile(gm: fx.GraphModule, example_inputs: list) -> Callable:
-    """Compile an aten-level fw/bw graph with Inductor (``compile_fx_inner``)."""
-    from torch._inductor.compile_fx import compile_fx_inner
+def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, partitioner: Any) -> Callable:
+    """Compile a dynamo graph with Inductor end to end (``compile_fx``: decompositions, joint
+    passes, then ``partitioner`` instead of min-cut, post-grad passes, fused codegen) —
+    ``torch.compile``'s own pipeline with only the partition replaced."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx_inner(gm, example_inputs)
+    # AOTAutograd's cache would return an earlier compile of this graph without calling the
+    # partitioner (the partitioner's uuid is part of Inductor's FX-graph key, not of this one),
+    # leaving no plan: it is off for lynx graphs. Inductor's kernel caches stay on.
+    with inductor_config.patch(custom_partitioner_fn=partitioner), \
+            _functorch_config.patch(enable_autograd_cache=False):
+        return compile_fx(gm, example_inputs)
+
+
+def is_inductor_seeds(node: fx.Node) -> bool:
+    """``prims.inductor_seeds``: the one nondeterministic node Inductor's RNG replacement leaves.
+
+    Inductor's joint pass rewrites every ``rand``/dropout into ``inductor_random(shape,
+    inductor_lookup_seed(seeds, i))``, which is a pure function of the ``seeds`` tensor: saving
+    that small int64 tensor makes every recomputed random op draw the forward's numbers."""
+    prims = getattr(torch.ops, "prims", None)
+    op = getattr(getattr(prims, "inductor_seeds", None), "default", None)
+    return op is not None and node.op == "call_function" and node.target is op
 
 
 def node_is_random(node: fx.Node) -> bool:
@@ -165,3 +189,143 @@ def eager_dispatch():
 
     with no_python_dispatcher(), _disable_current_modes():
         yield
+
+
+# ---------------------------------------------------------------------------------------------
+# Version-portable wrappers for the private APIs the rest of lynx uses (torch 2.11-2.13).
+# Nothing outside this file imports torch._*, torch.fx.experimental.*, torch.distributed._*,
+# torch.testing._internal or torch.utils._*; each wrapper names where the API differs.
+# ---------------------------------------------------------------------------------------------
+
+def optimization_hint(x: Any, fallback: int | None = None) -> int:
+    """The size hint of an int / SymInt: ``symbolic_shapes.optimization_hint`` (2.13) or
+    ``hint_int`` (2.11-2.12, same signature ``(a, fallback=None)``)."""
+    from torch.fx.experimental import symbolic_shapes
+
+    fn = getattr(symbolic_shapes, "optimization_hint", None) or symbolic_shapes.hint_int
+    return fn(x, fallback=fallback)
+
+
+def detect_fake_mode(values: Any) -> Any:
+    """The FakeTensorMode of ``values`` (``torch._guards.detect_fake_mode``), or None."""
+    from torch._guards import detect_fake_mode as _detect
+
+    return _detect(values)
+
+
+def tree_leaves(tree: Any) -> list:
+    """``torch.utils._pytree.tree_leaves`` (no public pytree module on 2.11-2.13)."""
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_leaves(tree)
+
+
+def rename_node(node: fx.Node, name: str) -> None:
+    """Rename an FX node in place, keeping the graph's namespace unique (``Node._rename``)."""
+    node._rename(name)
+
+
+def is_op_overload(op: Any) -> bool:
+    """An ``OpOverload`` or ``OpOverloadPacket`` (``torch.ops.ns.name[.overload]``)."""
+    return isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+
+
+def qualified_op_name(op: Any) -> str:
+    """"ns::name[.overload]" for an OpOverload / OpOverloadPacket, else ``str(op)``."""
+    if isinstance(op, torch._ops.OpOverload):
+        return op.name()
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return op._qualified_op_name
+    return str(op)
+
+
+def reset_compiler() -> None:
+    """Forget every compiled graph (``torch.compiler.reset``, public since 2.1)."""
+    torch.compiler.reset()
+
+
+def record_function_ops() -> tuple[Any, Any]:
+    """The ops a traced ``torch.profiler.record_function`` range lowers to: (enter, exit)."""
+    ops = torch.ops.profiler
+    return ops._record_function_enter_new.default, ops._record_function_exit._RecordFunction
+
+
+def cpu_allocation_events(prof: Any) -> list[tuple[int, int, int]]:
+    """(time ns, address, signed bytes) of every CPU-allocator event a finished
+    ``torch.profiler.profile(profile_memory=True)`` recorded, in time order (read from the
+    kineto event tree: ``torch._C._profiler._EventType.Allocation``)."""
+    from torch._C._profiler import _EventType
+
+    out: list[tuple[int, int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == "cpu":
+            out.append((node.start_time_ns, node.typed[1].ptr, node.typed[1].alloc_size))
+        stack.extend(node.children)
+    return sorted(out)
+
+
+# --- torch.distributed (private parts) -------------------------------------------------------
+
+def c10d_bindings() -> Any:
+    """``torch._C._distributed_c10d``: the option structs (``AllgatherOptions`` is not
+    re-exported by ``torch.distributed``) and ``ProcessGroupGloo``."""
+    from torch._C import _distributed_c10d
+
+    return _distributed_c10d
+
+
+def work_from_future(fut: Any) -> Any:
+    """A c10d ``Work`` that completes with ``fut`` (``_create_work_from_future``)."""
+    return c10d_bindings()._create_work_from_future(fut)
+
+
+def default_store() -> Any:
+    """The default process group's store (``distributed_c10d._get_default_store``)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def fake_store() -> Any:
+    """A store for ``init_process_group("fake", ...)``: importing ``fake_pg`` registers the
+    "fake" backend (collectives trace but move no data)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def _functional_collectives() -> Any:
+    import torch.distributed._functional_collectives as fc
+
+    return fc
+
+
+def wait_collective(t: torch.Tensor) -> torch.Tensor:
+    """Wait an eager functional collective's ``AsyncCollectiveTensor``; other tensors (under
+    tracing they already end in ``wait_tensor``) pass through."""
+    fc = _functional_collectives()
+    return t.wait() if isinstance(t, fc.AsyncCollectiveTensor) else t
+
+
+def functional_all_reduce(x: torch.Tensor, op: str, group: Any) -> torch.Tensor:
+    """``_c10d_functional.all_reduce`` (+ ``wait_tensor``); not waited."""
+    return _functional_collectives().all_reduce(x, op, group)
+
+
+def functional_all_gather(x: torch.Tensor, gather_dim: int, group: Any) -> torch.Tensor:
+    """All-gather concatenated along ``gather_dim`` (``_c10d_functional.all_gather_into_tensor``,
+    then chunk + cat): ``all_gather_single`` on 2.13, ``all_gather_tensor`` before (2.13 keeps it
+    as a deprecated alias)."""
+    fc = _functional_collectives()
+    fn = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
+    return fn(x, gather_dim, group)
+
+
+def functional_reduce_scatter(x: torch.Tensor, op: str, scatter_dim: int, group: Any) -> torch.Tensor:
+    """Reduce-scatter along ``scatter_dim`` (``_c10d_functional.reduce_scatter_tensor``):
+    ``reduce_scatter_single`` on 2.13, ``reduce_scatter_tensor`` before."""
+    fc = _functional_collectives()
+    fn = getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor
+    return fn(x, op, scatter_dim, group)

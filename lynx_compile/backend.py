@@ -2,7 +2,11 @@
 
 ``torch.compile(model, backend="lynx", options={...})`` reaches :func:`lynx_backend` through the
 ``torch_dynamo_backends`` entry point; :func:`backend` returns the same backend with options
-bound. Both are aot_autograd with lynx's ``partition_fn`` (``lynx_compile.partition``).
+bound. With ``compiler="inductor"`` (the default) the graph goes through Inductor's own
+``compile_fx`` with lynx's partition in place of min-cut (``lynx_compile.inductor``); with
+``compiler="eager"`` it is aot_autograd with lynx's ``partition_fn`` and the partitioned graphs
+run op by op (the exact reference and debug path, and what side streams / recompute-in-wait
+need).
 """
 from __future__ import annotations
 
@@ -85,6 +89,13 @@ class LynxBackend:
                 log.warning("lynx: compiling more than one graph with these options (graph breaks, "
                             "recompiles, or another model); each graph gets its own plan, listed in "
                             "backend.records. TORCH_LOGS=graph_breaks shows why dynamo split a model.")
+        if self.config.compiler == "inductor":
+            from lynx_compile.inductor import LynxPartitioner
+            from lynx_compile.distributed.agreement import planning_group
+
+            partitioner = LynxPartitioner(self.config, record, plan_only=self.plan_only)
+            with planning_group(self.planning_group):
+                return _compat.inductor_compile_with_partitioner(gm, example_inputs, partitioner)
         partition_fn = functools.partial(lynx_partition, config=self.config, record=record)
         compiler = fw_compiler = self._compiler
         bw_compiler = self._bw_compiler
@@ -95,15 +106,12 @@ class LynxBackend:
             self.runtimes.append(runtime)
             fw_compiler = functools.partial(self._fw_compiler_early, runtime=runtime, record=record)
             bw_compiler = functools.partial(self._bw_compiler, runtime=runtime)
-        extra = {}
-        if self.config.compiler == "inductor":  # Inductor lowers only its own decomposed aten
-            extra["decompositions"] = _compat.inductor_decompositions()
         from lynx_compile.distributed.agreement import planning_group
 
         with planning_group(self.planning_group):
             return _compat.aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler,
                                         inference_compiler=compiler,
-                                        partition_fn=partition_fn, **extra)(gm, example_inputs)
+                                        partition_fn=partition_fn)(gm, example_inputs)
 
     def run_early(self, key: Any) -> int:
         """Run the recompute prefix of micro-batch ``key``'s backward in every graph now (see
@@ -156,8 +164,6 @@ class LynxBackend:
     def _compiler(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
         if self.plan_only:  # the partition (and so the plan) is done; nothing needs to run
             raise PlanningDone()
-        if self.config.compiler == "inductor":
-            return _compat.inductor_compile(gm, example_inputs)
         return _compat.boxed(gm)
 
 

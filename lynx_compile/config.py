@@ -112,9 +112,15 @@ class LynxConfig:
     measure_repeats: int = 5
     """Repeats per node when ``cost_source="measured"`` (the median is kept)."""
 
-    compiler: Compiler = "eager"
-    """What runs the partitioned fw/bw graphs: ``eager`` (aten ops from Python, what the memory
-    prediction models exactly) or ``inductor`` (fused kernels; peak memory then differs)."""
+    compiler: Compiler = "inductor"
+    """What compiles the step around lynx's partition. ``inductor`` (default): torch.compile's
+    own pipeline (joint passes, fusion, Triton on GPU / C++ on CPU) with lynx's partition in
+    place of min-cut; cheap pointwise chains that Inductor fuses are also recomputed (as
+    torch.compile does), and the predicted peak is that of the unfused graphs (an upper bound on
+    the compiled program's saved bytes). ``eager``: the partitioned graphs run op by op — the
+    exact reference (prediction = allocator peak) and what ``side_stream``,
+    ``recompute_in_wait`` and ``trace_recompute`` need; when one of those is on and
+    ``compiler`` is not given, ``eager`` is chosen."""
 
     disable_passes: tuple[str, ...] = ()
     """Names of passes to skip (see ``lynx_compile.passes.PIPELINE``)."""
@@ -167,6 +173,12 @@ def make_config(options: dict[str, Any] | None = None) -> LynxConfig:
 
         if not os.path.isfile(options["plan"]):
             raise ValueError(f"plan={options['plan']!r}: no such file; write one with `lynx plan --out`")
+    needs_eager = [k for k in ("side_stream", "recompute_in_wait", "trace_recompute") if options.get(k)]
+    if needs_eager and "compiler" not in options:
+        options["compiler"] = "eager"  # documented: these run the backward graph in pieces
+    if options.get("trace_recompute") and options.get("compiler") == "inductor":
+        raise ValueError("trace_recompute=True wraps backward ops in profiler ranges and needs "
+                         "compiler='eager'; drop one of the two")
     if options.get("recompute_in_wait") and options.get("compiler") == "inductor":
         raise ValueError("recompute_in_wait=True splits the backward graph at runtime and needs "
                          "compiler='eager'; drop one of the two")

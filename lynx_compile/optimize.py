@@ -42,7 +42,7 @@ class LynxOutcome:
     fw: fx.GraphModule
     bw: fx.GraphModule
     mem: StepMemory
-    problem: RematProblem
+    problem: RematProblem | None
     decisions: dict[str, str]
     solver: str = ""
     status: str = ""

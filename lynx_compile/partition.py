@@ -44,9 +44,18 @@ def _clear_tags(gm: fx.GraphModule) -> None:
             node.meta.pop(key, None)
 
 
-def _partition(joint: fx.GraphModule, joint_inputs: Any, policy: str, kw: dict, budget: float = 1.0):
+def _partition(joint: fx.GraphModule, joint_inputs: Any, policy: str, kw: dict, budget: float = 1.0,
+               inductor: bool = False):
+    """(fw, bw) of the tagged ``joint``. Tagged nodes are recomputed, their untagged producers
+    saved. Without Inductor (``compiler="eager"``) everything untagged is saved (torch's default
+    partitioner: the graphs run as written, so that is what they hold). Under Inductor the base
+    is torch.compile's own min-cut at budget 1: on top of lynx's tags it also recomputes the
+    cheap pointwise chains Inductor fuses into their consumers, so saved bytes only fall and
+    ``none`` is exactly torch.compile's default partition."""
     if policy == "torch":
         fw, bw = _compat.min_cut_partition(joint, joint_inputs, memory_budget=budget, **kw)
+    elif inductor:
+        fw, bw = _compat.min_cut_partition(joint, joint_inputs, memory_budget=1.0, **kw)
     else:
         fw, bw = _compat.default_partition(joint, joint_inputs, **kw)
     # torch's partitioner can leave forward ops copied into the backward with no user there
@@ -64,7 +73,7 @@ def _peak_under(policy: str, joint: fx.GraphModule, ctx: PassContext, joint_inpu
                               record=GraphRecord(graph_id=ctx.record.graph_id, policy=policy,
                                                  blocks=ctx.record.blocks))
     select_recompute_pass(joint, sub)
-    fw, bw = _partition(joint, joint_inputs, policy, kw)
+    fw, bw = _partition(joint, joint_inputs, policy, kw, inductor=ctx.config.compiler == "inductor")
     return simulate_step(fw, bw).peak_bytes
 
 
@@ -83,6 +92,8 @@ def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs:
     ctx = PassContext(config=config, record=record, num_fwd_outputs=num_fwd_outputs,
                       joint_inputs=joint_inputs,
                       forward_names=frozenset(_compat.forward_node_names(joint)))
+    inductor = config.compiler == "inductor"
+    # The reference saves every forward value the backward reads: budgets are fractions of it.
     ref_fw, ref_bw = _partition(joint, joint_inputs, "none", kw)
     reference = simulate_step(ref_fw, ref_bw)
     record.reference_peak_bytes = reference.peak_bytes
@@ -99,17 +110,26 @@ def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs:
     outcome = None
     if config.policy == "lynx":
         def partition_and_place(j: fx.GraphModule):
-            fw, bw = _partition(j, joint_inputs, "lynx", kw)
+            fw, bw = _partition(j, joint_inputs, "lynx", kw, inductor=inductor)
             return fw, run_passes(bw, ctx, BACKWARD_PIPELINE, "backward")
 
-        outcome = plan_lynx(joint, ctx, ref_fw, ref_bw, budget, partition_and_place, _clear_tags)
+        try:
+            outcome, failure = plan_lynx(joint, ctx, ref_fw, ref_bw, budget, partition_and_place,
+                                         _clear_tags), None
+        except BudgetError as e:
+            if budget is None or config.plan:
+                raise
+            outcome, failure = None, e
+        if budget is not None and not config.plan:
+            outcome = seed_with_baselines(joint, ctx, joint_inputs, kw, budget, reference.peak_bytes,
+                                          outcome, failure)
         fw, bw, mem = outcome.fw, outcome.bw, outcome.mem
     else:
-        if config.policy == "none":
+        if config.policy == "none" and not inductor:
             fw, bw = ref_fw, ref_bw
         else:
             frac = min(1.0, budget / reference.peak_bytes) if budget is not None else 1.0
-            fw, bw = _partition(joint, joint_inputs, config.policy, kw, budget=frac)
+            fw, bw = _partition(joint, joint_inputs, config.policy, kw, budget=frac, inductor=inductor)
         bw = run_passes(bw, ctx, BACKWARD_PIPELINE, "backward")
         mem = simulate_step(fw, bw)
     record.plan = build_plan(config.policy, joint, fw, bw, mem, ctx, budget, outcome)
@@ -173,6 +193,93 @@ def segment_costs(joint: fx.GraphModule, forward_names: frozenset[str]) -> dict:
             side = side_of_seq.get(n.meta.get("seq_nr"), "post")
         out[side][0 if is_fw else 1] += cost.runtime_s
     return out
+
+
+BASELINES = ("full", "selective", "torch")
+
+
+def _exposed_s(bw: fx.GraphModule, joint: fx.GraphModule) -> float:
+    """Seconds of recompute the backward runs on demand (not inside a communication window),
+    from the cost model: the one measure every candidate plan is compared on."""
+    joint_nodes = {n.name: n for n in joint.graph.nodes}
+    total = 0.0
+    for node in bw.graph.nodes:
+        if not node.meta.get(meta.RECOMPUTED) or str(node.meta.get(meta.ROLE, "")).startswith("window:"):
+            continue
+        src = joint_nodes.get(node.meta.get(meta.RECOMPUTED_FROM, ""))
+        cost = (src or node).meta.get(meta.COST)
+        total += cost.runtime_s if cost else 0.0
+    return total
+
+
+def seed_with_baselines(joint, ctx, joint_inputs, kw, budget: int, reference_peak: int,
+                        outcome, failure: Exception | None):
+    """lynx's plan, or a baseline's when one fits ``budget`` with less exposed recompute.
+
+    The optimizer's model keeps tensors that cross a block boundary and never re-issues a
+    collective, so some peaks that ``full``, ``selective`` or torch's min-cut reach lie outside
+    its search space. Each baseline is partitioned and simulated exactly; the candidate that
+    fits with the least on-demand recompute (``_exposed_s``) wins, so lynx reaches every peak a
+    baseline reaches with no more exposed recompute. Raises ``failure`` (lynx's BudgetError)
+    when nothing fits. Leaves the winner's tags on ``joint``."""
+    from lynx_compile.optimize import LynxOutcome
+
+    inductor = ctx.config.compiler == "inductor"
+    frac = min(1.0, budget / reference_peak)
+    scores: dict[str, tuple[float, int]] = {}
+    best = None
+    if outcome is not None:
+        best = ("lynx", _exposed_s(outcome.bw, joint), outcome)
+        scores["lynx"] = (best[1], outcome.mem.peak_bytes)
+    lynx_tags = {n.name: (n.meta.get("recompute"), n.meta.get("ac_graph_id"), n.meta.get(meta.DECISION),
+                          n.meta.get(meta.ROLE)) for n in joint.graph.nodes}
+    for policy in BASELINES if ctx.record.blocks else ("torch",):
+        _clear_tags(joint)
+        sub = dataclasses.replace(ctx, config=dataclasses.replace(ctx.config, policy=policy),
+                                  record=GraphRecord(graph_id=ctx.record.graph_id, policy=policy,
+                                                     blocks=ctx.record.blocks))
+        select_recompute_pass(joint, sub)
+        fw, bw = _partition(joint, joint_inputs, policy, kw, budget=frac, inductor=inductor)
+        bw = run_passes(bw, ctx, BACKWARD_PIPELINE, "backward")
+        mem = simulate_step(fw, bw)
+        exposed = _exposed_s(bw, joint)
+        scores[policy] = (exposed, mem.peak_bytes)
+        if mem.peak_bytes <= budget and (best is None or exposed < best[1] * (1 - 1e-9)):
+            decisions = _decisions_from_backward(bw, outcome)
+            best = (policy, exposed, LynxOutcome(
+                fw=fw, bw=bw, mem=mem, problem=outcome.problem if outcome else None,
+                decisions=decisions, solver=f"baseline:{policy}", status="seeded", exposed_s=exposed,
+                plan_time_s=outcome.plan_time_s if outcome else 0.0,
+                solve_s=outcome.solve_s if outcome else 0.0,
+                node_unit=outcome.node_unit if outcome else {}))
+    ctx.record.decisions["candidates"] = {k: {"exposed_s": e, "peak_bytes": b} for k, (e, b) in scores.items()}
+    if best is None:
+        tried = ", ".join(f"{k} {b / reference_peak:.3f}" for k, (_, b) in scores.items())
+        raise BudgetError(f"{failure} Baselines tried as seeds peak at (fraction of the no-recompute "
+                          f"peak): {tried}.") from failure
+    _clear_tags(joint)
+    if best[0] == "lynx":
+        for n in joint.graph.nodes:
+            rec, gid, dec, role = lynx_tags[n.name]
+            for key, value in (("recompute", rec), ("ac_graph_id", gid), (meta.DECISION, dec), (meta.ROLE, role)):
+                if value is not None:
+                    n.meta[key] = value
+        return best[2]
+    why = ("lynx's optimizer found no plan under this budget" if outcome is None else
+           f"lynx's own plan exposes {scores['lynx'][0] * 1e3:.3g} ms of recompute")
+    note = (f"seeded by baseline '{best[0]}': {why}; '{best[0]}' fits (peak {best[2].mem.peak_bytes} B "
+            f"<= {budget} B) exposing {best[1] * 1e3:.3g} ms")
+    ctx.record.notes.append(note)
+    log.info("lynx: %s", note)
+    return best[2]
+
+
+def _decisions_from_backward(bw: fx.GraphModule, outcome) -> dict[str, str]:
+    """Per unit of lynx's problem: "demand" if the backward recomputes its op, else "keep"."""
+    if outcome is None:
+        return {}
+    recomputed = {n.meta.get(meta.RECOMPUTED_FROM) for n in bw.graph.nodes if n.meta.get(meta.RECOMPUTED)}
+    return {u.name: "demand" if u.name in recomputed else "keep" for u in outcome.problem.units}
 
 
 def _smallest_reachable(joint, ctx, joint_inputs, kw, reference_peak) -> tuple[str, int]:

@@ -84,10 +84,33 @@ def find_blocks_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         for node in by_path[path]:
             node.meta[meta.BLOCK] = index
             node.meta[meta.BLOCK_PATH] = path
+    _adopt_sources(gm)
     ctx.record.blocks = paths
     ctx.record.block_hashes = [structural_hash([n for n in by_path[p] if "nn_module_stack" in n.meta])
                                for p in paths]
     return gm
+
+
+def _adopt_sources(gm: fx.GraphModule) -> None:
+    """Give a block to the nodes computed from no activation that only that block uses.
+
+    Inductor's RNG replacement inserts ``inductor_lookup_seed`` → ``inductor_random`` (and its
+    comparison into a mask) with no module stack; masks built from ``arange``/``full`` can look
+    the same. Without a block such a node is "outside the blocks": saved by ``full``, and a
+    tensor crossing into a block for the optimizer. Its inputs are only other such nodes (or
+    the shared seeds tensor, which stays outside), so it belongs to the block that reads it.
+    Walked consumers first, so chains are adopted whole."""
+    sourced: dict[fx.Node, bool] = {}
+    for node in gm.graph.nodes:  # computed from no placeholder, directly or through others
+        sourced[node] = node.op == "call_function" and all(sourced.get(a, False) for a in node.all_input_nodes)
+    for node in reversed(gm.graph.nodes):
+        if not sourced[node] or meta.BLOCK in node.meta or not node.users:
+            continue
+        blocks = {u.meta.get(meta.BLOCK, -1) for u in node.users}
+        if len(blocks) == 1 and (block := blocks.pop()) != -1:
+            user = next(iter(node.users))
+            node.meta[meta.BLOCK] = block
+            node.meta[meta.BLOCK_PATH] = user.meta[meta.BLOCK_PATH]
 
 
 def structural_hash(nodes: list[fx.Node]) -> str:

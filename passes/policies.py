@@ -43,7 +43,9 @@ def _recomputable(node: fx.Node, ctx: PassContext) -> bool:
         return False
     if node.target is operator.getitem:
         return True
-    if _compat.is_sym_node(node):
+    if _compat.is_sym_node(node) or _compat.is_inductor_seeds(node):
+        # Inductor's seeds tensor is the one source of randomness left after its RNG
+        # replacement; saved, it makes every recomputed inductor_random redraw the same numbers.
         return False
     return not node.is_impure(impure_random=False) if _takes_impure_random() else not node.is_impure()
 
@@ -91,7 +93,7 @@ def attention_core(block_nodes: list[fx.Node], ctx: PassContext) -> set[fx.Node]
     """Scores matmul → ... → softmax → ... up to the matmul with V (exclusive)."""
     inside = set(block_nodes)
     core: set[fx.Node] = set()
-    for sm in (n for n in block_nodes if n.target in SOFTMAX_OPS and n.name in ctx.forward_names):
+    for sm in (n for n in block_nodes if _is_softmax(n) and n.name in ctx.forward_names):
         core.add(sm)
         todo = list(sm.all_input_nodes)  # upstream, until and including the scores matmul
         while todo:
@@ -108,7 +110,46 @@ def attention_core(block_nodes: list[fx.Node], ctx: PassContext) -> set[fx.Node]
                 continue
             core.add(n)
             todo.extend(n.users)
-    return _close_multi_output(core) if core else core
+    return _close_multi_output(core | _sources_of(core, inside, ctx)) if core else core
+
+
+def _sources_of(region: set[fx.Node], inside: set[fx.Node], ctx: PassContext) -> set[fx.Node]:
+    """Block nodes feeding ``region`` that are computed from no activation (a dropout's random
+    numbers and mask under Inductor, a causal mask): recomputed with it rather than saved."""
+    out: set[fx.Node] = set()
+    todo = [a for n in region for a in n.all_input_nodes]
+    while todo:
+        n = todo.pop()
+        if n in out or n in region or n not in inside or not _recomputable(n, ctx) \
+                or not _from_no_activation(n):
+            continue
+        out.add(n)
+        todo.extend(n.all_input_nodes)
+    return out
+
+
+def _from_no_activation(node: fx.Node) -> bool:
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            return False
+        todo.extend(n.all_input_nodes)
+    return True
+
+
+def _is_softmax(node: fx.Node) -> bool:
+    """A softmax op, or the ``exp`` of a decomposed one (Inductor's decomposition: amax, sub,
+    exp, then sum and div of the exp)."""
+    if node.target in SOFTMAX_OPS:
+        return True
+    if node.target is not aten.exp.default:
+        return False
+    targets = {u.target for u in node.users}
+    return aten.sum.dim_IntList in targets and aten.div.Tensor in targets
 
 
 def _pin_random_outputs(gm: fx.GraphModule, ctx: PassContext) -> None:
