@@ -89,7 +89,10 @@ class LynxBackend:
                 log.warning("lynx: compiling more than one graph with these options (graph breaks, "
                             "recompiles, or another model); each graph gets its own plan, listed in "
                             "backend.records. TORCH_LOGS=graph_breaks shows why dynamo split a model.")
-        if self.config.compiler == "inductor":
+        on_meta = any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in example_inputs)
+        if self.config.compiler == "inductor" and not on_meta:
+            # (Meta-device models — paper-scale planning — take the aot_autograd path below: the
+            # same min-cut base, without Inductor's joint passes, which reject meta tensors.)
             from lynx_compile.inductor import LynxPartitioner
             from lynx_compile.distributed.agreement import planning_group
 

@@ -34,7 +34,9 @@ from lynx_compile.passes import GraphRecord
 class LynxPartitioner(_compat.inductor_partitioner_base()):
     """The partitioner Inductor calls with its joint graph: lynx's decisions, min-cut base.
 
-    ``plan_only``: stop the compile (``PlanningDone``) once the plan is in ``record``."""
+    ``plan_only``: stop the compile (``PlanningDone``) once the plan is in ``record``, so
+    ``lynx plan`` plans exactly the graph a training run compiles (same joint passes, same
+    graph hash for ``options={"plan": ...}``)."""
 
     def __init__(self, config: LynxConfig, record: GraphRecord, *, plan_only: bool = False):
         self.config = config

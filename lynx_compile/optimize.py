@@ -34,7 +34,8 @@ from lynx_compile.remat.problem import InfeasibleBudget, RematProblem
 
 log = logging.getLogger("lynx_compile")
 MAX_ROUNDS = 6
-_CACHE: dict[tuple, dict[str, str]] = {}
+_CACHE: dict[tuple, tuple[dict[str, str], str, str, float]] = {}
+"""(graph hash, budget, solver, gap, compiler) → (decisions, solver, status, exposed seconds)."""
 
 
 @dataclass
@@ -82,15 +83,19 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, ref_fw: fx.GraphModule, r
     cfg: LynxConfig = ctx.config
     start = time.perf_counter()
     problem, index = extract_remat_problem(joint, ref_fw, ref_bw, ctx)
+    ctx.record.problem = problem  # kept when no plan fits, for the error and for inspection
     target = budget if budget is not None else problem.reference_peak
-    key = (problem.graph_hash, budget, cfg.solver, cfg.mip_gap)
+    key = (problem.graph_hash, budget, cfg.solver, cfg.mip_gap, cfg.compiler)
     fixed = load_plan_decisions(cfg.plan, problem.graph_hash) if cfg.plan else None
     if fixed is None and budget is None:  # nothing to fit: recompute nothing, solve nothing
         fixed = {u.name: "keep" for u in problem.units}
-    decisions = fixed or (_CACHE.get(key) if cfg.plan_cache else None)
+    cached = _CACHE.get(key) if cfg.plan_cache and not fixed else None
+    decisions = fixed or (cached[0] if cached else None)
     source = ("file" if cfg.plan else "no budget") if fixed else ("cache" if decisions else "solver")
     solver = status = ""
     exposed = solve_s = 0.0
+    if cached:  # what the solve that made these decisions reported
+        _, solver, status, exposed = cached
     model_peak = target
     for _ in range(MAX_ROUNDS):
         if decisions is None:
@@ -130,7 +135,7 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, ref_fw: fx.GraphModule, r
                           f"rounds the best plan still peaks at {mem.peak_bytes} B; use a budget "
                           f">= {mem.peak_bytes / problem.reference_peak:.3f}")
     if source == "solver" and cfg.plan_cache:
-        _CACHE[key] = decisions
+        _CACHE[key] = (decisions, solver, status, exposed)
     ctx.record.decisions["plan_source"] = source
     return LynxOutcome(fw=fw, bw=bw, mem=mem, problem=problem, decisions=decisions,
                        solver=solver or source, status=status or source, exposed_s=exposed,

@@ -135,7 +135,7 @@ def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs:
     record.plan = build_plan(config.policy, joint, fw, bw, mem, ctx, budget, outcome)
     record.saved_names = tuple(p.name for p in bw.graph.find_nodes(op="placeholder")
                                if not p.name.startswith("tangents"))
-    record.problem = outcome.problem if outcome else None
+    record.problem = outcome.problem if outcome and outcome.problem else record.problem
     record.segment_costs = segment_costs(joint, ctx.forward_names)
     if config.check_plan_agreement:
         with _compat.eager_dispatch():  # real tensors for the all-gather, not the compile's fakes
@@ -195,7 +195,10 @@ def segment_costs(joint: fx.GraphModule, forward_names: frozenset[str]) -> dict:
     return out
 
 
-BASELINES = ("full", "selective", "torch")
+BASELINES = ("full", "selective")
+TORCH_BUDGET_LADDER = (1.0, 0.6, 0.3, 0.0)
+"""torch's min-cut is tried at these multiples of the requested budget fraction: its budget
+counts saved bytes, not the peak, so a lower setting may be the one that fits."""
 
 
 def _exposed_s(bw: fx.GraphModule, joint: fx.GraphModule) -> float:
@@ -233,21 +236,25 @@ def seed_with_baselines(joint, ctx, joint_inputs, kw, budget: int, reference_pea
         scores["lynx"] = (best[1], outcome.mem.peak_bytes)
     lynx_tags = {n.name: (n.meta.get("recompute"), n.meta.get("ac_graph_id"), n.meta.get(meta.DECISION),
                           n.meta.get(meta.ROLE)) for n in joint.graph.nodes}
-    for policy in BASELINES if ctx.record.blocks else ("torch",):
+    candidates = [(p, 1.0) for p in (BASELINES if ctx.record.blocks else ())]
+    candidates += [("torch", b) for b in sorted({round(frac * m, 3) for m in TORCH_BUDGET_LADDER}, reverse=True)]
+    for policy, torch_budget in candidates:
+        name = f"torch@{torch_budget:g}" if policy == "torch" else policy
         _clear_tags(joint)
         sub = dataclasses.replace(ctx, config=dataclasses.replace(ctx.config, policy=policy),
                                   record=GraphRecord(graph_id=ctx.record.graph_id, policy=policy,
                                                      blocks=ctx.record.blocks))
         select_recompute_pass(joint, sub)
-        fw, bw = _partition(joint, joint_inputs, policy, kw, budget=frac, inductor=inductor)
+        fw, bw = _partition(joint, joint_inputs, policy, kw, budget=torch_budget, inductor=inductor)
         bw = run_passes(bw, ctx, BACKWARD_PIPELINE, "backward")
         mem = simulate_step(fw, bw)
         exposed = _exposed_s(bw, joint)
-        scores[policy] = (exposed, mem.peak_bytes)
+        scores[name] = (exposed, mem.peak_bytes)
         if mem.peak_bytes <= budget and (best is None or exposed < best[1] * (1 - 1e-9)):
-            decisions = _decisions_from_backward(bw, outcome)
+            policy = name
+            decisions = _decisions_from_backward(bw, ctx.record.problem)
             best = (policy, exposed, LynxOutcome(
-                fw=fw, bw=bw, mem=mem, problem=outcome.problem if outcome else None,
+                fw=fw, bw=bw, mem=mem, problem=outcome.problem if outcome else ctx.record.problem,
                 decisions=decisions, solver=f"baseline:{policy}", status="seeded", exposed_s=exposed,
                 plan_time_s=outcome.plan_time_s if outcome else 0.0,
                 solve_s=outcome.solve_s if outcome else 0.0,
@@ -265,7 +272,7 @@ def seed_with_baselines(joint, ctx, joint_inputs, kw, budget: int, reference_pea
                 if value is not None:
                     n.meta[key] = value
         return best[2]
-    why = ("lynx's optimizer found no plan under this budget" if outcome is None else
+    why = (f"lynx's optimizer found no plan under this budget ({failure})" if outcome is None else
            f"lynx's own plan exposes {scores['lynx'][0] * 1e3:.3g} ms of recompute")
     note = (f"seeded by baseline '{best[0]}': {why}; '{best[0]}' fits (peak {best[2].mem.peak_bytes} B "
             f"<= {budget} B) exposing {best[1] * 1e3:.3g} ms")
@@ -274,12 +281,12 @@ def seed_with_baselines(joint, ctx, joint_inputs, kw, budget: int, reference_pea
     return best[2]
 
 
-def _decisions_from_backward(bw: fx.GraphModule, outcome) -> dict[str, str]:
+def _decisions_from_backward(bw: fx.GraphModule, problem) -> dict[str, str]:
     """Per unit of lynx's problem: "demand" if the backward recomputes its op, else "keep"."""
-    if outcome is None:
+    if problem is None:
         return {}
     recomputed = {n.meta.get(meta.RECOMPUTED_FROM) for n in bw.graph.nodes if n.meta.get(meta.RECOMPUTED)}
-    return {u.name: "demand" if u.name in recomputed else "keep" for u in outcome.problem.units}
+    return {u.name: "demand" if u.name in recomputed else "keep" for u in problem.units}
 
 
 def _smallest_reachable(joint, ctx, joint_inputs, kw, reference_peak) -> tuple[str, int]:

@@ -68,7 +68,8 @@ def test_dump_dir_writes_graphs_before_and_after_each_pass(tmp_path):
     from lynx_compile.models import build_model, example_batch
 
     model = build_model("gpt-tiny")
-    backend = lynx_compile.backend(policy="full", dump_dir=str(tmp_path), disable_passes=("annotate_costs_pass",))
+    backend = lynx_compile.backend(policy="full", dump_dir=str(tmp_path), disable_passes=("annotate_costs_pass",),
+                                   compiler="eager")
     torch.compile(model, backend=backend)(example_batch(model, 2)).loss.backward()
     folder = tmp_path / f"graph_{backend.records[-1].graph_id}"
     names = sorted(p.name for p in folder.iterdir())

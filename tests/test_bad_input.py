@@ -44,7 +44,8 @@ def test_budget_below_smallest_reachable_names_it():
     model = build_model("gpt-tiny")
     x = example_batch(model, 4)
     compiled = torch.compile(model, backend="lynx",
-                             options={"policy": "full", "memory_budget": 0.05, "disable_passes": NO_COSTS})
+                             options={"policy": "full", "memory_budget": 0.05, "disable_passes": NO_COSTS,
+                                      "compiler": "eager"})
     with pytest.raises(Exception) as info:
         compiled(x)
     err = info.value
@@ -58,7 +59,7 @@ def test_budget_below_smallest_reachable_names_it():
 def test_budget_in_bytes_accepted_when_reachable():
     model = build_model("gpt-tiny")
     x = example_batch(model, 4)
-    backend = lynx_compile.backend(policy="full", memory_budget=10**9, disable_passes=NO_COSTS)
+    backend = lynx_compile.backend(policy="full", memory_budget=10**9, disable_passes=NO_COSTS, compiler="eager")
     torch.compile(model, backend=backend)(x).loss.backward()
     assert backend.plans[-1].budget_bytes == 10**9
 
@@ -80,7 +81,8 @@ def test_graph_breaks_compile_each_subgraph_and_say_so_once(caplog):
     caplog.set_level(logging.WARNING, logger="lynx_compile")
     model = _Broken()
     x = example_batch(model.inner, 2)
-    backend = lynx_compile.backend(policy="none", disable_passes=NO_COSTS, verbose=False, dump_dir=None)
+    backend = lynx_compile.backend(policy="none", disable_passes=NO_COSTS, verbose=False, dump_dir=None,
+                                   compiler="eager")
     compiled = torch.compile(model, backend=backend)
     out = compiled(x)
     out.backward()
@@ -99,6 +101,6 @@ def test_block_policy_without_blocks_explains():
         def forward(self, x):
             return self.a(x).relu().sum()
 
-    compiled = torch.compile(Flat(), backend="lynx", options={"policy": "full", "disable_passes": NO_COSTS})
+    compiled = torch.compile(Flat(), backend="lynx", options={"policy": "full", "disable_passes": NO_COSTS, "compiler": "eager"})
     with pytest.raises(Exception, match="no blocks were found"):
         compiled(torch.randn(4, 8, requires_grad=True))

@@ -45,7 +45,7 @@ class HFStyle(nn.Module):
 
 def test_blocks_found_in_user_model_and_full_keeps_only_block_inputs():
     model = HFStyle()
-    backend = lynx_compile.backend(policy="full", disable_passes=NO_COSTS)
+    backend = lynx_compile.backend(policy="full", disable_passes=NO_COSTS, compiler="eager")
     x = torch.randn(8, 16)
     torch.compile(model, backend=backend)(x).backward()
     record = backend.records[-1]
@@ -71,6 +71,6 @@ def test_annotation_overrides_module_stack():
                 x = self.b(x)
             return x.sum()
 
-    backend = lynx_compile.backend(policy="none", disable_passes=NO_COSTS)
+    backend = lynx_compile.backend(policy="none", disable_passes=NO_COSTS, compiler="eager")
     torch.compile(Annotated(), backend=backend)(torch.randn(4, 16)).backward()
     assert backend.records[-1].blocks == ["first", "second"]

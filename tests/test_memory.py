@@ -15,7 +15,7 @@ def _plan(preset, policy, batch, **overrides):
     torch.manual_seed(0)
     model = build_model(preset, dropout=0.1, **overrides)
     x = example_batch(model, batch)
-    options = {"policy": policy, "disable_passes": NO_COSTS}
+    options = {"policy": policy, "disable_passes": NO_COSTS, "compiler": "eager"}
     compiled = torch.compile(model, backend="lynx", options=options)
     compiled(x).loss.backward()
     return lynx_compile.backend(**options).plans[-1], compiled, model, x

@@ -23,7 +23,7 @@ def _compile_and_step(policy, dropout=0.1, **options):
     model = build_model("gpt-tiny", dropout=dropout)
     ref = copy.deepcopy(model)
     idx = example_batch(model, 2, generator=torch.Generator().manual_seed(1))
-    backend = lynx_compile.LynxBackend(lynx_compile.make_config({"policy": policy, **options}))
+    backend = lynx_compile.LynxBackend(lynx_compile.make_config({"policy": policy, "compiler": "eager", **options}))
     torch.manual_seed(5)
     loss = torch.compile(model, backend=backend)(idx).loss
     loss.backward()

@@ -63,7 +63,8 @@ def _lynx_tp_matches(rank, world, configs):
         model = tensor_parallelize(build_model(cfg), dist.group.WORLD, sequence_parallel=sp)
         torch._dynamo.reset()
         backend = lynx_compile.backend(policy="lynx", memory_budget=BUDGET, solver="highs",
-                                       plan_cache=False, hardware="cpu", link="pcie4")
+                                       plan_cache=False, hardware="cpu", link="pcie4",
+                                       compiler="eager")
         loss = torch.compile(model, backend=backend)(_batch(cfg)).loss
         loss.backward()
         if sp:
@@ -107,7 +108,7 @@ def _lynx_tp_dropout_matches_eager_tp(rank, world):
         if compiled:
             run = torch.compile(model, backend=lynx_compile.backend(
                 policy="lynx", memory_budget=BUDGET, solver="heu", plan_cache=False, hardware="cpu",
-                link="pcie4"))
+                link="pcie4", compiler="eager"))
         torch.manual_seed(7)
         run(_batch(cfg)).loss.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
@@ -129,7 +130,7 @@ def _mismatched_budgets(rank, world):
     model = tensor_parallelize(build_model(cfg), dist.group.WORLD)
     budget = 0.85 if rank == 0 else 1.0  # a per-rank option: the plans differ
     backend = lynx_compile.backend(policy="lynx", memory_budget=budget, solver="heu", plan_cache=False,
-                                   hardware="cpu", link="pcie4")
+                                   hardware="cpu", link="pcie4", compiler="eager")
     try:
         torch.compile(model, backend=backend)(_batch(cfg)).loss.backward()
     except Exception as e:  # dynamo wraps backend errors

@@ -15,7 +15,7 @@ def test_fused_recompute_keeps_gradients_equal_to_eager(policy):
     model = build_model("gpt-tiny", dropout=0.0)
     ref = copy.deepcopy(model)
     idx = example_batch(model, 2, generator=torch.Generator().manual_seed(1))
-    backend = lynx_compile.LynxBackend(lynx_compile.make_config({"policy": policy, "fuse_kernels": True}))
+    backend = lynx_compile.LynxBackend(lynx_compile.make_config({"policy": policy, "fuse_kernels": True, "compiler": "eager"}))
     loss = torch.compile(model, backend=backend)(idx).loss
     loss.backward()
     want = ref(idx).loss
@@ -32,7 +32,7 @@ def test_fused_recompute_keeps_gradients_equal_to_eager(policy):
 def test_fusion_off_leaves_the_graph_alone():
     model = build_model("gpt-tiny", dropout=0.0)
     idx = example_batch(model, 2)
-    backend = lynx_compile.LynxBackend(lynx_compile.make_config({"policy": "full", "fuse_kernels": False}))
+    backend = lynx_compile.LynxBackend(lynx_compile.make_config({"policy": "full", "fuse_kernels": False, "compiler": "eager"}))
     torch.compile(model, backend=backend)(idx).loss.backward()
     assert "fused_recompute" not in backend.records[0].decisions
 
