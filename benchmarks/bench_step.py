@@ -1,0 +1,624 @@
+"""One training step (forward + loss + backward, no optimizer) under every recompute variant.
+
+    python benchmarks/bench_step.py --quick                      # CPU-sized, a few minutes on 2 cores
+    python benchmarks/bench_step.py --quick --model gpt-tiny,gqa:gpt-tiny,hf-llama:gpt-tiny
+    python benchmarks/bench_step.py                              # CPU: gpt-small, GQA, HF Llama; fp32, batch 4
+    python benchmarks/bench_step.py --device cuda                # gpt-1.3b (24 layers), GQA, HF Llama; bf16
+    python benchmarks/bench_step.py --device cuda --model gpt-1.3b --layers 4 --attn sdpa --dropout 0.1 \\
+        --variants eager,inductor,inductor-b0.5,lynx-b0.5 --solver highs --lynx-compiler eager
+
+Writes ``<out>/step_<device>.csv``, ``.md`` (machine, versions, date, command) and ``.png`` (Pareto
+plot: x = peak MiB, y = step ms). ``--quick`` (gpt-tiny with 4 layers and sequence 64, batch 2,
+5 timed steps; torch budgets 0.5 and 0.0, lynx none, full, budgets 0.7 and 0.5) writes
+``step_<device>_quick.*``. Prints a summary:
+for each lynx budget point, the fastest torch.compile point (default or with a memory budget)
+whose measured peak is no higher, and the ratio of step times. Exit status 2 for ``--device
+cuda`` without CUDA.
+
+Variants (``--variants``, comma list; each runs in its own process: fresh in-memory compile
+caches and allocator statistics, and a cold Inductor/Triton on-disk cache directory, or torch's
+usual ones, kept across variants and runs, with ``--shared-cache`` / ``--quick``):
+
+- ``eager``; ``checkpoint``: ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` around
+  each transformer block's forward (the largest ``nn.ModuleList``), eager.
+- ``inductor``: ``torch.compile(model)``; ``inductor-b<B>``: the same after
+  ``torch._functorch.config.activation_memory_budget = B``.
+- ``lynx-none``, ``lynx-full``, ``lynx-selective``, ``lynx-b<B>`` (policy lynx, ``memory_budget``
+  B, solver ``--solver``): ``torch.compile(model, backend="lynx", options={...,
+  "compiler": --lynx-compiler})``. A budget lynx cannot reach (``BudgetError``) is recorded as
+  ``refused: <first line>``; any other exception as ``error: <type>: <first line>``.
+
+Models (``--model``, comma list): a zoo preset (``gpt-tiny`` ... ``gpt-1.3b``, built by
+``lynx_compile.models.build_model`` with ``--layers`` / ``--seq`` / ``--attn`` / ``--dropout``);
+``gqa:<preset>``: ``foreign_models.PostLNGQALM`` (post-LN, grouped-query attention with a quarter
+of the heads as key/value heads, GELU MLP, tied embeddings; loss inside forward) sized like that
+GPT preset; ``hf-llama:<preset>``: HF ``transformers`` ``LlamaForCausalLM`` sized the same way
+(skipped, with a note, when ``transformers`` is not installed).
+
+Measurement, per variant: an eager reference step (fp32 only) from the same seeds; then
+``--warmup`` steps (the first compiles; its wall time is ``first_step_s``, loss ``loss``), then
+``--steps`` timed steps, median ``step_ms`` (CUDA: events; CPU: ``time.perf_counter``).
+Gradients accumulate (no optimizer, no zeroing). ``peak_MiB``: CUDA: ``max_memory_allocated``
+over the timed steps minus what was allocated before them (parameters, inputs and the
+gradients the warm-up left); CPU: ``lynx_compile.memory.measure_step`` (the profiler's
+allocator events over one more step, gradients excluded). ``predicted_peak_MiB``: the lynx
+plan's predicted peak (exact for ``compiler="eager"``; Inductor's fusions change the real one).
+``grad_rel_diff``: max over parameters of max|g - g_eager| / max|g_eager| after the first step
+(the denominator floored at 1e-6 of the largest gradient of any parameter);
+with dropout > 0, Inductor draws its own random numbers, so compiled-by-Inductor variants
+cannot equal eager; ``grad_rel_diff_vs_inductor`` then compares them with the ``inductor``
+variant's gradients (same seed, same Inductor RNG stream): torch's budget recomputing dropout
+with fresh masks shows there.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:  # sibling benchmark modules, also when imported from tests
+    sys.path.insert(0, HERE)
+
+from bench_kernels import environment as gpu_environment  # noqa: E402
+from bench_kernels import header_line  # noqa: E402
+
+from lynx_compile.report import csv_text, markdown_table  # noqa: E402
+from lynx_compile.report import environment as host_environment  # noqa: E402
+
+RESULTS = os.path.join(HERE, "results")
+NO_CUDA_MESSAGE = "bench_step.py --device cuda needs a CUDA GPU; none found"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TORCH_BUDGETS = (1.0, 0.9, 0.7, 0.5, 0.3, 0.1, 0.0)
+LYNX_BUDGETS = (0.7, 0.5, 0.3)
+QUICK_TORCH_BUDGETS = (0.5, 0.0)  # "inductor" is budget 1.0 (torch's default)
+QUICK_LYNX_BUDGETS = (0.7, 0.5)
+QUICK_SHAPE = {"model": "gpt-tiny", "layers": 4, "seq": 64}  # 2 layers: the LM head dominates the peak
+LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
+COLUMNS = ["model", "variant", "result", "step_ms", "peak_MiB", "peak_vs_eager", "first_step_s",
+           "predicted_peak_MiB", "loss", "loss_equals_eager", "grad_rel_diff", "grads_equal_eager",
+           "grad_rel_diff_vs_inductor"]
+MD_COLUMNS = [c for c in COLUMNS if c != "result"] + ["status"]
+
+
+def default_variants(quick: bool) -> list[str]:
+    torch_b = QUICK_TORCH_BUDGETS if quick else TORCH_BUDGETS
+    lynx_b = QUICK_LYNX_BUDGETS if quick else LYNX_BUDGETS
+    policies = ("none", "full") if quick else ("none", "full", "selective")
+    return (["eager", "checkpoint", "inductor", *(f"inductor-b{b}" for b in torch_b),
+             *(f"lynx-{p}" for p in policies), *(f"lynx-b{b}" for b in lynx_b)])
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """One model's run; ``argv()`` passes it to the child process."""
+
+    model: str
+    device: str = "cpu"
+    dtype: str = "fp32"
+    attn: str = "manual"
+    dropout: float = 0.0
+    layers: Optional[int] = None
+    batch: int = 2
+    seq: Optional[int] = None
+    threads: Optional[int] = None
+    warmup: int = 2
+    steps: int = 5
+    solver: str = "heu"
+    lynx_compiler: str = "inductor"
+
+    def argv(self) -> list[str]:
+        out = []
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v is not None:
+                out += ["--" + f.name.replace("_", "-"), str(v)]
+        return out
+
+
+# ------------------------------------------------------------------------------------- models
+
+def build(s: Settings) -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
+    """(model on the device in the dtype, loss_of(callable model) -> scalar loss). Weights from
+    ``torch.manual_seed(0)``, the batch from its own generator: the same in every process."""
+    from lynx_compile.models import build_model, example_batch, get_config
+
+    kind, _, preset = s.model.rpartition(":")
+    shape = {"n_layers": s.layers, "seq_len": s.seq}
+    shape = {k: v for k, v in shape.items() if v is not None}
+    cfg = get_config(preset, **shape)
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    idx = example_batch(cfg, s.batch, generator=gen).to(s.device)
+    targets = example_batch(cfg, s.batch, generator=gen).to(s.device)
+    dtype = DTYPES[s.dtype]
+    if kind == "":
+        model = build_model(cfg, device=s.device, dtype=dtype, dropout=s.dropout, attn_impl=s.attn)
+        return model, lambda m: m(idx).loss
+    dims = dict(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
+                n_kv_heads=max(1, cfg.n_heads // 4), dropout=s.dropout)
+    if kind == "gqa":
+        from foreign_models import PostLNGQAConfig, PostLNGQALM
+
+        attn = "sdpa" if s.attn == "sdpa" else "explicit"
+        with torch.device(s.device):
+            model = PostLNGQALM(PostLNGQAConfig(d_model=cfg.hidden, attn=attn, **dims))
+        return model.to(dtype), lambda m: m(idx, targets)[1]
+    if kind == "hf-llama":
+        from foreign_models import hf_llama
+
+        with torch.device(s.device):
+            model = hf_llama(hidden=cfg.hidden, attn="sdpa" if s.attn == "sdpa" else "eager", **dims)
+        return model.to(dtype), lambda m: m(input_ids=idx, labels=targets).loss
+    raise ValueError(f"unknown model {s.model!r}: a zoo preset, gqa:<preset> or hf-llama:<preset>")
+
+
+def transformer_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The model's block list: its largest ``nn.ModuleList``."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    if not lists:
+        raise ValueError(f"{type(model).__name__} has no nn.ModuleList of blocks to checkpoint")
+    return max(lists, key=len)
+
+
+def checkpoint_blocks(model: torch.nn.Module) -> None:
+    """Wrap each block's forward in ``checkpoint(use_reentrant=False)``, in place."""
+    from torch.utils.checkpoint import checkpoint
+
+    for block in transformer_blocks(model):
+        fwd = block.forward
+        block.forward = (lambda f: lambda *a, **k: checkpoint(f, *a, use_reentrant=False, **k))(fwd)
+
+
+# ----------------------------------------------------------------------------------- variants
+
+def lynx_options(variant: str, s: Settings) -> Optional[dict]:
+    """The lynx ``options`` of a ``lynx-*`` variant; None for the others."""
+    if not variant.startswith("lynx-"):
+        return None
+    what = variant[len("lynx-"):]
+    if what.startswith("b"):
+        return {"policy": "lynx", "memory_budget": float(what[1:]), "solver": s.solver, "compiler": s.lynx_compiler}
+    return {"policy": what, "compiler": s.lynx_compiler}
+
+
+def check_variant(variant: str) -> str:
+    ok = variant in ("eager", "checkpoint", "inductor", "lynx-none", "lynx-full", "lynx-selective")
+    for prefix in ("inductor-b", "lynx-b"):
+        if variant.startswith(prefix):
+            try:
+                b = float(variant[len(prefix):])
+                ok = 0.0 <= b <= 1.0 and (prefix == "inductor-b" or b > 0)
+            except ValueError:
+                ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(
+            f"unknown variant {variant!r}; known: eager, checkpoint, inductor, inductor-b<B> (B in [0, 1]), "
+            "lynx-none, lynx-full, lynx-selective, lynx-b<B> (B in (0, 1])")
+    return variant
+
+
+def under_inductor(variant: str, s: Settings) -> bool:
+    """Whether ``variant``'s graphs run under Inductor (and so draw Inductor's random numbers)."""
+    return variant.startswith("inductor") or (variant.startswith("lynx-") and s.lynx_compiler == "inductor")
+
+
+def prepare(variant: str, model: torch.nn.Module, s: Settings) -> Callable:
+    """The callable model of ``variant`` (compiles lazily, on the first call)."""
+    if variant == "eager":
+        return model
+    if variant == "checkpoint":
+        checkpoint_blocks(model)
+        return model
+    if variant.startswith("inductor"):
+        if variant.startswith("inductor-b"):
+            torch._functorch.config.activation_memory_budget = float(variant[len("inductor-b"):])
+        return torch.compile(model)
+    return torch.compile(model, backend="lynx", options=lynx_options(variant, s))
+
+
+# -------------------------------------------------------------------------------- measurement
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _grads(model: torch.nn.Module) -> list[Optional[torch.Tensor]]:
+    return [None if p.grad is None else p.grad.detach().float().cpu().clone() for p in model.parameters()]
+
+
+def grad_rel_diff(grads: Sequence[Optional[torch.Tensor]], ref: Sequence[Optional[torch.Tensor]]) -> float:
+    """Max over parameters of max|g - r| / max(max|r|, 1e-6 * R), R = the largest |r| of any
+    parameter (a missing gradient counts as zeros). The floor keeps gradients that are zero in
+    exact arithmetic (e.g. a key projection's bias: softmax ignores a per-query constant) from
+    turning rounding noise into a large relative difference."""
+    pairs = [(g, r) for g, r in zip(grads, ref, strict=True) if g is not None or r is not None]
+    pairs = [(torch.zeros_like(r) if g is None else g, torch.zeros_like(g) if r is None else r) for g, r in pairs]
+    floor = 1e-6 * max((r.abs().max().item() for _, r in pairs), default=0.0)
+    worst = 0.0
+    for g, r in pairs:
+        scale = max(r.abs().max().item(), floor) or 1.0
+        worst = max(worst, (g - r).abs().max().item() / scale)
+    return worst
+
+
+def eager_reference(s: Settings) -> tuple[float, list]:
+    """Loss and gradients of one eager step from the same seeds (fp32 only)."""
+    model, loss_of = build(s)
+    torch.manual_seed(1234)
+    loss = loss_of(model)
+    loss.backward()
+    out = loss.item(), _grads(model)
+    del model
+    return out
+
+
+def run_variant(variant: str, s: Settings, ref_grads_path: Optional[str] = None) -> dict:
+    """Measure ``variant`` in this process; one result row (see the module docstring).
+    ``ref_grads_path``: the ``inductor`` variant writes its first-step gradients there (fp32);
+    the other compiled variants compare with them when the file exists."""
+    check_variant(variant)
+    if s.device == "cpu":
+        torch.set_num_threads(s.threads or 1)
+    elif s.threads:
+        torch.set_num_threads(s.threads)
+    row: dict[str, Any] = {"model": s.model, "variant": variant, "result": "ok"}
+    fp32 = s.dtype == "fp32"
+    try:
+        loss_ref, grads_ref = eager_reference(s) if fp32 else (None, None)
+        model, loss_of = build(s)
+        fn = prepare(variant, model, s)
+
+        def step() -> torch.Tensor:
+            loss = loss_of(fn)
+            loss.backward()
+            return loss
+
+        torch.manual_seed(1234)
+        _sync(s.device)
+        t0 = time.perf_counter()
+        loss = step()
+        _sync(s.device)
+        row["first_step_s"] = time.perf_counter() - t0
+        row["loss"] = loss.item()
+        if fp32:
+            grads = _grads(model)
+            row["loss_equals_eager"] = abs(row["loss"] - loss_ref) <= LOSS_RTOL * abs(loss_ref)
+            row["grad_rel_diff"] = grad_rel_diff(grads, grads_ref)
+            row["grads_equal_eager"] = row["grad_rel_diff"] <= GRAD_RTOL
+            if ref_grads_path and variant == "inductor":
+                torch.save(grads, ref_grads_path)
+            elif ref_grads_path and os.path.exists(ref_grads_path) and under_inductor(variant, s):
+                row["grad_rel_diff_vs_inductor"] = grad_rel_diff(grads, torch.load(ref_grads_path))
+            del grads, grads_ref
+        for _ in range(s.warmup - 1):
+            step()
+        times, peak = timed_steps(step, model, s)
+        row["step_ms"] = statistics.median(times) * 1e3
+        row["peak_MiB"] = peak / 2**20
+        options = lynx_options(variant, s)
+        if options is not None:
+            import lynx_compile
+
+            plans = lynx_compile.backend(**options).plans
+            if plans:
+                row["predicted_peak_MiB"] = max(p.peak_bytes for p in plans) / 2**20
+            row["lynx_graphs"] = len(plans)
+    except Exception as exc:  # noqa: BLE001 - a variant that fails is a result, the others still run
+        row["result"] = describe_failure(exc)
+    return row
+
+
+def timed_steps(step: Callable, model: torch.nn.Module, s: Settings) -> tuple[list[float], int]:
+    """Seconds of each timed step, and the peak activation bytes (see the module docstring)."""
+    if s.device == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(s.steps)]
+        for start, end in events:
+            start.record()
+            step()
+            end.record()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        return [a.elapsed_time(b) / 1e3 for a, b in events], peak
+    from lynx_compile.memory import measure_step
+
+    m = measure_step(step, device="cpu", repeats=s.steps, warmup=0, params=list(model.parameters()))
+    return list(m.step_times_s), m.peak_bytes
+
+
+def describe_failure(exc: BaseException) -> str:
+    """``refused: <first line>`` for a lynx BudgetError anywhere under dynamo's wrappers,
+    else ``error: <type>: <first line>``."""
+    from lynx_compile.backend import find_backend_error
+    from lynx_compile.partition import BudgetError
+
+    budget = find_backend_error(exc, BudgetError)
+    if budget is not None:
+        return f"refused: {_first_line(budget)}"
+    return f"error: {type(exc).__name__}: {_first_line(exc)}"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
+# ------------------------------------------------------------------------ one process per run
+
+def run_in_subprocess(variant: str, s: Settings, *, timeout_s: float = 1800,
+                      ref_grads_path: Optional[str] = None, shared_cache: bool = False) -> dict:
+    """``run_variant`` in a fresh Python process. Inductor / Triton on-disk caches: a fresh
+    directory (a cold compile), or with ``shared_cache`` torch's usual ones (kept across runs)."""
+    env = dict(os.environ)
+    cache = None
+    if not shared_cache:
+        cache = tempfile.mkdtemp(prefix="bench_step_cache_")
+        env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"), TRITON_CACHE_DIR=os.path.join(cache, "triton"))
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", variant, *s.argv()]
+    if ref_grads_path:
+        cmd += ["--ref-grads", ref_grads_path]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired:
+        return {"model": s.model, "variant": variant, "result": f"error: timed out after {timeout_s:g} s"}
+    finally:
+        if cache is not None:
+            shutil.rmtree(cache, ignore_errors=True)
+    for line in reversed(proc.stdout.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    tail = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    return {"model": s.model, "variant": variant,
+            "result": f"error: process exited {proc.returncode}: {tail[-1] if tail else 'no output'}"}
+
+
+# ------------------------------------------------------------------------------------ reporting
+
+def finish_rows(rows: list[dict]) -> list[dict]:
+    """Rows with every column, rounded, ``peak_vs_eager`` filled in, ``status`` for the table."""
+    eager_peak = {r["model"]: r.get("peak_MiB") for r in rows if r["variant"] == "eager"}
+    out = []
+    for r in rows:
+        r = dict(r)
+        base = eager_peak.get(r["model"])
+        if r.get("peak_MiB") is not None and base:
+            r["peak_vs_eager"] = r["peak_MiB"] / base
+        for k in ("step_ms", "peak_MiB", "predicted_peak_MiB", "first_step_s", "peak_vs_eager"):
+            if isinstance(r.get(k), float):
+                r[k] = float(f"{r[k]:.4g}")
+        r["status"] = r["result"].split(":")[0]
+        out.append({k: r.get(k) for k in COLUMNS + ["status"]})
+    return out
+
+
+def torch_points(rows: Sequence[dict], model: str) -> list[dict]:
+    """torch.compile points (default and every budget) of ``model`` that ran."""
+    return [r for r in rows if r["model"] == model and r["result"] == "ok"
+            and (r["variant"] == "inductor" or r["variant"].startswith("inductor-b"))]
+
+
+def summary(rows: Sequence[dict]) -> list[str]:
+    """For each lynx budget point: the fastest torch.compile point with a peak no higher."""
+    lines = []
+    for r in rows:
+        if not r["variant"].startswith("lynx-b"):
+            continue
+        head = f"{r['model']} {r['variant']}"
+        if r["result"] != "ok":
+            lines.append(f"{head}: {r['result']}")
+            continue
+        fits = [t for t in torch_points(rows, r["model"]) if t["peak_MiB"] <= r["peak_MiB"]]
+        if not fits:
+            lines.append(f"{head}: {r['step_ms']:.4g} ms at {r['peak_MiB']:.4g} MiB; no torch.compile point "
+                         "at or below that peak")
+            continue
+        best = min(fits, key=lambda t: t["step_ms"])
+        lines.append(f"{head}: {r['step_ms']:.4g} ms at {r['peak_MiB']:.4g} MiB; fastest torch.compile at or "
+                     f"below: {best['variant']} {best['step_ms']:.4g} ms at {best['peak_MiB']:.4g} MiB; "
+                     f"lynx / torch = {r['step_ms'] / best['step_ms']:.3g}")
+    return lines
+
+
+def plot(rows: Sequence[dict], path: str, title: str) -> None:
+    """Pareto plot per model: x = peak MiB, y = step ms; torch's budget sweep as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        ok = [r for r in rows if r["model"] == model and r["result"] == "ok"]
+        budget = {r["variant"]: float(r["variant"][len("inductor-b"):]) for r in ok
+                  if r["variant"].startswith("inductor-b")}
+        if "inductor-b1.0" not in budget and any(r["variant"] == "inductor" for r in ok):
+            budget["inductor"] = 1.0  # torch's default budget closes the sweep
+        sweep = sorted((r for r in ok if r["variant"] in budget), key=lambda r: budget[r["variant"]])
+        if sweep:
+            ax.plot([r["peak_MiB"] for r in sweep], [r["step_ms"] for r in sweep], "o-", color="tab:blue",
+                    label="torch.compile + budget")
+            for r in sweep:
+                ax.annotate(f"b{budget[r['variant']]:g}", (r["peak_MiB"], r["step_ms"]), fontsize=7,
+                            textcoords="offset points", xytext=(3, -9), color="tab:blue")
+        marks = {"inductor": ("s", "tab:blue", "torch.compile"), "eager": ("^", "black", "eager"),
+                 "checkpoint": ("v", "gray", "checkpoint per block")}
+        for r in ok:
+            if r["variant"] in marks:
+                m, c, label = marks[r["variant"]]
+                ax.plot(r["peak_MiB"], r["step_ms"], m, color=c, label=label)
+        lynx = [r for r in ok if r["variant"].startswith("lynx-")]
+        if lynx:
+            ax.plot([r["peak_MiB"] for r in lynx], [r["step_ms"] for r in lynx], "D", color="tab:red",
+                    linestyle="none", label="lynx")
+            labels: dict[tuple, list[str]] = {}
+            for r in lynx:  # coincident points (e.g. a budget that ends at full recompute) share one label
+                labels.setdefault((r["peak_MiB"], r["step_ms"]), []).append(r["variant"][len("lynx-"):])
+            for xy, names in labels.items():
+                ax.annotate(", ".join(names), xy, fontsize=8, textcoords="offset points", xytext=(4, 4),
+                            color="tab:red")
+        ax.set_title(model, fontsize=10)
+        ax.set_xlabel("peak activation memory (MiB)")
+        ax.set_ylabel("step time (ms)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_results(out: str, stem: str, rows: list[dict], settings: Sequence[Settings], argv: Sequence[str],
+                  notes: Sequence[str]) -> str:
+    """Writes ``<out>/<stem>.csv``, ``.md``, ``.png``; returns the markdown."""
+    os.makedirs(out, exist_ok=True)
+    device = settings[0].device
+    table_rows = finish_rows(rows)
+    with open(os.path.join(out, stem + ".csv"), "w") as f:
+        f.write(csv_text([{k: r[k] for k in COLUMNS} for r in table_rows]))
+    env = gpu_environment(device if device == "cuda" else "cpu")
+    host = host_environment()
+    machine = header_line(env) if device == "cuda" else (
+        f"{env['date']}; CPU {host['cpu']} ({os.cpu_count()} cores); torch {env['torch']}, "
+        f"triton {env['triton']}; python {env['python']}.")
+    s = settings[0]
+    lines = [f"# One training step per recompute variant ({device})", "", machine, "",
+             "Command: `" + " ".join(["python benchmarks/bench_step.py", *argv]) + "`", "",
+             f"{s.dtype}, batch {s.batch}, attention {s.attn}, dropout {s.dropout}, "
+             f"layers {s.layers or 'preset'}, seq {s.seq or 'preset'}, threads {s.threads or ('1' if device == 'cpu' else 'default')}; "
+             f"{s.warmup} warm-up steps (the first compiles: first_step_s), median of {s.steps} timed steps; "
+             f"lynx solver {s.solver}, lynx compiler {s.lynx_compiler}. Step = forward + loss + backward, "
+             "no optimizer; each variant in its own process. peak = activation memory: "
+             + ("`max_memory_allocated` over the timed steps minus what was allocated before them."
+                if device == "cuda" else
+                "`lynx_compile.memory.measure_step` (CPU allocator events of one step, gradients excluded).")
+             + f" grads_equal_eager: max relative difference <= {GRAD_RTOL:g} after the first step (fp32 only).",
+             "", markdown_table(table_rows, MD_COLUMNS)]
+    failed = [r for r in rows if r["result"] != "ok"]
+    if failed:
+        lines += ["", "Not ok:", ""] + [f"- {r['model']} {r['variant']}: {r['result']}" for r in failed]
+    lines += ["", "lynx budget points against torch.compile at no more memory:", ""]
+    lines += [f"- {ln}" for ln in summary(rows)] or ["- (no lynx budget point ran)"]
+    if notes:
+        lines += ["", *(f"Note: {n}" for n in notes)]
+    lines += ["", f"![Pareto plot]({stem}.png)"]
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out, stem + ".md"), "w") as f:
+        f.write(text)
+    plot(rows, os.path.join(out, stem + ".png"), machine)
+    return text
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None,
+                   help="comma list of zoo presets, gqa:<preset>, hf-llama:<preset> (default: gpt-small "
+                        "on CPU, gpt-1.3b on CUDA, each also as gqa: and hf-llama:; --quick: gpt-tiny only)")
+    p.add_argument("--attn", default="manual", choices=["manual", "sdpa"])
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--layers", type=int, default=None, help="override the preset's layers")
+    p.add_argument("--batch", type=int, default=None, help="default 2 (CUDA, --quick), 4 (CPU)")
+    p.add_argument("--seq", type=int, default=None, help="override the preset's sequence length")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default 1 on CPU)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps incl. the compiling one (default 2, CUDA 3)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 5 --quick, 10 CPU, 20 CUDA)")
+    p.add_argument("--variants", type=lambda v: [check_variant(x.strip()) for x in v.split(",") if x.strip()],
+                   default=None, help="comma list (default: all; --quick: fewer budgets)")
+    p.add_argument("--solver", default="heu", help="lynx solver for lynx-b<B> (heu, highs, glpk, auto)")
+    p.add_argument("--lynx-compiler", default="inductor", choices=["inductor", "eager"])
+    p.add_argument("--quick", action="store_true",
+                   help="CPU-sized: gpt-tiny with 4 layers, seq 64, 5 steps, fewer variants, shared compile cache")
+    p.add_argument("--shared-cache", action="store_true",
+                   help="use torch's usual Inductor/Triton on-disk caches, kept across variants and runs "
+                        "(default: a cold one per variant, so first_step_s is a cold compile); on with --quick")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per variant process")
+    p.add_argument("--out", default=RESULTS)
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--ref-grads", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def settings_from(args: argparse.Namespace, model: str) -> Settings:
+    cuda = args.device == "cuda"
+    return Settings(model=model, device=args.device, dtype=args.dtype or ("bf16" if cuda else "fp32"),
+                    attn=args.attn, dropout=args.dropout,
+                    layers=args.layers or (QUICK_SHAPE["layers"] if args.quick else None),
+                    batch=args.batch or (2 if cuda or args.quick else 4),
+                    seq=args.seq or (QUICK_SHAPE["seq"] if args.quick else None), threads=args.threads,
+                    warmup=args.warmup or (3 if cuda else 2),
+                    steps=args.steps or (20 if cuda else 5 if args.quick else 10),
+                    solver=args.solver, lynx_compiler=args.lynx_compiler)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(NO_CUDA_MESSAGE, file=sys.stderr)
+        return 2
+    if args.one:
+        print(json.dumps(run_variant(args.one, settings_from(args, args.model), args.ref_grads)))
+        return 0
+    from foreign_models import hf_available
+
+    preset = "gpt-1.3b" if args.device == "cuda" else "gpt-small"
+    default = QUICK_SHAPE["model"] if args.quick else f"{preset},gqa:{preset},hf-llama:{preset}"
+    models = [m.strip() for m in (args.model or default).split(",") if m.strip()]
+    shared = args.shared_cache or args.quick
+    variants = args.variants or default_variants(args.quick)
+    rows, notes, settings = [], [], []
+    load = os.getloadavg()
+    work = tempfile.mkdtemp(prefix="bench_step_")
+    try:
+        for model in models:
+            if model.startswith("hf-llama:") and not hf_available():
+                notes.append(f"{model} skipped: `transformers` is not installed (optional; "
+                             "`pip install transformers` to include HF LlamaForCausalLM).")
+                print(notes[-1], file=sys.stderr)
+                continue
+            s = settings_from(args, model)
+            settings.append(s)
+            ref = os.path.join(work, f"grads_{len(settings)}.pt")
+            for v in variants:
+                print(f"{model} {v} ...", end=" ", file=sys.stderr, flush=True)
+                row = run_in_subprocess(v, s, timeout_s=args.timeout, ref_grads_path=ref,
+                                        shared_cache=shared)
+                rows.append(row)
+                print(row["result"] if row["result"] != "ok" else
+                      f"{row['step_ms']:.4g} ms, {row['peak_MiB']:.4g} MiB", file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if not rows:
+        print("nothing ran", file=sys.stderr)
+        return 1
+    stem = f"step_{args.device}" + ("_quick" if args.quick else "")
+    notes.append("Inductor/Triton on-disk caches: " + (
+        "torch's usual ones, kept across variants and runs (first_step_s may reuse compiled kernels)."
+        if shared else "a cold one per variant (first_step_s includes a cold compile)."))
+    notes.append(f"load average (1 min) before / after the run: {load[0]:.2f} / {os.getloadavg()[0]:.2f} "
+                 f"on {os.cpu_count()} CPUs (other processes disturb the step times).")
+    print(write_results(args.out, stem, rows, settings, argv, notes))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

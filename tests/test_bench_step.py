@@ -1,0 +1,78 @@
+"""benchmarks/bench_step.py: rows of the quick shape from its function API, and its reporting.
+
+The lynx variant uses ``compiler="eager"`` to stay cheap (an Inductor compile on CPU takes
+tens of seconds); the script's own default is ``"inductor"``.
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import bench_step  # noqa: E402
+
+QUICK = bench_step.Settings(model="gpt-tiny", layers=4, seq=64, batch=2, warmup=2, steps=2, lynx_compiler="eager")
+
+
+def test_eager_and_lynx_none_rows_have_the_fields_and_the_eager_loss():
+    threads = torch.get_num_threads()
+    try:
+        eager = bench_step.run_variant("eager", QUICK)  # in this process (it sets 1 thread)
+    finally:
+        torch.set_num_threads(threads)
+    lynx = bench_step.run_in_subprocess("lynx-none", QUICK, timeout_s=240)
+    for row in (eager, lynx):
+        assert row["result"] == "ok", row
+        for key in ("step_ms", "peak_MiB", "first_step_s", "loss", "loss_equals_eager", "grad_rel_diff"):
+            assert row[key] is not None, (row["variant"], key)
+        assert row["peak_MiB"] > 0 and row["step_ms"] > 0
+        assert row["grads_equal_eager"]
+    assert lynx["loss"] == pytest.approx(eager["loss"], rel=1e-6)
+    assert lynx["predicted_peak_MiB"] == pytest.approx(lynx["peak_MiB"], rel=0.02)  # eager compiler: exact
+    assert lynx["lynx_graphs"] == 1
+
+
+def test_foreign_model_builds_and_checkpoints_its_layers():
+    s = bench_step.Settings(model="gqa:gpt-tiny", attn="manual", dropout=0.1)
+    model, loss_of = bench_step.build(s)
+    assert bench_step.transformer_blocks(model) is model.layers
+    bench_step.checkpoint_blocks(model)
+    torch.manual_seed(0)
+    loss_of(model).backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_budget_error_is_a_refusal_and_anything_else_an_error():
+    from lynx_compile.partition import BudgetError
+
+    try:
+        try:
+            raise BudgetError("memory_budget=0.5 is below what can be reached\nsecond line")
+        except BudgetError as inner:
+            raise RuntimeError("backend failed") from inner
+    except RuntimeError as exc:
+        assert bench_step.describe_failure(exc) == "refused: memory_budget=0.5 is below what can be reached"
+    assert bench_step.describe_failure(KeyError("x")) == "error: KeyError: 'x'"
+
+
+def test_reporting_pairs_each_lynx_budget_with_the_fastest_torch_point_below_it(tmp_path):
+    rows = [{"model": "m", "variant": v, "result": "ok", "step_ms": ms, "peak_MiB": mib}
+            for v, ms, mib in [("eager", 10.0, 100.0), ("inductor", 8.0, 90.0), ("inductor-b0.5", 9.0, 60.0),
+                               ("inductor-b0.0", 12.0, 50.0), ("lynx-b0.5", 11.0, 55.0), ("lynx-b0.3", 13.0, 40.0)]]
+    rows.append({"model": "m", "variant": "lynx-b0.1", "result": "refused: too low"})
+    lines = bench_step.summary(rows)
+    assert "inductor-b0.0" in lines[0] and "lynx / torch = 0.917" in lines[0]
+    assert "no torch.compile point" in lines[1]
+    assert lines[2] == "m lynx-b0.1: refused: too low"
+    text = bench_step.write_results(str(tmp_path), "step_cpu", rows, [bench_step.Settings(model="m")], ["--quick"],
+                                    [])
+    assert "| model" in text and "- m lynx-b0.1: refused: too low" in text
+    for ext in ("csv", "md", "png"):
+        assert (tmp_path / f"step_cpu.{ext}").stat().st_size > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA exit")
+def test_cuda_without_a_gpu_exits_2():
+    assert bench_step.main(["--device", "cuda"]) == 2
