@@ -4,10 +4,12 @@
 
     joint graph ──annotate_costs──find_blocks──select_recompute──▶ tagged joint graph
         │                                                              │
-        └─ default_partition (untagged) = the no-recompute reference   │
-                                                                       ▼
-                       default_partition (tags → saved frontier + recompute, RNG replayed)
-                       or min-cut under activation_memory_budget (policy "torch")
+        └─ default_partition (untagged) = the no-recompute reference   │   (policy lynx:
+           (budget fractions are fractions of its peak)                │    optimize.plan_lynx,
+                                                                       ▼    seed_with_baselines)
+                       compiler="eager": default_partition (tags → saved frontier + recompute,
+                       RNG replayed); compiler="inductor": min-cut at budget 1 under the tags;
+                       policy "torch": min-cut under activation_memory_budget
                                                                        │
                                        mark_recomputed on the backward ▼
                                 simulate_step → RecomputePlan → budget check → (fw, bw)
@@ -113,8 +115,17 @@ def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs:
             fw, bw = _partition(j, joint_inputs, "lynx", kw, inductor=inductor)
             return fw, run_passes(bw, ctx, BACKWARD_PIPELINE, "backward")
 
+        base_fw, base_bw = ref_fw, ref_bw
+        if inductor:
+            # The problem's units are what torch.compile's own partition saves (plus what
+            # recomputing them needs): the pointwise chains min-cut recomputes fuse under
+            # Inductor and never materialize, so they are not units to decide on.
+            from lynx_compile.passes.mark_recomputed import mark_recomputed_pass
+
+            base_fw, base_bw = _partition(joint, joint_inputs, "none", kw, inductor=True)
+            base_bw = mark_recomputed_pass(base_bw, ctx)  # copies renamed: no name clash with units
         try:
-            outcome, failure = plan_lynx(joint, ctx, ref_fw, ref_bw, budget, partition_and_place,
+            outcome, failure = plan_lynx(joint, ctx, base_fw, base_bw, budget, partition_and_place,
                                          _clear_tags), None
         except BudgetError as e:
             if budget is None or config.plan:
@@ -196,7 +207,7 @@ def segment_costs(joint: fx.GraphModule, forward_names: frozenset[str]) -> dict:
 
 
 BASELINES = ("full", "selective")
-TORCH_BUDGET_LADDER = (1.0, 0.6, 0.3, 0.0)
+TORCH_BUDGET_LADDER = (1.0, 0.5)
 """torch's min-cut is tried at these multiples of the requested budget fraction: its budget
 counts saved bytes, not the peak, so a lower setting may be the one that fits."""
 
