@@ -248,7 +248,12 @@ def seed_with_baselines(joint, ctx, joint_inputs, kw, budget: int, reference_pea
     lynx_tags = {n.name: (n.meta.get("recompute"), n.meta.get("ac_graph_id"), n.meta.get(meta.DECISION),
                           n.meta.get(meta.ROLE)) for n in joint.graph.nodes}
     candidates = [(p, 1.0) for p in (BASELINES if ctx.record.blocks else ())]
-    candidates += [("torch", b) for b in sorted({round(frac * m, 3) for m in TORCH_BUDGET_LADDER}, reverse=True)]
+    if _single_process():
+        # torch's min-cut breaks ties in set order, which differs between processes (seen on 2
+        # gloo ranks: the same graph, different recomputed getitems): with several ranks its
+        # partition could differ per rank and deadlock the collectives, so it seeds only here.
+        candidates += [("torch", b) for b in sorted({round(frac * m, 3) for m in TORCH_BUDGET_LADDER},
+                                                    reverse=True)]
     for policy, torch_budget in candidates:
         name = f"torch@{torch_budget:g}" if policy == "torch" else policy
         _clear_tags(joint)
@@ -290,6 +295,12 @@ def seed_with_baselines(joint, ctx, joint_inputs, kw, budget: int, reference_pea
     ctx.record.notes.append(note)
     log.info("lynx: %s", note)
     return best[2]
+
+
+def _single_process() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 
 def _decisions_from_backward(bw: fx.GraphModule, problem) -> dict[str, str]:
