@@ -100,6 +100,16 @@ def test_pipeline_matches_single_process(stages, schedule):
     _check(results, stages)
 
 
+@pytest.mark.timeout(400)
+def test_pipeline_stages_compiled_by_inductor_match_single_process():
+    # compiler="inductor" for every stage (recompute in the gradient wait needs the eager path,
+    # so it is off here): the pipeline's losses and gradients still equal one process's
+    results = run_ranks(_pipeline_matches, 2, 2, "1F1B", {"solver": "heu", "compiler": "inductor"}, None,
+                        timeout_s=380)
+    _check(results, 2)
+    assert not any(r["early"] for r in results)
+
+
 @pytest.mark.timeout(300)
 def test_export_split_pipeline_matches_single_process():
     # a model without pipeline_stage(): stages come from torch's export-based split
