@@ -83,6 +83,9 @@ def extract_remat_problem(joint: fx.GraphModule, fw_ref: fx.GraphModule, bw_ref:
 
     region = {op: joint_by_name[op.name].meta.get(meta.BLOCK) if op.name in joint_by_name else None
               for op in unit_ops}
+    extra_cost: dict[fx.Node, float] = defaultdict(float)
+    if ctx.config.compiler == "inductor":
+        unit_ops = _fold_fused(unit_ops, inputs, uses, region, members, extra_cost, joint_by_name)
     # A tensor that crosses a block boundary (the residual stream into the next block) stays
     # saved, as every block-wise checkpointing scheme does: it keeps each block's recompute
     # local, so need intervals are closed over consumers of the same block only.
@@ -98,7 +101,7 @@ def extract_remat_problem(joint: fx.GraphModule, fw_ref: fx.GraphModule, bw_ref:
         units.append(Unit(
             id=ids[op], name=op.name,
             nbytes=sum(b for k, b in allocations(op) if _taken(k, op, fw_keys, fw_nodes)),
-            compute_s=sum(_cost(joint_by_name.get(m)) for m in members[op]),
+            compute_s=sum(_cost(joint_by_name.get(m)) for m in members[op]) + extra_cost[op],
             inputs=tuple(sorted(ids[i] for i in inputs[op] if i in ids)),
             block=region[op], fw_pos=pos_fw[op], fw_last=fw_last[op],
             first_use=min(uses[op]) if uses[op] else None, need_start=start, need_end=end,
@@ -117,6 +120,46 @@ def extract_remat_problem(joint: fx.GraphModule, fw_ref: fx.GraphModule, bw_ref:
         block_groups=_block_groups(ctx.record.block_hashes), reference_peak=ctx.record.reference_peak_bytes or 0,
         graph_hash=structural_hash(list(joint.graph.nodes)))
     return problem, UnitIndex(nodes=tuple(tuple(members[op]) for op in kept))
+
+
+def _fold_fused(unit_ops, inputs, uses, region, members, extra_cost, joint_by_name) -> list[fx.Node]:
+    """Under Inductor, fold pointwise intermediates into the units that consume them.
+
+    A pointwise op whose output the backward never reads directly, and whose consumers all lie
+    in its block, is recomputed (if at all) inside its consumer's fused kernel: it never
+    materializes, so it is no unit of its own (as a unit, the memory model would count it live
+    beside its consumer). Its nodes join each consumer's (tagged with it), its inputs become
+    the consumer's inputs, its cost is added to the consumer's. Forward order, so chains fold
+    whole. Mutates ``inputs``, ``members`` and ``extra_cost``; returns the remaining unit ops."""
+    consumers: dict[fx.Node, list[fx.Node]] = defaultdict(list)
+    for op, ins in inputs.items():
+        for i in ins:
+            consumers[i].append(op)
+    folded: set[fx.Node] = set()
+    for op in unit_ops:
+        joint_node = joint_by_name.get(op.name)
+        cons = consumers.get(op, [])
+        if uses.get(op) or not cons or joint_node is None or not _is_pointwise(joint_node) \
+                or any(region[c] != region[op] for c in cons):
+            continue
+        folded.add(op)
+        for c in cons:
+            inputs[c].discard(op)
+            inputs[c].update(inputs.get(op, ()))
+            members[c].extend(members[op])
+            extra_cost[c] += sum(_cost(joint_by_name.get(m)) for m in members[op]) + extra_cost[op]
+            for i in inputs.get(op, ()):
+                consumers[i].append(c)
+    for op in folded:
+        inputs.pop(op, None)
+    return [op for op in unit_ops if op not in folded]
+
+
+def _is_pointwise(node: fx.Node) -> bool:
+    import torch
+
+    tags = getattr(node.target, "tags", ())
+    return node.op == "call_function" and torch.Tag.pointwise in tags
 
 
 def _taken(key: str, op: fx.Node, keys: dict, nodes: list) -> bool:
