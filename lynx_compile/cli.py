@@ -18,6 +18,9 @@ def _add_options(p: argparse.ArgumentParser) -> None:
                    help="fraction in (0, 1] of the no-recompute peak, or an integer number of bytes")
     p.add_argument("--cost-source", default="analytic", choices=["analytic", "measured"])
     p.add_argument("--hardware", default="auto", help="hardware profile for analytic costs")
+    p.add_argument("--compiler", default="inductor", choices=["inductor", "eager"],
+                   help="the compiler the plan is for (a plan file only matches graphs compiled "
+                        "with the same one: Inductor's joint passes change the graph)")
 
 
 def _budget(text: str) -> float | int:
@@ -26,7 +29,8 @@ def _budget(text: str) -> float | int:
 
 def _options(args: argparse.Namespace) -> dict:
     opts = {"policy": args.policy, "cost_source": args.cost_source, "hardware": args.hardware,
-            "solver": args.solver, "time_limit_s": args.time_limit, "mip_gap": args.mip_gap}
+            "solver": args.solver, "time_limit_s": args.time_limit, "mip_gap": args.mip_gap,
+            "compiler": args.compiler}
     if args.memory_budget is not None:
         opts["memory_budget"] = args.memory_budget
     return opts

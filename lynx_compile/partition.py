@@ -102,6 +102,8 @@ def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs:
     budget = _budget_bytes(config, reference.peak_bytes)
 
     joint = run_passes(joint, ctx, JOINT_PIPELINE, "joint")
+    # Hashed before any tagged partition: replaying RNG adds nodes to the joint graph in place.
+    ctx.record.decisions["graph_hash"] = structural_hash(list(joint.graph.nodes))
     smallest = None
     if budget is not None and config.policy == "torch":
         smallest = _smallest_reachable(joint, ctx, joint_inputs, kw, reference.peak_bytes)
@@ -257,17 +259,18 @@ def seed_with_baselines(joint, ctx, joint_inputs, kw, budget: int, reference_pea
     for policy, torch_budget in candidates:
         name = f"torch@{torch_budget:g}" if policy == "torch" else policy
         _clear_tags(joint)
-        sub = dataclasses.replace(ctx, config=dataclasses.replace(ctx.config, policy=policy),
+        # (no graph dumps for candidates: they would overwrite the plan's own)
+        sub = dataclasses.replace(ctx, config=dataclasses.replace(ctx.config, policy=policy, dump_dir=None),
                                   record=GraphRecord(graph_id=ctx.record.graph_id, policy=policy,
                                                      blocks=ctx.record.blocks))
         select_recompute_pass(joint, sub)
         fw, bw = _partition(joint, joint_inputs, policy, kw, budget=torch_budget, inductor=inductor)
-        bw = run_passes(bw, ctx, BACKWARD_PIPELINE, "backward")
+        bw = run_passes(bw, sub, BACKWARD_PIPELINE, "backward")  # its counts go to its own record
         mem = simulate_step(fw, bw)
         exposed = _exposed_s(bw, joint)
         scores[name] = (exposed, mem.peak_bytes)
         if mem.peak_bytes <= budget and (best is None or exposed < best[1] * (1 - 1e-9)):
-            policy = name
+            policy, winner_record = name, sub.record
             decisions = _decisions_from_backward(bw, ctx.record.problem)
             best = (policy, exposed, LynxOutcome(
                 fw=fw, bw=bw, mem=mem, problem=outcome.problem if outcome else ctx.record.problem,
@@ -288,6 +291,8 @@ def seed_with_baselines(joint, ctx, joint_inputs, kw, budget: int, reference_pea
                 if value is not None:
                     n.meta[key] = value
         return best[2]
+    for key, value in winner_record.decisions.items():  # what the winner's passes did
+        ctx.record.decisions[key] = value
     why = (f"lynx's optimizer found no plan under this budget ({failure})" if outcome is None else
            f"lynx's own plan exposes {scores['lynx'][0] * 1e3:.3g} ms of recompute")
     note = (f"seeded by baseline '{best[0]}': {why}; '{best[0]}' fits (peak {best[2].mem.peak_bytes} B "
@@ -363,7 +368,7 @@ def build_plan(policy: str, joint: fx.GraphModule, fw: fx.GraphModule, bw: fx.Gr
                                    saved=tuple(d.name for d in s), recomputed=tuple(d.name for d in r),
                                    recompute_s=sum(d.recompute_s for d in r)))
     return RecomputePlan(
-        policy=policy, graph_hash=structural_hash(list(joint.graph.nodes)),
+        policy=policy, graph_hash=ctx.record.decisions.get("graph_hash") or structural_hash(list(joint.graph.nodes)),
         saved=tuple(saved), recomputed=tuple(recomputed), blocks=tuple(blocks),
         saved_bytes=mem.saved_bytes, peak_bytes=mem.peak_bytes,
         forward_peak_bytes=mem.forward_peak_bytes, backward_peak_bytes=mem.backward_peak_bytes,

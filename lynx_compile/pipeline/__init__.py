@@ -175,6 +175,8 @@ def plan_pipeline(model: nn.Module, example_microbatch: Sequence[Any], *, num_st
                   pinned_cuts: Sequence[int] | None = None) -> tuple[StagePlan, PipelineCosts, list[str]]:
     """Trace, profile and plan (nothing runs distributed); returns (plan, costs, block paths)."""
     wrapped = _Forward(model, forward if forward is not None else getattr(model, "logits", None))
+    # pipeline() stages run eager unless told otherwise (recompute in the gradient wait)
+    options = {"compiler": "eager", **(options or {})}
     costs, paths = profile_pipeline(wrapped, example_microbatch, options)
     plan = plan_stages(costs, num_stages, num_microbatches, memory_per_device, schedule, method=method,
                        pinned_cuts=pinned_cuts)
@@ -225,6 +227,9 @@ def pipeline(model: nn.Module, example_inputs: Sequence[Any], *, num_stages: int
                              "equal micro-batches")
     mb = tuple(x[: batch // num_microbatches] if torch.is_tensor(x) else x for x in example_inputs)
     options = dict(options or {})
+    # Stages run the eager compiler when they recompute in the gradient wait (it splits their
+    # backward at runtime); profile them with the compiler they will run under.
+    options.setdefault("compiler", "eager" if recompute_in_wait else "inductor")
     if plan is None:
         plan, costs, paths = plan_pipeline(model, mb, num_stages=num_stages, num_microbatches=num_microbatches,
                                            memory_per_device=memory_per_device, schedule=schedule, method=method,

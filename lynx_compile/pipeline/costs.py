@@ -33,7 +33,7 @@ def profile_pipeline(module: nn.Module, example_inputs: Sequence[Any], options: 
     from lynx_compile.remat.problem import InfeasibleBudget
 
     opts = {k: v for k, v in (options or {}).items()
-            if k in ("cost_source", "hardware", "link", "measure_repeats", "windows")}
+            if k in ("cost_source", "hardware", "link", "measure_repeats", "windows", "compiler")}
     records = plan_model(module, tuple(example_inputs), policy="lynx", check_plan_agreement=False, **opts)
     record = records[0]
     problem, seg = record.problem, record.segment_costs
