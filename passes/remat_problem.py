@@ -125,7 +125,7 @@ def extract_remat_problem(joint: fx.GraphModule, fw_ref: fx.GraphModule, bw_ref:
 def _fold_fused(unit_ops, inputs, uses, region, members, extra_cost, joint_by_name) -> list[fx.Node]:
     """Under Inductor, fold pointwise intermediates into the units that consume them.
 
-    A pointwise op whose output the backward never reads directly, and whose consumers all lie
+    A pointwise op (or a constant: an op with no inputs, e.g. ``full``) whose output the backward never reads directly, and whose consumers all lie
     in its block, is recomputed (if at all) inside its consumer's fused kernel: it never
     materializes, so it is no unit of its own (as a unit, the memory model would count it live
     beside its consumer). Its nodes join each consumer's (tagged with it), its inputs become
@@ -139,8 +139,8 @@ def _fold_fused(unit_ops, inputs, uses, region, members, extra_cost, joint_by_na
     for op in unit_ops:
         joint_node = joint_by_name.get(op.name)
         cons = consumers.get(op, [])
-        if uses.get(op) or not cons or joint_node is None or not _is_pointwise(joint_node) \
-                or any(region[c] != region[op] for c in cons):
+        fusible = joint_node is not None and (_is_pointwise(joint_node) or not joint_node.all_input_nodes)
+        if uses.get(op) or not cons or not fusible or any(region[c] != region[op] for c in cons):
             continue
         folded.add(op)
         for c in cons:
