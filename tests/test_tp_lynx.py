@@ -230,3 +230,45 @@ def test_lynx_tensor_parallel_under_inductor_matches_single_process():
     for per_rank in zip(*results):
         r = per_rank[0]
         assert r["peak_fraction"] <= BUDGET + 0.02 and r["recomputed"], r
+
+
+def _kernels_inside_windows(code: str) -> int:
+    """Kernel calls the generated backward makes between a collective's issue and its wait."""
+    inside, count = False, 0
+    for line in code.splitlines():
+        line = line.strip()
+        if "_c10d_functional.all_reduce_" in line or "_c10d_functional.reduce_scatter" in line \
+                or "_c10d_functional.all_gather" in line:
+            inside = True
+        elif "_c10d_functional.wait_tensor" in line:
+            inside = False
+        elif inside and (line.startswith("extern_kernels.") or line.startswith("cpp_fused")
+                         or ".run(" in line):
+            count += 1
+    return count
+
+
+def _inductor_window_code(rank, world, windows):
+    from torch._inductor.utils import run_and_get_code
+
+    cfg = CONFIGS["gpt"]
+    torch.manual_seed(0)
+    model = tensor_parallelize(build_model(cfg), dist.group.WORLD)
+    torch._dynamo.reset()
+    backend = lynx_compile.backend(policy="lynx", memory_budget=BUDGET, solver="highs", plan_cache=False,
+                                   hardware="cpu", link="pcie4", windows=windows)
+    compiled = torch.compile(model, backend=backend)
+    _, codes = run_and_get_code(lambda: compiled(_batch(cfg)).loss.backward())
+    moved = backend.records[-1].decisions.get("recompute_nodes_in_windows", 0)
+    return {"inside": _kernels_inside_windows(codes[-1]), "moved": moved}
+
+
+@pytest.mark.timeout(600)
+def test_inductor_keeps_recompute_inside_the_windows():
+    """Under Inductor the placement is not pinned by ordering edges; this checks that Inductor's
+    generated backward still runs kernels between a collective's issue and its wait when lynx
+    placed recompute there, and fewer without windows."""
+    with_windows = run_ranks(_inductor_window_code, 2, True, timeout_s=280)[0]
+    without = run_ranks(_inductor_window_code, 2, False, timeout_s=280)[0]
+    assert with_windows["moved"] > 0 and without["moved"] == 0, (with_windows, without)
+    assert with_windows["inside"] > without["inside"], (with_windows, without)
