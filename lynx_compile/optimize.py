@@ -122,7 +122,7 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, ref_fw: fx.GraphModule, r
         clear_tags(joint)
         apply_remat_decisions(joint, problem, index, decisions)
         fw, bw = partition(joint)
-        mem = simulate_step(fw, bw)
+        mem = simulate_step(fw, bw, fused=cfg.compiler == "inductor")
         if budget is None or mem.peak_bytes <= budget or source == "file":  # a file plan is checked by the caller
             break
         log.info("lynx: plan peaks at %d B > budget %d B; re-solving with %d B less",

@@ -76,7 +76,7 @@ def _peak_under(policy: str, joint: fx.GraphModule, ctx: PassContext, joint_inpu
                                                  blocks=ctx.record.blocks))
     select_recompute_pass(joint, sub)
     fw, bw = _partition(joint, joint_inputs, policy, kw, inductor=ctx.config.compiler == "inductor")
-    return simulate_step(fw, bw).peak_bytes
+    return simulate_step(fw, bw, fused=ctx.config.compiler == "inductor").peak_bytes
 
 
 def _budget_bytes(config: LynxConfig, reference_peak: int) -> int | None:
@@ -144,7 +144,7 @@ def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs:
             frac = min(1.0, budget / reference.peak_bytes) if budget is not None else 1.0
             fw, bw = _partition(joint, joint_inputs, config.policy, kw, budget=frac, inductor=inductor)
         bw = run_passes(bw, ctx, BACKWARD_PIPELINE, "backward")
-        mem = simulate_step(fw, bw)
+        mem = simulate_step(fw, bw, fused=inductor)
     record.plan = build_plan(config.policy, joint, fw, bw, mem, ctx, budget, outcome)
     record.saved_names = tuple(p.name for p in bw.graph.find_nodes(op="placeholder")
                                if not p.name.startswith("tangents"))
@@ -266,7 +266,7 @@ def seed_with_baselines(joint, ctx, joint_inputs, kw, budget: int, reference_pea
         select_recompute_pass(joint, sub)
         fw, bw = _partition(joint, joint_inputs, policy, kw, budget=torch_budget, inductor=inductor)
         bw = run_passes(bw, sub, BACKWARD_PIPELINE, "backward")  # its counts go to its own record
-        mem = simulate_step(fw, bw)
+        mem = simulate_step(fw, bw, fused=inductor)
         exposed = _exposed_s(bw, joint)
         scores[name] = (exposed, mem.peak_bytes)
         if mem.peak_bytes <= budget and (best is None or exposed < best[1] * (1 - 1e-9)):

@@ -107,11 +107,12 @@ def extract_remat_problem(joint: fx.GraphModule, fw_ref: fx.GraphModule, bw_ref:
             first_use=min(uses[op]) if uses[op] else None, need_start=start, need_end=end,
             must_keep=op in boundary or not _recomputable(joint_node, ctx)))
 
-    fw_base = _base(simulate_graph(fw_ref, live_inputs={}, input_keys={}).timeline,
+    fused = ctx.config.compiler == "inductor"  # bytes outside the units: as Inductor runs them
+    fw_base = _base(simulate_graph(fw_ref, live_inputs={}, input_keys={}, fused=fused).timeline,
                     [(u.fw_pos, len(fw_nodes) - 1 if u.first_use is not None else u.fw_last, u.nbytes)
                      for u in units])
     _, live = backward_inputs(fw_ref, bw_ref)
-    bw_mem = simulate_graph(bw_ref, live_inputs=live, input_keys=input_keys, count_outputs=False)
+    bw_mem = simulate_graph(bw_ref, live_inputs=live, input_keys=input_keys, count_outputs=False, fused=fused)
     bw_base = _base(bw_mem.timeline, [(0, max(uses[op]), u.nbytes) for op, u in zip(kept, units) if uses[op]])
     problem = RematProblem(
         units=tuple(units), num_fw_events=len(fw_nodes), num_bw_events=len(bw_nodes),

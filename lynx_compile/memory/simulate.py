@@ -127,15 +127,26 @@ def allocations(node: fx.Node) -> list[tuple[str, int]]:
     return [(node.name, _nbytes(val))]
 
 
+def fused_interior(node: fx.Node) -> bool:
+    """A pointwise op whose users are all pointwise ops (and not the graph's output): Inductor
+    computes it inside the fused kernel of its consumers, so it never materializes."""
+    if node.op != "call_function" or torch.Tag.pointwise not in getattr(node.target, "tags", ()):
+        return False
+    return bool(node.users) and all(
+        u.op == "call_function" and torch.Tag.pointwise in getattr(u.target, "tags", ()) for u in node.users)
+
+
 def simulate_graph(gm: fx.GraphModule, *, live_inputs: dict[str, int], input_keys: dict[str, str],
-                   keep_outputs: bool = True, count_outputs: bool = True) -> GraphMemory:
+                   keep_outputs: bool = True, count_outputs: bool = True, fused: bool = False) -> GraphMemory:
     """Walk ``gm`` and track live bytes.
 
     ``live_inputs``: storage key → bytes of inputs already counted as live (freed at their last
     use). ``input_keys``: placeholder name → storage key (several placeholders may share one).
     Placeholders not in ``input_keys``/``live_inputs`` are baseline (not counted).
     ``count_outputs=False``: storages the graph returns are not counted (the backward's
-    gradients, which become ``.grad``: gradient memory, not activation memory)."""
+    gradients, which become ``.grad``: gradient memory, not activation memory).
+    ``fused=True`` (the graph is compiled by Inductor): ``fused_interior`` nodes allocate
+    nothing — a first-order model of Inductor's pointwise fusion, not of its scheduling."""
     keys = storage_keys(gm, input_keys)
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
@@ -160,7 +171,7 @@ def simulate_graph(gm: fx.GraphModule, *, live_inputs: dict[str, int], input_key
             frees.setdefault(i, []).append(key)
     uncounted = set() if count_outputs else pinned
     for i, node in enumerate(nodes):
-        for key, size in allocations(node):
+        for key, size in () if fused and fused_interior(node) else allocations(node):
             if key in uncounted:
                 continue
             live[key] = size
@@ -206,12 +217,14 @@ def backward_inputs(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule) -> tuple[dict[
     return input_keys, live
 
 
-def simulate_step(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule) -> StepMemory:
-    """Peak activation memory of forward then backward, and the bytes saved between them."""
-    fw_mem = simulate_graph(fw_gm, live_inputs={}, input_keys={})
+def simulate_step(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, *, fused: bool = False) -> StepMemory:
+    """Peak activation memory of forward then backward, and the bytes saved between them
+    (``fused``: see ``simulate_graph``)."""
+    fw_mem = simulate_graph(fw_gm, live_inputs={}, input_keys={}, fused=fused)
     input_keys, live_inputs = backward_inputs(fw_gm, bw_gm)
     saved = sum(v for k, v in live_inputs.items() if not k.startswith("bw:tangents"))
-    bw_mem = simulate_graph(bw_gm, live_inputs=live_inputs, input_keys=input_keys, count_outputs=False)
+    bw_mem = simulate_graph(bw_gm, live_inputs=live_inputs, input_keys=input_keys, count_outputs=False,
+                            fused=fused)
     peak = max(fw_mem.peak_bytes, bw_mem.peak_bytes)
     at = f"forward:{fw_mem.peak_node}" if fw_mem.peak_bytes >= bw_mem.peak_bytes else f"backward:{bw_mem.peak_node}"
     return StepMemory(saved_bytes=saved, forward_peak_bytes=fw_mem.peak_bytes,
