@@ -198,11 +198,13 @@ def eager_dispatch():
 # ---------------------------------------------------------------------------------------------
 
 def optimization_hint(x: Any, fallback: int | None = None) -> int:
-    """The size hint of an int / SymInt: ``symbolic_shapes.optimization_hint`` (2.13) or
-    ``hint_int`` (2.11-2.12, same signature ``(a, fallback=None)``)."""
+    """The size hint of an int / SymInt: ``symbolic_shapes.optimization_hint`` (2.13), else
+    ``size_hint`` (2.11-2.12, where ``hint_int`` is its deprecated alias); all take
+    ``(a, fallback=None)``."""
     from torch.fx.experimental import symbolic_shapes
 
-    fn = getattr(symbolic_shapes, "optimization_hint", None) or symbolic_shapes.hint_int
+    fn = (getattr(symbolic_shapes, "optimization_hint", None) or getattr(symbolic_shapes, "size_hint", None)
+          or symbolic_shapes.hint_int)
     return fn(x, fallback=fallback)
 
 
@@ -316,11 +318,19 @@ def functional_all_reduce(x: torch.Tensor, op: str, group: Any) -> torch.Tensor:
 
 def functional_all_gather(x: torch.Tensor, gather_dim: int, group: Any) -> torch.Tensor:
     """All-gather concatenated along ``gather_dim`` (``_c10d_functional.all_gather_into_tensor``,
-    then chunk + cat): ``all_gather_single`` on 2.13, ``all_gather_tensor`` before (2.13 keeps it
-    as a deprecated alias)."""
+    then chunk + cat): ``all_gather_single`` on 2.13. Before it (2.11), ``all_gather_tensor``
+    re-concatenates through ``torch._utils._maybe_view_chunk_cat``, which dynamo skips: inside an
+    autograd.Function that is a graph break. So there lynx gathers along dim 0 and does the chunk
+    + cat itself (the same ops, traceable)."""
     fc = _functional_collectives()
-    fn = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
-    return fn(x, gather_dim, group)
+    single = getattr(fc, "all_gather_single", None)
+    if single is not None:
+        return single(x, gather_dim, group)
+    out = fc.all_gather_tensor(x, 0, group)
+    if gather_dim % x.dim() == 0:
+        return out
+    out = wait_collective(out)
+    return torch.cat(torch.chunk(out, out.size(0) // x.size(0), dim=0), dim=gather_dim)
 
 
 def functional_reduce_scatter(x: torch.Tensor, op: str, scatter_dim: int, group: Any) -> torch.Tensor:

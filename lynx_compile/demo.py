@@ -52,7 +52,7 @@ def _train(model: torch.nn.Module, batches: Sequence[torch.Tensor], seed: int) -
 def run_policy(policy: str | None, base: torch.nn.Module, batches, *, seed: int = 1234,
                options: dict | None = None) -> PolicyRun:
     """Train a copy of ``base`` (eager when ``policy`` is None) and measure it."""
-    torch._dynamo.reset()
+    torch.compiler.reset()
     model = copy.deepcopy(base)
     opts = {"policy": policy, **(options or {})} if policy else None
     runner = torch.compile(model, backend="lynx", options=opts) if policy else model

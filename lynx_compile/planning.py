@@ -25,7 +25,7 @@ def plan_model(model: torch.nn.Module, example_inputs: tuple, **options: Any) ->
         raise ValueError("cost_source='measured' needs real tensors; plan on a real device or use "
                          "cost_source='analytic' with --hardware")
     backend = LynxBackend(config, plan_only=True)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     try:
         with torch.enable_grad():
@@ -34,6 +34,6 @@ def plan_model(model: torch.nn.Module, example_inputs: tuple, **options: Any) ->
         if find_backend_error(e, PlanningDone) is None:
             raise
     finally:
-        torch._dynamo.reset()
+        torch.compiler.reset()
     return backend.records
 

@@ -40,6 +40,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="'eager' trains without torch.compile (the reference)")
     p.add_argument("--memory-budget", type=lambda s: int(s) if s.isdigit() else float(s), default=None)
     p.add_argument("--solver", default="auto", choices=["auto", "glpk", "highs", "heu"])
+    p.add_argument("--compiler", default=None, choices=["inductor", "eager"],
+                   help="what compiles the step around lynx's partition (default inductor; eager "
+                        "when --trace, --side-stream or pipeline recompute-in-wait need it)")
     p.add_argument("--time-limit", type=float, default=60.0)
     p.add_argument("--no-windows", action="store_true",
                    help="policy lynx: ignore communication windows (recompute on demand only)")
@@ -153,6 +156,8 @@ def _options(args: argparse.Namespace) -> dict:
             "fuse_kernels": args.fuse_kernels, "side_stream": args.side_stream}
     if args.memory_budget is not None:
         opts["memory_budget"] = args.memory_budget
+    if args.compiler is not None:
+        opts["compiler"] = args.compiler
     return opts
 
 
@@ -224,9 +229,9 @@ def train(args: argparse.Namespace, *, on_step: Callable[[int], None] | None = N
     result = TrainResult(rank=rank, world_size=world, peak_method=method)
     heartbeat = None
     if world > 1:
-        from torch.distributed.distributed_c10d import _get_default_store
+        from lynx_compile import _compat
 
-        heartbeat = Heartbeat(_get_default_store(), rank, world).start()
+        heartbeat = Heartbeat(_compat.default_store(), rank, world).start()
     prof = None
     # The trace covers the last --trace-steps steps (never the compile step); step times are
     # taken from the untraced steps in between (the profiler slows CPU execution).

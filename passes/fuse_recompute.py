@@ -20,6 +20,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from lynx_compile import _compat
+
 from . import meta
 from .context import PassContext
 
@@ -68,7 +70,7 @@ def _new(gm: fx.GraphModule, like: fx.Node, target, args: tuple) -> fx.Node:
 
 def _fake_run(target, args):
     vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in args]
-    fake_mode = torch._guards.detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    fake_mode = _compat.detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
     if fake_mode is None:
         return None
     with fake_mode:

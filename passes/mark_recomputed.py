@@ -27,7 +27,7 @@ def mark_recomputed_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
             node.meta = dict(node.meta)  # the copy must not write into the forward node's meta
             node.meta[meta.RECOMPUTED] = True
             node.meta[meta.RECOMPUTED_FROM] = node.name
-            node._rename(f"{node.name}_recomputed")
+            _compat.rename_node(node, f"{node.name}_recomputed")
         elif _compat.is_rng_replay(node):
             node.meta = dict(node.meta)
             node.meta[meta.RECOMPUTED] = True

@@ -17,8 +17,9 @@ few microseconds each; they are only added when asked for.
 """
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
+
+from lynx_compile import _compat
 
 from . import meta
 
@@ -42,12 +43,12 @@ def trace_ranges_pass(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
             runs[-1].append(node)
         else:
             runs.append([node])
+    enter, exit_ = _compat.record_function_ops()
     for run in runs:
         with gm.graph.inserting_before(run[0]):
-            handle = gm.graph.call_function(torch.ops.profiler._record_function_enter_new.default,
-                                            (f"{RANGE_PREFIX}[{_role(run[0])}]", None))
+            handle = gm.graph.call_function(enter, (f"{RANGE_PREFIX}[{_role(run[0])}]", None))
         with gm.graph.inserting_after(run[-1]):
-            gm.graph.call_function(torch.ops.profiler._record_function_exit._RecordFunction, (handle,))
+            gm.graph.call_function(exit_, (handle,))
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -1,7 +1,5 @@
-"""Lynx-HEU: replication over identical blocks, its speed on a 48-block problem, its gap to
-Lynx-OPT on a 4-block one, the greedy path without highspy, determinism."""
-import time
-
+"""Lynx-HEU: replication over identical blocks (2 and 48 blocks), its gap to Lynx-OPT on a
+4-block one, the greedy path without highspy, determinism."""
 import pytest
 
 from lynx_compile.remat import InfeasibleBudget, RematProblem, Unit
@@ -44,24 +42,28 @@ def test_f_identical_blocks_heu_equals_opt():
     assert heu.status == "heuristic" and "replicated" in " ".join(heu.notes)
 
 
-def _best_time(fn, repeats=3):
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t)
-    return best, out
-
-
-def test_i_48_blocks_under_200_ms():
+def test_i_48_blocks_replicates_one_block():
+    # 48 identical blocks: HEU solves one representative block exactly and replicates it, so
+    # every interior block gets the same keep / demand / window decision (the boundary blocks
+    # 0 and 47 are polished separately), and the plan fits. Tests assert behaviour, not time:
+    # HEU's search time is reported by benchmarks/bench_remat.py (plan search table, 48 layers).
     p = synthetic_problem(48, 40, 2, 0)               # 1924 units, 3848 events, 97 windows
     budget = int(0.6 * p.reference_peak)
-    secs, sol = _best_time(lambda: solve_heu(p, budget))
-    print(f"\nHEU 48x40 units at 0.6 of the reference peak: {secs * 1e3:.0f} ms, "
-          f"exposed {sol.exposed_s * 1e3:.3f} ms")
+    sol = solve_heu(p, budget)
     ev = evaluate(p, sol)
     assert ev.violations == () and ev.peak_bytes <= budget
-    assert secs < 0.2
+    assert ev.exposed_s == pytest.approx(sol.exposed_s)
+    assert "replicated" in " ".join(sol.notes)
+    keep, demand = set(sol.keep), set(sol.demand)
+    window = {u for u, _ in sol.window}
+    decisions: dict[int, list[str]] = {}
+    for u in sorted(p.units, key=lambda u: u.id):
+        if u.block is not None:
+            decisions.setdefault(u.block, []).append(
+                "keep" if u.id in keep else "demand" if u.id in demand else "window" if u.id in window else "unused")
+    assert sorted(decisions) == list(range(48))
+    interior = {tuple(decisions[b]) for b in range(1, 47)}
+    assert len(interior) == 1, f"{len(interior)} different interior decisions"
 
 
 def test_i_4_blocks_close_to_opt():

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from lynx_compile import _compat
 from lynx_compile.costs.types import NodeCost, input_tensors, iter_tensors, tensor_nbytes
 
 
@@ -179,16 +180,12 @@ def comm_node_cost(node: torch.fx.Node, link: LinkProfile, world_size: int | Non
 
 def _qualified_name(op: Any) -> str:
     """"ns::name[.overload]" for an OpOverload / OpOverloadPacket, else ``str(op)``."""
-    if isinstance(op, torch._ops.OpOverload):
-        return op.name()
-    if isinstance(op, torch._ops.OpOverloadPacket):
-        return op._qualified_op_name
-    return str(op)
+    return _compat.qualified_op_name(op)
 
 
 def _op_namespace_name(node: torch.fx.Node) -> tuple[str, str]:
     t = node.target
-    if node.op != "call_function" or not isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+    if node.op != "call_function" or not _compat.is_op_overload(t):
         return "", ""
     ns, _, name = _qualified_name(t).partition("::")
     return ns, name.split(".")[0]

@@ -14,7 +14,8 @@ from typing import Any, Iterator, Literal
 
 import torch
 import torch.fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+from lynx_compile._compat import optimization_hint
 
 #: Where a ``NodeCost.runtime_s`` came from.
 CostSource = Literal["analytic", "measured", "zero"]

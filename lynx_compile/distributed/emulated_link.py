@@ -60,20 +60,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
-from torch._C._distributed_c10d import (
-    AllgatherOptions,
-    AllreduceCoalescedOptions,
-    AllreduceOptions,
-    AllToAllOptions,
-    BarrierOptions,
-    BroadcastOptions,
-    ProcessGroupGloo,
-    ReduceScatterOptions,
-    _create_work_from_future,
-)
 from torch.futures import Future
 
+from lynx_compile import _compat
 from lynx_compile.costs.comm import LINKS, LinkProfile, collective_time
+
+_c10d = _compat.c10d_bindings()
+AllgatherOptions = _c10d.AllgatherOptions
+AllreduceCoalescedOptions = _c10d.AllreduceCoalescedOptions
+AllreduceOptions = _c10d.AllreduceOptions
+AllToAllOptions = _c10d.AllToAllOptions
+BarrierOptions = _c10d.BarrierOptions
+BroadcastOptions = _c10d.BroadcastOptions
+ProcessGroupGloo = _c10d.ProcessGroupGloo
+ReduceScatterOptions = _c10d.ReduceScatterOptions
 
 BACKEND_NAME = "lynx_emulated"
 ENV_VAR = "LYNX_EMULATED_LINK"
@@ -220,7 +220,7 @@ class _LinkThread:
             self._busy_until = max(issue_t, self._busy_until) + seconds
             self._queue.put(_Op(kind, nbytes, issue_t, self._busy_until, works, result, fut,
                                 group_name))
-        return _create_work_from_future(fut)
+        return _compat.work_from_future(fut)
 
     def close(self) -> None:
         """Let the thread exit (it ends after the ops queued so far)."""

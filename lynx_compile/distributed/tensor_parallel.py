@@ -36,12 +36,12 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as fc
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
+from lynx_compile import _compat
 from lynx_compile.models.gpt import GPT
 from lynx_compile.models.llama import Llama
 
@@ -66,20 +66,20 @@ OutputComm = Literal["all_reduce", "reduce_scatter_sequence"]
 def _wait(t: Tensor) -> Tensor:
     # Eager functional collectives return an AsyncCollectiveTensor; waiting here keeps that
     # subclass out of autograd. Under tracing they already end in wait_tensor.
-    return t.wait() if isinstance(t, fc.AsyncCollectiveTensor) else t
+    return _compat.wait_collective(t)
 
 
 def _all_reduce(x: Tensor, group: ProcessGroup) -> Tensor:
-    return _wait(fc.all_reduce(x.contiguous(), "sum", group))
+    return _wait(_compat.functional_all_reduce(x.contiguous(), "sum", group))
 
 
 def _all_gather_seq(x: Tensor, group: ProcessGroup) -> Tensor:
-    # all_gather_single gathers along dim 0 and re-concatenates along SEQ_DIM (chunk + cat).
-    return _wait(fc.all_gather_single(x.contiguous(), SEQ_DIM, group))
+    # gathers along dim 0 and re-concatenates along SEQ_DIM (chunk + cat).
+    return _wait(_compat.functional_all_gather(x.contiguous(), SEQ_DIM, group))
 
 
 def _reduce_scatter_seq(x: Tensor, group: ProcessGroup) -> Tensor:
-    return _wait(fc.reduce_scatter_single(x.contiguous(), "sum", SEQ_DIM, group))
+    return _wait(_compat.functional_reduce_scatter(x.contiguous(), "sum", SEQ_DIM, group))
 
 
 def _split_seq(x: Tensor, rank: int, size: int) -> Tensor:

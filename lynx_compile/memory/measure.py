@@ -57,16 +57,9 @@ def _sync(device: torch.device) -> None:
 
 def _allocation_events(prof) -> list[tuple[int, int, int]]:
     """(time ns, address, signed bytes) of every CPU-allocator event, in time order."""
-    from torch._C._profiler import _EventType
+    from lynx_compile import _compat
 
-    out: list[tuple[int, int, int]] = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == "cpu":
-            out.append((node.start_time_ns, node.typed[1].ptr, node.typed[1].alloc_size))
-        stack.extend(node.children)
-    return sorted(out)
+    return _compat.cpu_allocation_events(prof)
 
 
 def cpu_peak_bytes(fn: Callable[[], Any], exclude: Callable[[], set[int]] | None = None) -> int:

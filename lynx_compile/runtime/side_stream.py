@@ -29,7 +29,8 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
+
+from lynx_compile import _compat
 
 from .prefetch import _placeholder_like
 from .stream_ops import BEGIN, END, MARKERS
@@ -147,7 +148,7 @@ class CudaStreams:
 
 
 def _tensors(values: list) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(values) if isinstance(t, torch.Tensor)]
+    return [t for t in _compat.tree_leaves(values) if isinstance(t, torch.Tensor)]
 
 
 class SideStreamRunner:

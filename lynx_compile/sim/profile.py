@@ -175,12 +175,13 @@ def _plan(model: str, tp: int, microbatch: int, layers: int | None = 2, **option
 def _fake_group(tp: int):
     """The default group: a fake one of ``tp`` ranks (re-created when the size differs)."""
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lynx_compile import _compat
 
     if dist.is_initialized() and dist.get_world_size() != tp:
         dist.destroy_process_group()
     if not dist.is_initialized():
-        dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
+        dist.init_process_group("fake", rank=0, world_size=tp, store=_compat.fake_store())
     return dist.group.WORLD
 
 
