@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from lynx_compile import _compat
 from lynx_compile.costs import is_collective_node, is_wait_node
-from lynx_compile.memory.simulate import allocations, backward_inputs, simulate_graph, storage_keys
+from lynx_compile.memory.simulate import allocations, backward_inputs, held_tangents, simulate_graph, storage_keys
 from lynx_compile.remat.problem import RematProblem, Unit, Window
 
 from . import meta
@@ -112,7 +112,8 @@ def extract_remat_problem(joint: fx.GraphModule, fw_ref: fx.GraphModule, bw_ref:
                     [(u.fw_pos, len(fw_nodes) - 1 if u.first_use is not None else u.fw_last, u.nbytes)
                      for u in units])
     _, live = backward_inputs(fw_ref, bw_ref)
-    bw_mem = simulate_graph(bw_ref, live_inputs=live, input_keys=input_keys, count_outputs=False, fused=fused)
+    bw_mem = simulate_graph(bw_ref, live_inputs=live, input_keys=input_keys, count_outputs=False, fused=fused,
+                            held_inputs=held_tangents(live))
     bw_base = _base(bw_mem.timeline, [(0, max(uses[op]), u.nbytes) for op, u in zip(kept, units) if uses[op]])
     problem = RematProblem(
         units=tuple(units), num_fw_events=len(fw_nodes), num_bw_events=len(bw_nodes),

@@ -153,11 +153,11 @@ def _main_nodes_between(end: fx.Node, seg: Segment, gm: fx.GraphModule) -> int:
 
 def _backward_peak(gm: fx.GraphModule) -> int:
     """Peak bytes of the backward, its inputs (saved tensors, tangents) freed at their last use."""
-    from lynx_compile.memory.simulate import _nbytes, simulate_graph  # memory imports passes.meta
+    from lynx_compile.memory.simulate import _nbytes, held_tangents, simulate_graph  # memory imports passes.meta
 
     inputs = {p.name: _nbytes(p.meta.get("val")) for p in gm.graph.find_nodes(op="placeholder")}
     return simulate_graph(gm, live_inputs=inputs, input_keys={n: n for n in inputs},
-                          count_outputs=False).peak_bytes
+                          count_outputs=False, held_inputs=held_tangents(inputs)).peak_bytes
 
 
 def _seconds(node: fx.Node) -> float:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from lynx_compile import _compat
 from lynx_compile.costs.comm import is_wait_node
 
 
@@ -137,7 +138,8 @@ def fused_interior(node: fx.Node) -> bool:
 
 
 def simulate_graph(gm: fx.GraphModule, *, live_inputs: dict[str, int], input_keys: dict[str, str],
-                   keep_outputs: bool = True, count_outputs: bool = True, fused: bool = False) -> GraphMemory:
+                   keep_outputs: bool = True, count_outputs: bool = True, fused: bool = False,
+                   held_inputs: frozenset[str] = frozenset()) -> GraphMemory:
     """Walk ``gm`` and track live bytes.
 
     ``live_inputs``: storage key → bytes of inputs already counted as live (freed at their last
@@ -146,7 +148,8 @@ def simulate_graph(gm: fx.GraphModule, *, live_inputs: dict[str, int], input_key
     ``count_outputs=False``: storages the graph returns are not counted (the backward's
     gradients, which become ``.grad``: gradient memory, not activation memory).
     ``fused=True`` (the graph is compiled by Inductor): ``fused_interior`` nodes allocate
-    nothing — a first-order model of Inductor's pointwise fusion, not of its scheduling."""
+    nothing — a first-order model of Inductor's pointwise fusion, not of its scheduling.
+    ``held_inputs``: storage keys of inputs the caller keeps alive until the graph returns."""
     keys = storage_keys(gm, input_keys)
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
@@ -167,7 +170,7 @@ def simulate_graph(gm: fx.GraphModule, *, live_inputs: dict[str, int], input_key
     mem.peak_bytes, mem.peak_node = total, "<start>"
     frees: dict[int, list[str]] = {}
     for key, i in last_use.items():
-        if key not in pinned:
+        if key not in pinned and key not in held_inputs:
             frees.setdefault(i, []).append(key)
     uncounted = set() if count_outputs else pinned
     for i, node in enumerate(nodes):
@@ -217,6 +220,16 @@ def backward_inputs(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule) -> tuple[dict[
     return input_keys, live
 
 
+def held_tangents(keys) -> frozenset[str]:
+    """The backward inputs torch keeps alive for the whole backward call (pass them as
+    ``simulate_graph(held_inputs=...)``): the output gradients (``tangents_*``, keys as given by
+    :func:`backward_inputs` or plain placeholder names) on torch 2.11, none on 2.13
+    (``_compat.backward_holds_grad_inputs``)."""
+    if not _compat.backward_holds_grad_inputs():
+        return frozenset()
+    return frozenset(k for k in keys if k.removeprefix("bw:").startswith("tangents"))
+
+
 def simulate_step(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, *, fused: bool = False) -> StepMemory:
     """Peak activation memory of forward then backward, and the bytes saved between them
     (``fused``: see ``simulate_graph``)."""
@@ -224,7 +237,7 @@ def simulate_step(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, *, fused: bool =
     input_keys, live_inputs = backward_inputs(fw_gm, bw_gm)
     saved = sum(v for k, v in live_inputs.items() if not k.startswith("bw:tangents"))
     bw_mem = simulate_graph(bw_gm, live_inputs=live_inputs, input_keys=input_keys, count_outputs=False,
-                            fused=fused)
+                            fused=fused, held_inputs=held_tangents(live_inputs))
     peak = max(fw_mem.peak_bytes, bw_mem.peak_bytes)
     at = f"forward:{fw_mem.peak_node}" if fw_mem.peak_bytes >= bw_mem.peak_bytes else f"backward:{bw_mem.peak_node}"
     return StepMemory(saved_bytes=saved, forward_peak_bytes=fw_mem.peak_bytes,
