@@ -242,11 +242,6 @@ def qualified_op_name(op: Any) -> str:
     return str(op)
 
 
-def reset_compiler() -> None:
-    """Forget every compiled graph (``torch.compiler.reset``, public since 2.1)."""
-    torch.compiler.reset()
-
-
 def record_function_ops() -> tuple[Any, Any]:
     """The ops a traced ``torch.profiler.record_function`` range lowers to: (enter, exit)."""
     ops = torch.ops.profiler
