@@ -54,7 +54,7 @@ def _assert_close(name, got, want):
     assert err <= RTOL * max(scale, 1e-3), f"{name}: max abs error {err:.3g} vs scale {scale:.3g}"
 
 
-def _lynx_tp_matches(rank, world, configs):
+def _lynx_tp_matches(rank, world, configs, compiler="eager"):
     out = []
     for name, sp in configs:
         cfg = CONFIGS[name]
@@ -64,7 +64,7 @@ def _lynx_tp_matches(rank, world, configs):
         torch._dynamo.reset()
         backend = lynx_compile.backend(policy="lynx", memory_budget=BUDGET, solver="highs",
                                        plan_cache=False, hardware="cpu", link="pcie4",
-                                       compiler="eager")
+                                       compiler=compiler)
         loss = torch.compile(model, backend=backend)(_batch(cfg)).loss
         loss.backward()
         if sp:
@@ -197,36 +197,11 @@ def test_a_dead_rank_is_named_by_the_survivors(tmp_path):
     assert float(elapsed) < 60  # well within the 30 s process-group timeout plus start-up
 
 
-def _lynx_tp_inductor_matches(rank, world, configs):
-    out = []
-    for name, sp in configs:
-        cfg = CONFIGS[name]
-        ref_loss, ref_grads = _reference(cfg)
-        torch.manual_seed(0)
-        model = tensor_parallelize(build_model(cfg), dist.group.WORLD, sequence_parallel=sp)
-        torch._dynamo.reset()
-        backend = lynx_compile.backend(policy="lynx", memory_budget=BUDGET, solver="highs",
-                                       plan_cache=False, hardware="cpu", link="pcie4")
-        loss = torch.compile(model, backend=backend)(_batch(cfg)).loss
-        loss.backward()
-        if sp:
-            sync_sequence_parallel_grads(model, dist.group.WORLD)
-        _assert_close(f"{name} sp={sp} loss", loss.detach(), ref_loss)
-        grads = full_gradients(model, dist.group.WORLD)
-        for pname, g in grads.items():
-            _assert_close(f"{name} sp={sp} grad {pname}", g, ref_grads[pname])
-        plan = backend.plans[-1]
-        out.append({"name": name, "sp": sp, "peak_fraction": plan.peak_fraction,
-                    "recomputed": len(plan.recomputed), "solver": plan.solver,
-                    "windowed": sum(str(d).startswith("window:") for d in plan.decisions.values())})
-    return out
-
-
 @pytest.mark.timeout(600)
 def test_lynx_tensor_parallel_under_inductor_matches_single_process():
     """TP=2 on gloo with the default compiler (Inductor): Megatron-style GPT and sequence-
     parallel Llama give the single-process loss and gradients, with recompute inside the budget."""
-    results = run_ranks(_lynx_tp_inductor_matches, 2, [("gpt", False), ("llama", True)], timeout_s=580)
+    results = run_ranks(_lynx_tp_matches, 2, [("gpt", False), ("llama", True)], "inductor", timeout_s=580)
     for per_rank in zip(*results):
         r = per_rank[0]
         assert r["peak_fraction"] <= BUDGET + 0.02 and r["recomputed"], r
