@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import operator
-import time
 
 import pytest
 import torch
@@ -261,11 +260,9 @@ def test_get_profile_names():
     assert profile_name_for_device("NVIDIA H200") == "h200"
 
 
-def test_cpu_calibration_is_fast_positive_and_cached(tmp_path):
+def test_cpu_calibration_is_positive_and_cached(tmp_path):
     cache = tmp_path / "cpu_profile.json"
-    t0 = time.perf_counter()
     p = calibrate_cpu_profile(cache_file=cache, force=True)
-    assert time.perf_counter() - t0 < 3.0
     assert p.name == "cpu" and p.default_link == "loopback-gloo"
     assert all(v > 0 for v in p.peak_flops.values())
     assert 1e8 < p.peak_flops["float32"] < 1e14  # 0.1 GFLOP/s .. 100 TFLOP/s

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import operator
 import math
-import statistics
-import time
 
 import pytest
 import torch

@@ -5,7 +5,9 @@ The distributed checks run once, in two spawned ranks on the ``lynx_emulated`` b
 of measurements; the tests below assert on them. Plain gloo is the oracle for values: a gloo
 subgroup over the same ranks runs the same ops.
 
-Timing tolerances are generous: 2 shared cores run 2 ranks plus their gloo threads.
+No check asserts a duration (2 shared cores run 2 ranks plus their gloo threads): the checks
+are orders of events - an op never completes before the model says, compute issued after an
+async collective starts before the link is done.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ SLOW = LinkProfile("slow", 2e-3, 1e6)  # configured in code for a second group
 JOIN_TIMEOUT_S = 90
 COMPUTE_S = 0.15  # compute issued while a collective is in flight
 BIG = 250_000  # float32 elements: 1 MB, all_reduce modeled at 2 ms + 200 ms
+CALIBRATION_SIZES = (4096, 262144)
 
 
 # ---------------------------------------------------------------- in-process checks
@@ -126,26 +129,44 @@ def _timing(rank: int) -> dict:
 
 
 def _eager_overlap(rank: int) -> dict:
-    """fc.all_reduce, compute, wait: max(compute, modeled) vs compute then a blocking one."""
+    """fc.all_reduce, compute, wait: compute starts while the link is still busy.
+
+    Returns event times (perf_counter seconds) and the collective's log records; the tests
+    check their order, never a duration: an issue that blocked until the link was done would
+    start the compute after ``modeled_done_t``.
+    """
     import torch.distributed._functional_collectives as fc
 
     big = torch.ones(BIG)
     dist.barrier()
-    t0 = time.perf_counter()
     h = fc.all_reduce(big, "sum", dist.group.WORLD)
     c0 = time.perf_counter()
     _spin(COMPUTE_S)
-    c1 = time.perf_counter()
     fc.wait_tensor(h)
-    overlapped = time.perf_counter() - t0
+    waited = time.perf_counter()
     rec = el.collective_log()[-1]
     dist.barrier()
-    t0 = time.perf_counter()
     fc.wait_tensor(fc.all_reduce(big, "sum", dist.group.WORLD))
+    serial_c0 = time.perf_counter()
+    serial_rec = el.collective_log()[-1]
     _spin(COMPUTE_S)
-    serial = time.perf_counter() - t0
-    in_flight = min(rec.done_t, c1) - max(rec.issue_t, c0)  # compute inside the collective
-    return {"overlapped_s": overlapped, "serial_s": serial, "in_flight_compute_s": in_flight}
+    return {"compute_start_t": c0, "wait_returned_t": waited, "rec": rec.__dict__,
+            "serial_compute_start_t": serial_c0, "serial_rec": serial_rec.__dict__}
+
+
+STAMPS: list[float] = []
+
+
+@torch.library.custom_op("lynx_test::stamp", mutates_args=())
+def _stamp(x: torch.Tensor) -> torch.Tensor:
+    """Identity that records when it ran: marks the start of compute inside a compiled graph."""
+    STAMPS.append(time.perf_counter())
+    return x.clone()
+
+
+@_stamp.register_fake
+def _(x):
+    return torch.empty_like(x)
 
 
 def _compiled_overlap(rank: int) -> dict:
@@ -153,42 +174,22 @@ def _compiled_overlap(rank: int) -> dict:
     c10d = torch.ops._c10d_functional
     name = dist.group.WORLD.group_name
     w = torch.randn(512, 512) / 512**0.5
-    a = torch.tanh(w @ w)  # warm-up
-    t0 = time.perf_counter()
-    for _ in range(8):
-        a = torch.tanh(a @ w)
-    steps = max(1, min(64, round(COMPUTE_S / ((time.perf_counter() - t0) / 8))))
-
-    def chain(a):
-        for _ in range(steps):
-            a = torch.tanh(a @ w)
-        return a
-
-    @torch.compile(backend="aot_eager", fullgraph=True)
-    def compute_only(a):
-        return chain(a)
 
     @torch.compile(backend="aot_eager", fullgraph=True)
     def overlapped(big, a):
         h = c10d.all_reduce(big, "sum", name)
-        y = chain(a)
-        return c10d.wait_tensor(h), y
+        a = _stamp(a)
+        for _ in range(8):
+            a = torch.tanh(a @ w)
+        return c10d.wait_tensor(h), a
 
     big = torch.ones(BIG)
     out, _ = overlapped(big, w)  # compile; also checks the value
     value_ok = torch.equal(out, torch.full((BIG,), float(WORLD)))
-    compute_only(w)
-    times = {"compute_s": [], "overlapped_s": []}
-    for _ in range(2):
-        dist.barrier()
-        t0 = time.perf_counter()
-        compute_only(w)
-        times["compute_s"].append(time.perf_counter() - t0)
-        dist.barrier()
-        t0 = time.perf_counter()
-        overlapped(big, w)
-        times["overlapped_s"].append(time.perf_counter() - t0)
-    return {"value_ok": value_ok, **{k: min(v) for k, v in times.items()}}
+    dist.barrier()
+    STAMPS.clear()
+    overlapped(big, w)
+    return {"value_ok": value_ok, "compute_start_t": STAMPS[-1], "rec": el.collective_log()[-1].__dict__}
 
 
 def _dtensor(rank: int) -> dict:
@@ -242,7 +243,7 @@ def _rank_main(rank: int, port: int, results) -> None:
             "dtensor": _dtensor(rank),
             "configured": _configured_group(rank, gloo),
             # what lynx measures on this group is the emulated link, not loopback
-            "calibrated": calibrate_link(sizes=(4096, 262144), repeats=2).__dict__,
+            "calibrated": calibrate_link(sizes=CALIBRATION_SIZES, repeats=2).__dict__,
         }
         dist.destroy_process_group()
         results.put((rank, out))
@@ -314,8 +315,8 @@ def test_completion_not_before_model(ranks):
     t_ag = collective_time("all_gather", 65536 * 4, WORLD, LINK)  # ~27 ms
     for out in ranks:
         tm = out["timing"]
-        assert t_ar <= tm["all_reduce_s"] < t_ar + 1.0
-        assert t_ag <= tm["all_gather_s"] < t_ag + 1.0
+        assert tm["all_reduce_s"] >= t_ar  # a lower bound the emulator guarantees, not a timing
+        assert tm["all_gather_s"] >= t_ag
 
 
 @pytest.mark.timeout(120)
@@ -335,26 +336,26 @@ def test_collective_log_records(ranks):
 
 @pytest.mark.timeout(120)
 def test_eager_functional_collective_overlaps_compute(ranks):
-    modeled = collective_time("all_reduce", BIG * 4, WORLD, LINK)  # ~0.2 s
     for out in ranks:
-        o = out["eager_overlap"]
-        assert o["overlapped_s"] >= modeled
-        # max(compute, modeled) + slack, well below compute + modeled (what serial takes)
-        assert o["overlapped_s"] < modeled + COMPUTE_S / 2, o
-        assert o["serial_s"] >= modeled + COMPUTE_S
-        assert o["in_flight_compute_s"] > 0.8 * COMPUTE_S, o
+        o, rec, srec = out["eager_overlap"], out["eager_overlap"]["rec"], out["eager_overlap"]["serial_rec"]
+        assert rec["kind"] == "all_reduce" and rec["nbytes"] == BIG * 4
+        # the issue returned at once: compute ran while the link was still busy ...
+        assert rec["issue_t"] <= o["compute_start_t"] < rec["modeled_done_t"], o
+        # ... and the wait still returned no earlier than the link's modeled completion
+        assert o["wait_returned_t"] >= rec["modeled_done_t"]
+        # issue + wait first: the compute starts only after the link is done
+        assert o["serial_compute_start_t"] >= srec["modeled_done_t"], o
 
 
 @pytest.mark.timeout(120)
 def test_compiled_functional_collective_overlaps_compute(ranks):
-    modeled = collective_time("all_reduce", BIG * 4, WORLD, LINK)
     for out in ranks:
-        o = out["compiled_overlap"]
+        o, rec = out["compiled_overlap"], out["compiled_overlap"]["rec"]
         assert o["value_ok"]
-        assert o["overlapped_s"] >= modeled
-        assert o["compute_s"] > COMPUTE_S / 3, o  # else the check below has no teeth
-        serial = modeled + o["compute_s"]
-        assert o["overlapped_s"] < serial - 0.5 * min(modeled, o["compute_s"]), o
+        assert rec["kind"] == "all_reduce" and rec["nbytes"] == BIG * 4
+        # inside the compiled graph, the compute after the all_reduce starts while it is in flight
+        assert rec["issue_t"] <= o["compute_start_t"] < rec["modeled_done_t"], o
+        assert rec["done_t"] >= rec["modeled_done_t"]
 
 
 @pytest.mark.timeout(120)
@@ -377,8 +378,10 @@ def test_configured_link_for_new_group(ranks):
 
 @pytest.mark.timeout(120)
 def test_calibration_measures_the_emulated_link(ranks):
-    for out in ranks:
-        c = out["calibrated"]
-        # α also absorbs gloo's own latency and the link thread's wake-up (~0.1 ms each)
-        assert LINK.alpha_s * 0.9 < c["alpha_s"] < LINK.alpha_s * 2, c
-        assert 0.8 < c["bandwidth_bytes_per_s"] / LINK.bandwidth_bytes_per_s < 1.25, c
+    a, b = (LinkProfile(**out["calibrated"]) for out in ranks)
+    assert a == b and a.name == "calibrated-lynx_emulated-2"  # max-reduced times, one fit
+    # The emulated link never completes before its model, and the fit passes through (or, when
+    # noise clamps it, above) the measured points: what lynx calibrates is never faster than the
+    # link it measured. (How close it comes is a timing, measured in bench_measured_costs.py.)
+    for nbytes in CALIBRATION_SIZES:
+        assert collective_time("all_reduce", nbytes, WORLD, a) >= collective_time("all_reduce", nbytes, WORLD, LINK) * (1 - 1e-9)

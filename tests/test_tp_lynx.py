@@ -123,8 +123,6 @@ def test_lynx_tensor_parallel_dropout_replays_rng():
 
 
 def _mismatched_budgets(rank, world):
-    from lynx_compile.distributed.agreement import PlanMismatchError
-
     cfg = CONFIGS["gpt"]
     torch.manual_seed(0)
     model = tensor_parallelize(build_model(cfg), dist.group.WORLD)
