@@ -156,6 +156,15 @@ def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, 
         return compile_fx(gm, example_inputs)
 
 
+def dynamo_passthrough_error() -> type:
+    """``torch._dynamo.exc.ShortenTraceback``: an exception a backend raises that dynamo re-raises
+    as is (any other is wrapped in ``BackendCompilerFailed``, whose message starts with dynamo's
+    text); a subclass must set ``first_useful_frame`` (None: keep the whole traceback)."""
+    from torch._dynamo.exc import ShortenTraceback
+
+    return ShortenTraceback
+
+
 def is_inductor_seeds(node: fx.Node) -> bool:
     """``prims.inductor_seeds``: the one nondeterministic node Inductor's RNG replacement leaves.
 

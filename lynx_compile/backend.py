@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import sys
 import threading
 from typing import Any, Callable
 
@@ -68,7 +69,7 @@ class LynxBackend:
         self._lock = threading.Lock()
         self._warned_breaks = False
         if config.verbose:
-            _log_to_stderr()
+            _log_to_stderr(solver_log=True)
 
     @property
     def plans(self) -> list:
@@ -79,8 +80,8 @@ class LynxBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
         if kwargs.get("options"):
-            raise ValueError("options were bound already; pass them to lynx_compile.backend(...) "
-                             "or to torch.compile(..., backend='lynx', options=...), not both")
+            raise LynxOptionError("options were bound already; pass them to lynx_compile.backend(...) "
+                                  "or to torch.compile(..., backend='lynx', options=...), not both")
         with self._lock:
             record = GraphRecord(graph_id=next(_graph_ids), policy=self.config.policy)
             self.records.append(record)
@@ -170,17 +171,48 @@ class LynxBackend:
         return _compat.boxed(gm)
 
 
-def _log_to_stderr() -> None:
-    """``verbose=True`` / ``LYNX_DEBUG=1``: show lynx's INFO lines (one per graph decision)."""
+class _StderrHandler(logging.StreamHandler):
+    """A handler writing to ``sys.stderr`` as it is at each record, not the object it was when
+    the handler was installed (pytest's capture, a redirect made later). lynx's messages carry
+    their own ``lynx:`` prefix; the format adds none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ / setStream assign it: ignored
+        pass
+
+
+def _log_to_stderr(solver_log: bool = False) -> None:
+    """Show lynx's INFO lines (one per graph decision, MILP progress every few seconds) on
+    stderr; ``solver_log``: also the MILP solver's own log (``lynx_compile.solver`` at DEBUG).
+    ``verbose=True`` / ``LYNX_DEBUG=1`` and ``lynx plan --verbose`` turn both on. Adds one
+    handler, once, unless the application configured its own."""
     log.setLevel(logging.INFO)
+    if solver_log:
+        logging.getLogger("lynx_compile.solver").setLevel(logging.DEBUG)
     if not log.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        log.addHandler(handler)
+        log.addHandler(_StderrHandler())
+
+
+class LynxOptionError(ValueError, _compat.dynamo_passthrough_error()):
+    """A bad lynx option. A ``ValueError``; raised from the backend, dynamo passes it on as is
+    (not wrapped in ``BackendCompilerFailed``), so lynx's message is the one the user reads."""
+
+    def __init__(self, message: str):
+        ValueError.__init__(self, message)
+        self.first_useful_frame = None  # dynamo strips its own frames from the traceback
 
 
 @functools.lru_cache(maxsize=None)
-def _cached_backend(config: LynxConfig) -> LynxBackend:
+def _cached_backend(config: LynxConfig, budget_type: type) -> LynxBackend:
+    # budget_type: memory_budget=1 (bytes) and 1.0 (a fraction) are equal configs to Python
     return LynxBackend(config)
 
 
@@ -189,13 +221,19 @@ def backend(**options: Any) -> LynxBackend:
 
     Identical options return the same backend object, so
     ``lynx_compile.backend(policy="full").records`` also shows what
-    ``torch.compile(m, backend="lynx", options={"policy": "full"})`` decided."""
-    return _cached_backend(make_config(options))
+    ``torch.compile(m, backend="lynx", options={"policy": "full"})`` decided. Options are
+    validated here, before anything compiles: ``LynxOptionError`` (a ``ValueError``) names the
+    option and its valid values."""
+    try:
+        config = make_config(options)
+    except ValueError as e:
+        raise LynxOptionError(str(e)) from None
+    return _cached_backend(config, type(config.memory_budget))
 
 
 def lynx_backend(gm: fx.GraphModule, example_inputs: list, *, options: dict | None = None,
                  **kwargs: Any) -> Callable:
     """Entry point registered as ``lynx`` in ``torch_dynamo_backends``."""
     if kwargs.get("mode") not in (None, "default"):
-        raise ValueError(f"backend 'lynx' takes options=..., not mode={kwargs['mode']!r}")
+        raise LynxOptionError(f"backend 'lynx' takes options=..., not mode={kwargs['mode']!r}")
     return backend(**(options or {}))(gm, example_inputs)

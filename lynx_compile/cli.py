@@ -1,30 +1,61 @@
-"""The ``lynx`` command line: ``lynx plan``, ``lynx demo`` and ``lynx train`` (``simulate``
-arrives with issue F)."""
+"""The ``lynx`` command line: ``lynx plan``, ``lynx demo``, ``lynx simulate`` and ``lynx train``.
+
+Every error is one line on stderr that says what to change, with exit code 2; ``--debug`` (or
+``LYNX_DEBUG=1``) shows the traceback instead."""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
+from lynx_compile.config import BUDGET_FORMS, parse_budget
+
+
+_DESCRIPTION = """lynx: plan activation recomputation (plan), compare policies on a small GPT (demo),
+simulate paper-scale training (simulate), train with tensor / pipeline parallelism (train).
+
+Every error is one line that says what to change, exit code 2; --debug or LYNX_DEBUG=1 shows
+the traceback."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one line (not the usage block) and exit code 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _budget_arg(text: str) -> float | int:
+    try:
+        return parse_budget(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+_BUDGET_HELP = f"peak activation memory allowed: {BUDGET_FORMS}"
+
 
 def _add_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--policy", default="lynx", choices=["lynx", "none", "full", "selective", "torch"])
+    p.add_argument("--policy", default="lynx", choices=["lynx", "none", "full", "selective", "torch"],
+                   help="what to save and recompute: the optimizer (lynx, default), nothing (none), "
+                        "everything but block inputs (full), Megatron's attention core (selective), "
+                        "torch's min-cut (torch)")
     p.add_argument("--solver", default="auto", choices=["auto", "glpk", "highs", "heu"],
                    help="policy lynx: MILP solver (Lynx-OPT) or the block heuristic (heu)")
     p.add_argument("--time-limit", type=float, default=60.0, help="MILP time limit in seconds")
     p.add_argument("--mip-gap", type=float, default=1e-4, help="relative MIP gap")
-    p.add_argument("--memory-budget", type=_budget, default=None,
-                   help="fraction in (0, 1] of the no-recompute peak, or an integer number of bytes")
-    p.add_argument("--cost-source", default="analytic", choices=["analytic", "measured"])
-    p.add_argument("--hardware", default="auto", help="hardware profile for analytic costs")
+    p.add_argument("--memory-budget", type=_budget_arg, default=None, metavar="BUDGET", help=_BUDGET_HELP)
+    p.add_argument("--cost-source", default="analytic", choices=["analytic", "measured"],
+                   help="per-node runtimes: roofline over --hardware (analytic) or run on this machine "
+                        "(measured; not on --device meta)")
+    p.add_argument("--hardware", default="auto",
+                   help="hardware profile for analytic costs: auto, cpu, a100-sxm4-80gb, a100-pcie-80gb, "
+                        "h100-sxm, h200, ascend-910b")
     p.add_argument("--compiler", default="inductor", choices=["inductor", "eager"],
                    help="the compiler the plan is for (a plan file only matches graphs compiled "
                         "with the same one: Inductor's joint passes change the graph)")
-
-
-def _budget(text: str) -> float | int:
-    return int(text) if text.isdigit() else float(text)
 
 
 def _options(args: argparse.Namespace) -> dict:
@@ -33,21 +64,24 @@ def _options(args: argparse.Namespace) -> dict:
             "compiler": args.compiler}
     if args.memory_budget is not None:
         opts["memory_budget"] = args.memory_budget
+    if args.plan is not None:
+        opts["plan"] = args.plan
     return opts
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    import logging
-
     from lynx_compile.backend import _log_to_stderr
 
-    _log_to_stderr()  # solver progress and per-graph decisions
-    logging.getLogger("lynx_compile").handlers[0].setFormatter(logging.Formatter("%(message)s"))
+    _log_to_stderr(solver_log=args.verbose)  # per-graph decisions, MILP progress; --verbose: solver log
 
+    from lynx_compile.config import make_config
     from lynx_compile.models import example_batch, load_model_spec, num_parameters, PRESETS
     from lynx_compile.planning import plan_model
     from lynx_compile.report import human_bytes, markdown_table
 
+    make_config(_options(args))  # bad options and plan files fail before the model is built
+    if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        raise ValueError(f"--out {args.out}: its directory does not exist; create it or write elsewhere")
     device = args.device
     if device == "auto":
         big = args.model in PRESETS and num_parameters(PRESETS[args.model]) > 2e8
@@ -100,7 +134,7 @@ def _build_on(spec: str, device: str, overrides: dict):
     from lynx_compile.models import PRESETS, build_model
 
     if spec not in PRESETS:
-        raise SystemExit(f"--device {device} needs a preset name, got {spec!r}")
+        raise ValueError(f"--device {device} needs a preset name, got {spec!r}; presets: {sorted(PRESETS)}")
     return build_model(spec, device=device, **overrides)
 
 
@@ -123,39 +157,57 @@ def _say(msg: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lynx", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("plan", help="print what each block saves and recomputes, and the predicted memory")
+    from lynx_compile.sim.scale import CLUSTERS, STRATEGIES
+
+    parser = _Parser(prog="lynx", description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true", help="on an error, show the traceback (also LYNX_DEBUG=1)")
+    debug = _Parser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="on an error, show the traceback (also LYNX_DEBUG=1)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,demo,simulate,train}")
+    p = sub.add_parser("plan", parents=[debug],
+                       help="print what each block saves and recomputes, and the predicted memory")
     p.add_argument("--model", default="gpt-small", help="a preset (e.g. gpt-small, gpt-1.3b) or module:callable")
-    p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=2, help="sequences in the example batch")
+    p.add_argument("--seq-len", type=int, default=None, help="override the preset's sequence length")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "meta"],
                    help="meta plans without allocating (analytic costs only); auto = meta for big presets")
-    p.add_argument("--out", default=None, help="write the plan(s) as JSON")
-    p.add_argument("-v", "--verbose", action="store_true", help="list saved and recomputed node names")
+    p.add_argument("--out", default=None, metavar="PATH", help="write the plan(s) as JSON")
+    p.add_argument("--plan", default=None, metavar="PATH",
+                   help="reuse the decisions of a plan written by --out (policy lynx; its graph hash "
+                        "must match) instead of solving")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="list saved and recomputed node names, and show the MILP solver's log")
     _add_options(p)
     p.set_defaults(func=cmd_plan)
-    d = sub.add_parser("demo", help="train a small GPT on CPU under every policy and compare with eager")
-    d.add_argument("--model", default="gpt-small")
-    d.add_argument("--steps", type=int, default=4)
-    d.add_argument("--batch-size", type=int, default=4)
+    d = sub.add_parser("demo", parents=[debug],
+                       help="train a small GPT on CPU under every policy and compare with eager")
+    d.add_argument("--model", default="gpt-small", help="a preset (e.g. gpt-tiny, gpt-small)")
+    d.add_argument("--steps", type=int, default=4, help="AdamW steps per policy")
+    d.add_argument("--batch-size", type=int, default=4, help="sequences per step")
     d.set_defaults(func=cmd_demo)
-    s = sub.add_parser("simulate", help="simulate one training iteration of a paper-scale GPT on a modeled cluster")
+    s = sub.add_parser("simulate", parents=[debug],
+                       help="simulate one training iteration of a paper-scale GPT on a modeled cluster")
     s.add_argument("--model", default="gpt-13b", help="a GPT preset (gpt-1.3b ... gpt-23b)")
-    s.add_argument("--cluster", default="a100-nvlink-8", help="a100-nvlink-8, a100-pcie-8, ascend-910b-8, a100-nvlink-32")
-    s.add_argument("--tp", type=int, default=8)
-    s.add_argument("--pp", type=int, default=1)
-    s.add_argument("--microbatch", type=int, default=1)
+    s.add_argument("--cluster", default="a100-nvlink-8", choices=list(CLUSTERS), help="the modeled cluster")
+    s.add_argument("--tp", type=int, default=8, help="tensor-parallel degree")
+    s.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (stages)")
+    s.add_argument("--microbatch", type=int, default=1, help="sequences per micro-batch")
     s.add_argument("--global-batch", type=int, default=128, help="sequences per iteration")
-    s.add_argument("--strategy", default="all", help="one of lynx_compile.sim.scale.STRATEGIES, or all")
+    s.add_argument("--strategy", default="all", choices=["all", *STRATEGIES],
+                   help="the recompute strategy to simulate, or all of them")
     s.add_argument("--trace", default=None, metavar="PATH", help="Chrome trace JSON of the (last) strategy")
     s.add_argument("--gantt", default=None, metavar="PATH", help="Gantt chart PNG of the (last) strategy")
     s.add_argument("--json", default=None, metavar="PATH", help="write the outcomes as JSON")
     s.set_defaults(func=cmd_simulate)
-    t = sub.add_parser("train", help="tensor-parallel training (run under torchrun for --tp > 1)")
+    t = sub.add_parser("train", parents=[debug],
+                       help="tensor-parallel training (run under torchrun for --tp > 1)")
     from lynx_compile.train import add_train_arguments
 
     add_train_arguments(t)
+    for action in t._actions:  # budgets read as by `lynx plan` (train.py's own parser: a bare int is bytes)
+        if "--memory-budget" in action.option_strings:
+            action.type, action.metavar, action.help = _budget_arg, "BUDGET", _BUDGET_HELP
     t.set_defaults(func=cmd_train)
     return parser
 
@@ -169,15 +221,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     from lynx_compile.sim.scale import CLUSTERS, STRATEGIES, Layout, evaluate
 
-    if args.cluster not in CLUSTERS:
-        raise ValueError(f"unknown cluster {args.cluster!r}; choose one of {list(CLUSTERS)}")
-    strategies = STRATEGIES if args.strategy == "all" else (args.strategy,)
-    if any(s not in STRATEGIES for s in strategies):
-        raise ValueError(f"unknown strategy {args.strategy!r}; choose 'all' or one of {list(STRATEGIES)}")
+    strategies = STRATEGIES if args.strategy == "all" else (args.strategy,)  # argparse checked both
     cluster = CLUSTERS[args.cluster]
     devices = args.tp * args.pp
     if devices > cluster.devices or cluster.devices % devices:
-        raise ValueError(f"tp x pp = {devices} must divide the {cluster.devices} devices of {cluster.name}")
+        raise ValueError(f"--tp x --pp = {devices} must divide the {cluster.devices} devices of "
+                         f"{cluster.name}; choose --tp and --pp whose product divides {cluster.devices}")
     layout = Layout(tp=args.tp, pp=args.pp, dp=cluster.devices // devices, microbatch=args.microbatch,
                     global_batch=args.global_batch)
     from lynx_compile.sim.profile import profile_layer
@@ -222,11 +271,47 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    debug = getattr(args, "debug", False) or os.environ.get("LYNX_DEBUG", "") not in ("", "0")
     try:
         return args.func(args)
-    except ValueError as e:  # bad options, budgets, model specs: one clear line, no traceback
-        print(f"lynx: error: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("lynx: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - every error is one line with the fix (--debug: traceback)
+        if debug:
+            raise
+        print(f"lynx: error: {_one_line(e)}", file=sys.stderr)
         return 2
+
+
+def _one_line(e: BaseException) -> str:
+    """``e`` on one line: lynx's own error (a ``ValueError`` raised by lynx's code, found under
+    dynamo's wrappers) as its message, which says what to change; anything else with its type
+    and the way to see more."""
+    mine = _lynx_error(e)
+    text = " ".join(str(mine or e).split())
+    text = text.split(" Set TORCHDYNAMO_VERBOSE=1")[0]  # dynamo's suffix on errors passed through it
+    if mine is not None:
+        return text
+    return f"{type(e).__name__}: {text} (run with --debug for the traceback)"
+
+
+def _lynx_error(e: BaseException | None) -> BaseException | None:
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, ValueError) and _raised_in_lynx(e):
+            return e
+        e = getattr(e, "inner_exception", None) or e.__cause__ or (
+            None if e.__suppress_context__ else e.__context__)
+    return None
+
+
+def _raised_in_lynx(e: BaseException) -> bool:
+    tb, module = e.__traceback__, ""
+    while tb is not None:
+        module, tb = tb.tb_frame.f_globals.get("__name__", ""), tb.tb_next
+    return module.startswith("lynx_compile") or module == "__main__"
 
 
 if __name__ == "__main__":

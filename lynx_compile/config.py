@@ -6,7 +6,10 @@ never silently fall back to a default.
 from __future__ import annotations
 
 import dataclasses
+import json
+import numbers
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -123,7 +126,8 @@ class LynxConfig:
     ``compiler`` is not given, ``eager`` is chosen."""
 
     disable_passes: tuple[str, ...] = ()
-    """Names of passes to skip (see ``lynx_compile.passes.PIPELINE``)."""
+    """Names of passes to skip (any pass of the ``*_PIPELINE`` tuples in ``lynx_compile.passes``;
+    an unknown name is an error)."""
 
     trace_recompute: bool = False
     """Wrap each run of recomputed backward ops in a ``torch.profiler`` range
@@ -148,7 +152,8 @@ def _choices(name: str) -> tuple[str, ...]:
 
 def make_config(options: dict[str, Any] | None = None) -> LynxConfig:
     """Validate ``options`` and return the frozen config. Raises ``ValueError`` on any bad key
-    or value, naming the valid ones."""
+    or value, naming the option and what is valid (``lynx_compile.backend(...)`` calls this
+    before anything is compiled)."""
     options = dict(options or {})
     valid = [f.name for f in dataclasses.fields(LynxConfig)]
     unknown = sorted(set(options) - set(valid))
@@ -158,21 +163,14 @@ def make_config(options: dict[str, Any] | None = None) -> LynxConfig:
         if key in options and options[key] not in _choices(key):
             value = options[key]
             raise ValueError(f"{key}={value!r} is not valid; choose one of {list(_choices(key))}")
+    _check_types(options)
     if "memory_budget" in options:
         options["memory_budget"] = _check_budget(options["memory_budget"])
     if "disable_passes" in options:
-        options["disable_passes"] = tuple(options["disable_passes"])
-    if "measure_repeats" in options and int(options["measure_repeats"]) < 1:
-        raise ValueError("measure_repeats must be >= 1")
-    if "time_limit_s" in options and not float(options["time_limit_s"]) > 0:
-        raise ValueError("time_limit_s must be > 0 seconds")
-    if "mip_gap" in options and not 0 <= float(options["mip_gap"]) < 1:
-        raise ValueError("mip_gap must lie in [0, 1)")
+        options["disable_passes"] = _check_passes(options["disable_passes"])
     if options.get("plan") is not None:
-        import os
-
-        if not os.path.isfile(options["plan"]):
-            raise ValueError(f"plan={options['plan']!r}: no such file; write one with `lynx plan --out`")
+        check_plan_file(options["plan"], "plan")
+    _check_solver_installed(options)
     needs_eager = [k for k in ("side_stream", "recompute_in_wait", "trace_recompute") if options.get(k)]
     if needs_eager and "compiler" not in options:
         options["compiler"] = "eager"  # documented: these run the backward graph in pieces
@@ -185,8 +183,6 @@ def make_config(options: dict[str, Any] | None = None) -> LynxConfig:
     if options.get("side_stream") and options.get("compiler") == "inductor":
         raise ValueError("side_stream=True runs the backward in pieces on two streams and needs "
                          "compiler='eager'; drop one of the two")
-    if int(options.get("side_stream_extra_bytes", 0)) < 0:
-        raise ValueError("side_stream_extra_bytes must be >= 0 bytes")
     if options.get("side_stream") and options.get("recompute_in_wait"):
         raise ValueError("side_stream=True and recompute_in_wait=True both take over the backward's "
                          "recompute; choose one")
@@ -205,6 +201,111 @@ def make_config(options: dict[str, Any] | None = None) -> LynxConfig:
         if options["hardware"] not in names:
             raise ValueError(f"hardware={options['hardware']!r} is not valid; choose one of {names}")
     return LynxConfig(**options)
+
+
+_BOOLS = ("plan_cache", "windows", "recompute_in_wait", "side_stream", "check_plan_agreement",
+          "trace_recompute", "verbose")
+
+
+def _check_types(options: dict[str, Any]) -> None:
+    """Plain-typed options: a wrong type is named here, not deep inside a compile."""
+    for key in _BOOLS:
+        if key in options and not isinstance(options[key], bool):
+            raise ValueError(f"{key}={options[key]!r} is not valid; choose True or False")
+    for key, lo, what in (("time_limit_s", 0.0, "a number of seconds > 0"),
+                          ("mip_gap", 0.0, "a relative gap in [0, 1)")):
+        if key not in options:
+            continue
+        value = options[key]
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        if not ok or not (value > lo if key == "time_limit_s" else lo <= value < 1):
+            raise ValueError(f"{key}={value!r} is not valid; use {what}")
+        options[key] = float(value)
+    for key, lo, none_ok in (("measure_repeats", 1, False), ("side_stream_extra_bytes", 0, False),
+                             ("recompute_in_wait_bytes", 0, True)):
+        if key not in options or (none_ok and options[key] is None):
+            continue
+        value = options[key]
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
+            unit = "bytes" if key.endswith("bytes") else "repeats"
+            raise ValueError(f"{key}={value!r} is not valid; use an int >= {lo} ({unit})"
+                             + (" or None" if none_ok else ""))
+        options[key] = int(value)
+    for key in ("plan", "dump_dir"):
+        if options.get(key) is not None and not isinstance(options[key], (str, os.PathLike)):
+            raise ValueError(f"{key}={options[key]!r} is not valid; use a path (str) or None")
+        if options.get(key) is not None:
+            options[key] = os.fspath(options[key])
+
+
+def _check_passes(names: Any) -> tuple[str, ...]:
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"disable_passes={names!r} is not valid; use a tuple of pass names")
+    from lynx_compile import passes
+
+    known = [p.__name__ for attr in dir(passes) if attr.endswith("_PIPELINE")
+             for p in getattr(passes, attr)]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"disable_passes: unknown pass(es) {unknown}; passes are {known}")
+    return tuple(names)
+
+
+def _check_solver_installed(options: dict[str, Any]) -> None:
+    """A MILP solver asked for by name must be installed when the optimizer will run."""
+    if options.get("policy", "lynx") != "lynx" or options.get("solver") not in ("highs", "glpk"):
+        return
+    from lynx_compile.remat.milp_solvers import require_solver
+
+    try:
+        require_solver(options["solver"])
+    except RuntimeError as e:
+        raise ValueError(f"solver={options['solver']!r}: {e}; or use solver='auto' or 'heu'") from None
+
+
+def check_plan_file(path: str, what: str = "plan") -> list[dict[str, Any]]:
+    """The plans in the JSON file ``path`` (written by ``lynx plan --out``). ``ValueError``
+    naming the file (and ``what`` named it: an option or a flag) when it is missing, not JSON,
+    or not a list of plans."""
+    fix = f"write one with `lynx plan --policy lynx ... --out {path}`"
+    if not os.path.isfile(path):
+        raise ValueError(f"{what}={path!r}: no such file; {fix}")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{what}={path!r} is not a lynx plan file ({type(e).__name__}: {e}); {fix}") from None
+    plans = data if isinstance(data, list) else [data]
+    if not plans or not all(isinstance(p, dict) and "graph_hash" in p for p in plans):
+        raise ValueError(f"{what}={path!r} is not a lynx plan file (expected a plan or a list of plans, "
+                         f"each with a 'graph_hash'); {fix}")
+    return plans
+
+
+BUDGET_FORMS = ("a fraction of the no-recompute peak in (0, 1] (e.g. 0.5), or bytes with a unit "
+                "(e.g. 48MiB, 2GiB, 512KB, 1000000B)")
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_BUDGET_RE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*")
+
+
+def parse_budget(text: str) -> float | int:
+    """A memory budget written by a person (command line): ``"0.5"`` → 0.5 (a fraction, float),
+    ``"48MiB"`` → 50331648 (bytes, int). Anything else — a bare number above 1 included
+    (``"2"`` is never meant as 2 bytes) — is a ``ValueError`` naming the accepted forms."""
+    m = _BUDGET_RE.fullmatch(text)
+    unit = m.group(2).lower() if m else ""
+    if m and not unit:
+        value = float(m.group(1))
+        if 0.0 < value <= 1.0:
+            return value
+        raise ValueError(f"memory budget {text!r} is not a fraction in (0, 1] (bytes need a unit); "
+                         f"use {BUDGET_FORMS}")
+    if m and unit in _UNITS:
+        nbytes = int(round(float(m.group(1)) * _UNITS[unit]))
+        if nbytes > 0:
+            return nbytes
+    raise ValueError(f"memory budget {text!r} is not understood; use {BUDGET_FORMS}")
 
 
 def _check_budget(budget: Any) -> float | int | None:

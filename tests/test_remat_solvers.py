@@ -3,6 +3,7 @@ optima, the MILP against the evaluator on random problems, time limits, solver s
 
 Toy conventions: bytes small enough for mental arithmetic, times in ms; forward event i
 produces unit i; a unit's backward need interval is [need_start, need_end]."""
+import logging
 import shutil
 
 import pyomo.environ as pyo
@@ -216,12 +217,15 @@ def test_pick_solver():
 
 
 @pytest.mark.parametrize("solver,marker", [("highs", "HiGHS"), ("glpk", "GLPSOL")])
-def test_progress_receives_solver_lines(solver, marker):
+def test_progress_gets_lynx_lines_and_the_solver_log_goes_to_its_logger(solver, marker, caplog):
     lines = []
-    solve_milp(three_units(), 14, solver=solver, progress=lines.append)
+    with caplog.at_level(logging.DEBUG, logger="lynx_compile.solver"):
+        solve_milp(three_units(), 14, solver=solver, progress=lines.append)
     assert lines[0].startswith(f"lynx-opt[{solver}]: ") and "binaries" in lines[0]
     assert lines[-1].startswith(f"lynx-opt[{solver}]: optimal")
-    assert any(marker in line for line in lines[1:-1])
+    assert all(line.startswith(f"lynx-opt[{solver}]: ") for line in lines)  # never the solver's own log
+    solver_log = [r.getMessage() for r in caplog.records if r.name == "lynx_compile.solver"]
+    assert any(marker in line for line in solver_log)
 
 
 def test_tie_break_prefers_less_memory():

@@ -1,5 +1,7 @@
 """Which MILP solver, and running a Pyomo model on it (HiGHS through Pyomo's highspy interface,
-GLPK through ``glpsol``), with time limit, relative gap and solver output streamed to a callable.
+GLPK through ``glpsol``), with time limit and relative gap. While it runs, a progress line
+(elapsed, incumbent, bound, gap) goes to a callable every ``PROGRESS_EVERY_S``; the solver's own
+log goes to the ``lynx_compile.solver`` logger at DEBUG, once, and nowhere else.
 
 HiGHS is preferred: on ``synthetic.compare_solvers`` problems (4 blocks, 324-708 binaries,
 budgets 0.6-0.8 of the reference peak; 2-core CPU) HiGHS proved optimality in 0.2-24 s in most
@@ -15,8 +17,11 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import logging
 import math
+import re
 import shutil
+import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -77,6 +82,42 @@ class Outcome:
     notes: tuple[str, ...] = ()
 
 
+SOLVER_LOG = logging.getLogger("lynx_compile.solver")
+"""The MILP solvers' own log, one record per line at DEBUG: shown by ``lynx plan --verbose`` and
+``verbose=True`` (``backend._log_to_stderr(solver_log=True)``), never otherwise."""
+PROGRESS_EVERY_S = 5.0
+"""Seconds between two progress lines of one MILP solve."""
+
+
+class _Progress:
+    """Progress lines of one solve, at most one per ``PROGRESS_EVERY_S``: elapsed time, the
+    incumbent objective, the bound and the relative gap as last reported by the solver (the
+    objective is ``milp.build_model``'s: exposed recompute time / total recompute time, plus a
+    1e-6 tie-break). ``update`` is called from the solver's callbacks, any number of times."""
+
+    def __init__(self, name: str, fn: Callable[[str], None] | None):
+        self.name, self.fn = name, fn
+        self.start = self.last = time.perf_counter()
+        self.incumbent, self.bound, self.gap, self.extra = "none yet", "none yet", "-", ""
+
+    def update(self, incumbent: str | None = None, bound: str | None = None, gap: str | None = None,
+               extra: str | None = None) -> None:
+        self.incumbent = incumbent or self.incumbent
+        self.bound = bound or self.bound
+        self.gap = gap or self.gap
+        self.extra = self.extra if extra is None else extra
+        now = time.perf_counter()
+        if self.fn is None or now - self.last < PROGRESS_EVERY_S:
+            return
+        self.last = now
+        self.fn(f"lynx-opt[{self.name}]: {now - self.start:.0f} s, incumbent {self.incumbent}, "
+                f"bound {self.bound}, gap {self.gap}{self.extra}")
+
+
+def _num(x: float | None) -> str | None:
+    return None if x is None or not math.isfinite(x) or abs(x) >= 1e30 else f"{x:.6g}"
+
+
 class _Lines(io.TextIOBase):
     """A text stream calling ``fn`` once per non-empty line written to it."""
 
@@ -98,21 +139,76 @@ class _Lines(io.TextIOBase):
 def run_solver(M, name: str, time_limit_s: float, mip_gap: float,
                progress: Callable[[str], None] | None) -> Outcome:
     """Solve ``M`` (minimization) with ``name``; values are loaded into ``M`` unless infeasible.
+    ``progress`` gets a line every ``PROGRESS_EVERY_S`` while the solver runs (elapsed,
+    incumbent, bound, gap); the solver's own log goes to ``SOLVER_LOG`` (DEBUG) and nowhere else.
     RuntimeError when the solver fails or stops without an incumbent."""
-    return (_run_highs if name == "highs" else _run_glpk)(M, time_limit_s, mip_gap, progress)
+    return (_run_highs if name == "highs" else _run_glpk)(M, time_limit_s, mip_gap, _Progress(name, progress))
 
 
-def _run_highs(M, time_limit_s, mip_gap, progress) -> Outcome:
+@contextlib.contextmanager
+def _pyomo_capture_off():
+    """Pyomo's HiGHS interface runs the solver inside ``pyomo.common.tee.capture_output``, which
+    redirects the process's stdout/stderr file descriptors into a pipe read by a thread. A
+    logging handler that writes to stderr from inside the solve writes into that pipe, whose
+    reader hands the line back to the handler: the loop seen as ``lynx: lynx: lynx: ...`` lines
+    and ``TeeStream: deadlock observed joining reader threads``. HiGHS's output reaches lynx
+    through HiGHS callbacks instead, and the capture is off (Pyomo's documented
+    ``OVERRIDE_CAPTURE_OUTPUT = CaptureOutputMode.DISABLE``) while lynx solves."""
+    from pyomo.common import tee
+
+    mode = getattr(tee, "CaptureOutputMode", None)
+    if mode is None or not hasattr(tee, "OVERRIDE_CAPTURE_OUTPUT"):  # older Pyomo: capture stays on
+        yield                                                         # (HiGHS still prints nothing)
+        return
+    old, tee.OVERRIDE_CAPTURE_OUTPUT = tee.OVERRIDE_CAPTURE_OUTPUT, mode.DISABLE
+    try:
+        yield
+    finally:
+        tee.OVERRIDE_CAPTURE_OUTPUT = old
+
+
+def _highs_callbacks(h, progress: _Progress) -> None:
+    """Every HiGHS log line to ``SOLVER_LOG``; incumbent, bound and gap from the MIP callbacks
+    (HiGHS calls the interrupt callback thousands of times a second; ``_Progress`` keeps one
+    line per period, and log lines keep it ticking through presolve and the root LP)."""
+
+    def on_log(e) -> None:
+        for line in e.message.splitlines():
+            if line.strip():
+                SOLVER_LOG.debug("%s", line.rstrip())
+        progress.update()
+
+    def on_mip(e) -> None:
+        d = e.data_out
+        gap = _num(d.mip_gap)
+        progress.update(_num(d.mip_primal_bound), _num(d.mip_dual_bound),
+                        None if gap is None else f"{100 * d.mip_gap:.3g} %", f", {int(d.mip_node_count)} nodes")
+
+    h.cbLogging.subscribe(on_log)
+    if progress.fn is not None:
+        h.cbMipInterrupt.subscribe(on_mip)
+        h.cbMipImprovingSolution.subscribe(on_mip)
+
+
+def _run_highs(M, time_limit_s, mip_gap, progress: _Progress) -> Outcome:
     # abs_gap 1e-7: exposed time is resolved to 1e-7 of the total recompute time, the 1e-6
     # tie-break (milp.TIE_BREAK) to 10% of its range; 1e-9 made HiGHS chase the tie-break for
     # tens of seconds on zero-exposure plans.
     from pyomo.contrib.solver.common.results import SolutionStatus, TerminationCondition as TC
     from pyomo.contrib.solver.solvers.highs import Highs
 
-    res = Highs().solve(M, tee=[_Lines(progress)] if progress else [], time_limit=time_limit_s,
-                        rel_gap=mip_gap, abs_gap=1e-7, load_solutions=False,
+    opt = Highs()
+    # builds the highspy model (its banner goes to Pyomo's capture), so that callbacks can be
+    # attached before the solve; nothing of lynx's logs while it runs
+    opt.set_instance(M)
+    h = getattr(opt, "_solver_model", None)   # Pyomo's highspy.Highs (no public accessor)
+    if h is not None and hasattr(h, "cbMipInterrupt"):
+        _highs_callbacks(h, progress)
+    with _pyomo_capture_off():
+        # log_to_console False: HiGHS prints nothing itself (its log comes through on_log)
+        res = opt.solve(M, time_limit=time_limit_s, rel_gap=mip_gap, abs_gap=1e-7, load_solutions=False,
                         raise_exception_on_nonoptimal_result=False,
-                        solver_options={"mip_feasibility_tolerance": 1e-9})
+                        solver_options={"mip_feasibility_tolerance": 1e-9, "log_to_console": False})
     tc = res.termination_condition
     if tc in (TC.provenInfeasible, TC.infeasibleOrUnbounded):
         return Outcome("infeasible")
@@ -129,16 +225,37 @@ def _run_highs(M, time_limit_s, mip_gap, progress) -> Outcome:
                                      f"incumbent; relative gap {gap if gap is not None else 'unknown'}",))
 
 
-def _run_glpk(M, time_limit_s, mip_gap, progress) -> Outcome:
+# glpsol's branch-and-bound lines: "+   305: mip =   1.0e+00 >=   6.0e-01  40.0% (12; 0)", with
+# ">>>>>" in place of "mip =" when the incumbent improved, "not found yet" before the first one
+# and "tree is empty" as the bound at the end.
+_GLPK_MIP = re.compile(r"\+\s*\d+:\s*(?:mip\s*=|>>>>>)\s*(not found yet|\S+)\s*>=\s*(tree is empty|\S+)\s*(\S+%)?")
+
+
+def _float(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def _run_glpk(M, time_limit_s, mip_gap, progress: _Progress) -> Outcome:
     import pyomo.environ as pyo
     from pyomo.opt import TerminationCondition as TC
+
+    def on_line(line: str) -> None:
+        SOLVER_LOG.debug("%s", line)
+        m = _GLPK_MIP.match(line.strip())
+        if m:
+            inc = _num(_float(m.group(1)))
+            bound = inc if m.group(2) == "tree is empty" else _num(_float(m.group(2)))
+            progress.update(inc, bound, m.group(3) and m.group(3).replace("%", " %"))
 
     opt = pyo.SolverFactory("glpk")
     opt.options["tmlim"] = max(1, math.ceil(time_limit_s))   # glpsol takes whole seconds
     opt.options["mipgap"] = mip_gap
-    sink = contextlib.redirect_stdout(_Lines(progress)) if progress else contextlib.nullcontext()
-    with sink:
-        res = opt.solve(M, tee=progress is not None, load_solutions=False)
+    # glpsol is a subprocess; Pyomo tees its output to sys.stdout (no file-descriptor capture)
+    with contextlib.redirect_stdout(_Lines(on_line)):
+        res = opt.solve(M, tee=True, load_solutions=False)
     tc = res.solver.termination_condition
     if tc in (TC.infeasible, TC.infeasibleOrUnbounded):
         return Outcome("infeasible")

@@ -23,7 +23,10 @@ def solve_remat(problem: RematProblem, budget_bytes: int, *, solver: str = "auto
 
     ``solver``: "auto" (HiGHS, else GLPK, else HEU with a warning), "highs", "glpk" (missing:
     RuntimeError with the install command) or "heu". ``time_limit_s``/``mip_gap`` go to the MILP;
-    ``progress`` receives solver log lines. Raises ``InfeasibleBudget`` when nothing fits."""
+    ``progress`` receives a few lines: the model's size, during a MILP solve one line every
+    ``milp_solvers.PROGRESS_EVERY_S`` (elapsed, incumbent, bound, gap), and the result. The
+    solver's own log goes to the ``lynx_compile.solver`` logger (DEBUG), never to ``progress``.
+    Raises ``InfeasibleBudget`` when nothing fits."""
     choice = pick_solver(solver)
     if choice.name == "heu":
         if solver == "auto":
