@@ -59,6 +59,19 @@ def default_partition(joint_gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_ou
     )
 
 
+def canonicalize_joint(joint_gm: fx.GraphModule) -> fx.GraphModule:
+    """Dead code out and common subexpressions merged (``functorch.config.cse``), in place:
+    what torch's min-cut partitioner does to the joint graph on every call. Done once before
+    any decision, so every decision names nodes every later partition still has."""
+    from torch._functorch.compile_utils import fx_graph_cse
+
+    joint_gm.graph.eliminate_dead_code()
+    if _functorch_config.cse:
+        joint_gm.graph = fx_graph_cse(joint_gm.graph)
+    joint_gm.recompile()
+    return joint_gm
+
+
 def min_cut_partition(joint_gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
                       static_lifetime_input_indices: list[int] | None = None,
                       memory_budget: float = 1.0, compiler: str = "inductor"):

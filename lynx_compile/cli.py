@@ -118,10 +118,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
               f"({plan.peak_fraction:.2f} of no-recompute {human_bytes(plan.reference_peak_bytes)}, "
               f"at {plan.peak_at})   recompute time: {plan.recompute_s * 1e3:.3f} ms")
         if plan.policy == "lynx":
-            counts = {}
-            for d in plan.decisions.values():
-                kind = d.split(":")[0]
-                counts[kind] = counts.get(kind, 0) + 1
+            counts = {k: v for k, v in plan.decisions.counts().items() if v}
             print(f"solver: {plan.solver} ({plan.solver_status})   plan time: {plan.plan_time_s:.3f} s   "
                   f"exposed recompute: {plan.exposed_s * 1e3:.3f} ms   tensors: "
                   + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))

@@ -1,13 +1,16 @@
 """``RecomputePlan``: what one compiled graph saves and recomputes, as plain data.
 
-Keyed by node *names*, frozen, JSON-serializable: the CLI prints it, tests compare it, and
-issue B's optimizer emits the same type (adding window placement).
+Keyed by node *names*, frozen, JSON-serializable: the CLI prints it, tests compare it, plan
+files store it. Built from the applied ``Decisions`` record (``lynx_compile.decisions``) and the
+exact simulation of the graphs it produced.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+
+from lynx_compile.decisions import Decisions
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,8 +53,9 @@ class RecomputePlan:
     reference_peak_bytes: int = 0
     budget_bytes: int | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
-    decisions: dict[str, str] = field(default_factory=dict)
-    """policy "lynx": unit (forward op) name → "keep" | "demand" | "window:<w>" | "none"."""
+    decisions: Decisions = field(default_factory=lambda: Decisions(policy="none"))
+    """Per unit (forward op): ``Keep()`` / ``Demand()`` / ``Window(collective)``, as the policy
+    decided (every policy; for ``torch``, read back from its min-cut partition)."""
     solver: str = ""
     solver_status: str = ""
     exposed_s: float = 0.0
@@ -62,7 +66,7 @@ class RecomputePlan:
     """Time inside the solver(s) alone."""
     block_ops: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
     """policy "lynx": per block path, its forward aten ops in order with each op's decision
-    ("keep" / "demand" / "window:<w>" / "none"); what ``lynx_compile.sac`` exports."""
+    ("keep" / "demand" / "window:<collective>"); what ``lynx_compile.sac`` exports."""
 
     @property
     def peak_fraction(self) -> float:
@@ -70,7 +74,9 @@ class RecomputePlan:
         return self.peak_bytes / self.reference_peak_bytes if self.reference_peak_bytes else 1.0
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(replace(self, decisions=Decisions(policy=self.policy)))
+        out["decisions"] = self.decisions.to_dict()
+        return out
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -84,7 +90,8 @@ class RecomputePlan:
             BlockSummary(**{**b, "saved": tuple(b["saved"]), "recomputed": tuple(b["recomputed"])})
             for b in data.get("blocks", ()))
         data["notes"] = tuple(data.get("notes", ()))
-        data["decisions"] = dict(data.get("decisions", {}))
+        data["decisions"] = Decisions.from_dict(data["decisions"]) if data.get("decisions") else \
+            Decisions(policy=data.get("policy", "none"))
         data["block_ops"] = {k: [tuple(x) for x in v] for k, v in data.get("block_ops", {}).items()}
         return cls(**data)
 

@@ -30,6 +30,8 @@ from typing import Callable
 
 import torch
 
+from lynx_compile.train_setup import backend_options, batches_from_args, local_device, model_from_args
+
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gpt-small", help="zoo preset (gpt-*/llama-*)")
@@ -96,12 +98,6 @@ class TrainResult:
     """Steps whose times enter the median: after the compile step, before the traced ones."""
 
 
-def _device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
-
-
 def init_distributed(args: argparse.Namespace) -> tuple[int, int]:
     """Join the process group torchrun set up (env:// rendezvous); (rank, world_size)."""
     import torch.distributed as dist
@@ -115,8 +111,8 @@ def init_distributed(args: argparse.Namespace) -> tuple[int, int]:
                              f"`torchrun --nproc-per-node {n} -m lynx_compile.train ...`")
         return 0, 1
     timeout = datetime.timedelta(seconds=args.timeout)
-    if _device().type == "cuda":
-        torch.cuda.set_device(_device())
+    if local_device().type == "cuda":
+        torch.cuda.set_device(local_device())
         backend = "nccl"
     elif args.emulate_link:
         from lynx_compile.distributed.emulated_link import BACKEND_NAME, configure_emulated_link, parse_link
@@ -127,38 +123,6 @@ def init_distributed(args: argparse.Namespace) -> tuple[int, int]:
         backend = "gloo"
     dist.init_process_group(backend, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
-
-
-def _batches(args: argparse.Namespace, config, device: torch.device) -> list[torch.Tensor]:
-    from lynx_compile.models import example_batch
-
-    g = torch.Generator().manual_seed(args.seed + 1)
-    return [example_batch(config, args.batch_size, generator=g).to(device) for _ in range(args.steps)]
-
-
-def _build(args: argparse.Namespace, device: torch.device):
-    from lynx_compile.models import build_model
-
-    overrides = {}
-    if args.seq_len is not None:
-        overrides["seq_len"] = args.seq_len
-    if args.dropout is not None:
-        overrides["dropout"] = args.dropout
-    torch.manual_seed(args.seed)
-    return build_model(args.model, device=device, **overrides)
-
-
-def _options(args: argparse.Namespace) -> dict:
-    opts = {"policy": args.policy, "solver": args.solver, "time_limit_s": args.time_limit,
-            "link": args.link, "hardware": args.hardware, "plan_cache": False,
-            "cost_source": args.cost_source,
-            "trace_recompute": bool(args.trace), "windows": not args.no_windows,
-            "fuse_kernels": args.fuse_kernels, "side_stream": args.side_stream}
-    if args.memory_budget is not None:
-        opts["memory_budget"] = args.memory_budget
-    if args.compiler is not None:
-        opts["compiler"] = args.compiler
-    return opts
 
 
 def _peak_meter(device: torch.device):
@@ -189,7 +153,7 @@ def _parallelize(model, args: argparse.Namespace, world: int):
 
         if args.sp:
             raise SystemExit("lynx train: --sp is supported with --tp-impl megatron")
-        mesh = init_device_mesh(_device().type, (world,))
+        mesh = init_device_mesh(local_device().type, (world,))
         return dtensor_parallelize(model, mesh), None
     from lynx_compile.distributed.tensor_parallel import tensor_parallelize
 
@@ -212,17 +176,17 @@ def train(args: argparse.Namespace, *, on_step: Callable[[int], None] | None = N
     if args.tp is not None and args.tp != world:
         raise SystemExit(f"lynx train: --tp {args.tp} but {world} processes; this launcher runs "
                          f"tensor parallelism only, so --tp must equal --nproc-per-node")
-    device = _device()
+    device = local_device()
     torch.set_num_threads(max(1, torch.get_num_threads() if world == 1 else
                               (os.cpu_count() or world) // world))
-    model = _build(args, device)
-    batches = _batches(args, model.config, device)
+    model = model_from_args(args, device)
+    batches = batches_from_args(args, model.config, device)
     model, group = _parallelize(model, args, world)
     backend = None
     if args.policy == "eager":
         step_model = model
     else:
-        backend = lynx_compile.backend(**_options(args))
+        backend = lynx_compile.backend(**backend_options(args))
         step_model = torch.compile(model, backend=backend)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     reset, read, method = _peak_meter(device)
@@ -339,8 +303,7 @@ def _record_plans(result: TrainResult, backend) -> None:
     plans = backend.plans
     result.plans = [{"policy": p.policy, "peak_bytes": p.peak_bytes,
                      "reference_peak_bytes": p.reference_peak_bytes, "exposed_s": p.exposed_s,
-                     "recompute_s": p.recompute_s, "windows": sum(1 for d in p.decisions.values()
-                                                                  if d.startswith("window:"))}
+                     "recompute_s": p.recompute_s, "windows": p.decisions.counts()["window"]}
                     for p in plans]
     if plans:
         result.predicted_peak_bytes = max(p.peak_bytes for p in plans)
@@ -405,7 +368,7 @@ def _train_pipeline(args: argparse.Namespace, rank: int, world: int, say) -> Tra
         for i, (a, b) in enumerate(zip(result.losses, result.reference_losses)):
             say(f"       {i:4d}  {a:.8f}     {b:.8f}")
         say(f"check: max relative loss difference {worst:.2e}")
-        p = args.dropout if args.dropout is not None else getattr(_build(args, torch.device("meta")).config, "dropout", 0)
+        p = args.dropout if args.dropout is not None else getattr(model_from_args(args, torch.device("meta")).config, "dropout", 0)
         if p:
             say(f"check: dropout {p} draws different masks per rank than in one process, so the losses "
                 "agree only statistically; --dropout 0 checks exactly")
@@ -417,9 +380,9 @@ def _train_pipeline(args: argparse.Namespace, rank: int, world: int, say) -> Tra
 
 def _reference_losses(args: argparse.Namespace, microbatches: int = 1) -> list[float]:
     """The same steps, unsharded, eager, in this process."""
-    device = _device()
-    model = _build(args, device)
-    batches = _batches(args, model.config, device)
+    device = local_device()
+    model = model_from_args(args, device)
+    batches = batches_from_args(args, model.config, device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     losses = []
     for idx in batches:

@@ -1,23 +1,25 @@
 """lynx's graph passes, in the order they run. Each is ``(gm, ctx) -> gm``; see README.md here.
 
-``JOINT_PIPELINE`` runs on the aot_autograd joint graph before partitioning;
-``BACKWARD_PIPELINE`` on the partitioned backward graph. Disable one with
+``JOINT_PIPELINE`` analyses the aot_autograd joint graph (costs, blocks); a policy then decides
+(``lynx_compile.decide``); ``APPLY_PIPELINE`` tags its ``Decisions`` on the joint graph before
+each partition; ``BACKWARD_PIPELINE`` runs on the partitioned backward graph. Disable one with
 ``options={"disable_passes": ("<name>",)}``.
 """
 from .annotate_costs import annotate_costs_pass
+from .apply_decisions import apply_decisions_pass
 from .context import GraphRecord, PassContext
 from .find_blocks import find_blocks_pass
 from .fuse_recompute import fuse_recompute_pass
 from .insert_recompute import insert_recompute_pass
 from .mark_recomputed import mark_recomputed_pass
-from .policies import select_recompute_pass
 from .runner import run_passes
 from .side_stream import side_stream_pass
 
-JOINT_PIPELINE = (annotate_costs_pass, find_blocks_pass, select_recompute_pass)
+JOINT_PIPELINE = (annotate_costs_pass, find_blocks_pass)
+APPLY_PIPELINE = (apply_decisions_pass,)
 BACKWARD_PIPELINE = (mark_recomputed_pass, insert_recompute_pass, fuse_recompute_pass,
                      side_stream_pass)
 
-__all__ = ["JOINT_PIPELINE", "BACKWARD_PIPELINE", "GraphRecord", "PassContext", "run_passes",
-           "annotate_costs_pass", "find_blocks_pass", "select_recompute_pass", "mark_recomputed_pass",
+__all__ = ["JOINT_PIPELINE", "APPLY_PIPELINE", "BACKWARD_PIPELINE", "GraphRecord", "PassContext", "run_passes",
+           "annotate_costs_pass", "find_blocks_pass", "apply_decisions_pass", "mark_recomputed_pass",
            "insert_recompute_pass", "fuse_recompute_pass", "side_stream_pass"]

@@ -13,7 +13,7 @@ from .context import PassContext
 
 
 def annotate_costs_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    from lynx_compile.costs import annotate_costs, get_profile
+    from lynx_compile.costs import get_profile, node_costs
     from lynx_compile.distributed.agreement import rank0_value
     from lynx_compile.distributed.link import resolve_link
 
@@ -25,12 +25,11 @@ def annotate_costs_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         # every rank plans from rank 0's, so all ranks reach the same plan.
         profile = rank0_value(get_profile(cfg.hardware))
         link = resolve_link(cfg.link, profile.default_link)
-        costs = annotate_costs(gm, profile, source=cfg.cost_source, repeats=cfg.measure_repeats,
-                               link=link)
+        costs = node_costs(gm, profile, source=cfg.cost_source, repeats=cfg.measure_repeats, link=link)
         if cfg.cost_source == "measured":
             costs = rank0_value(costs)
-            for node in gm.graph.nodes:
-                node.meta[meta.COST] = costs[node.name]
+    for node in gm.graph.nodes:
+        node.meta[meta.COST] = costs[node.name]
     fwd = ctx.forward_names
     ctx.record.decisions["cost_source"] = cfg.cost_source
     ctx.record.decisions["hardware"] = profile.name

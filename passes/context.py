@@ -36,15 +36,17 @@ class GraphRecord:
     """Backward inputs produced by the forward (saved tensors), in the backward's order."""
     problem: Any = None
     """The ``RematProblem`` lynx solved (policy "lynx"); not serialized with the record."""
+    unit_index: Any = None
+    """Its ``UnitIndex`` (unit → joint nodes); not serialized either."""
     segment_costs: Any = None
     """Per block and outside blocks: forward / backward seconds (``lynx_compile.pipeline``)."""
 
     def to_dict(self) -> dict[str, Any]:
-        problem, self.problem = self.problem, None
+        problem, index, self.problem, self.unit_index = self.problem, self.unit_index, None, None
         try:
             out = dataclasses.asdict(self)
         finally:
-            self.problem = problem
+            self.problem, self.unit_index = problem, index
         out["plan"] = self.plan.to_dict() if self.plan is not None else None
         return out
 
@@ -59,3 +61,5 @@ class PassContext:
     num_fwd_outputs: int
     joint_inputs: Any = None
     forward_names: frozenset[str] = frozenset()
+    decisions: Any = None
+    """The ``lynx_compile.decisions.Decisions`` being applied (read by ``apply_decisions_pass``)."""

@@ -84,15 +84,19 @@ def find_blocks_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         for node in by_path[path]:
             node.meta[meta.BLOCK] = index
             node.meta[meta.BLOCK_PATH] = path
-    _adopt_sources(gm)
+    sourced = _adopt_sources(gm)
     ctx.record.blocks = paths
-    ctx.record.block_hashes = [structural_hash([n for n in by_path[p] if "nn_module_stack" in n.meta])
-                               for p in paths]
+    # Constants and masks (computed from no activation) are left out of the hash: merged by CSE,
+    # one block's causal mask serves every block, and the blocks are still the same layer.
+    ctx.record.block_hashes = [structural_hash([n for n in by_path[p] if "nn_module_stack" in n.meta
+                                                and not sourced[n]]) for p in paths]
     return gm
 
 
-def _adopt_sources(gm: fx.GraphModule) -> None:
-    """Give a block to the nodes computed from no activation that only that block uses.
+def _adopt_sources(gm: fx.GraphModule) -> dict[fx.Node, bool]:
+    """Give a block to the nodes computed from no activation that only that block uses; take it
+    from those several blocks use (a causal mask CSE merged: it is no one block's to recompute).
+    Returns, per node, whether it is computed from no activation.
 
     Inductor's RNG replacement inserts ``inductor_lookup_seed`` → ``inductor_random`` (and its
     comparison into a mask) with no module stack; masks built from ``arange``/``full`` can look
@@ -104,13 +108,17 @@ def _adopt_sources(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:  # computed from no placeholder, directly or through others
         sourced[node] = node.op == "call_function" and all(sourced.get(a, False) for a in node.all_input_nodes)
     for node in reversed(gm.graph.nodes):
-        if not sourced[node] or meta.BLOCK in node.meta or not node.users:
+        if not sourced[node] or not node.users:
             continue
         blocks = {u.meta.get(meta.BLOCK, -1) for u in node.users}
-        if len(blocks) == 1 and (block := blocks.pop()) != -1:
+        if len(blocks) > 1:
+            node.meta.pop(meta.BLOCK, None)
+            node.meta.pop(meta.BLOCK_PATH, None)
+        elif meta.BLOCK not in node.meta and (block := blocks.pop()) != -1:
             user = next(iter(node.users))
             node.meta[meta.BLOCK] = block
             node.meta[meta.BLOCK_PATH] = user.meta[meta.BLOCK_PATH]
+    return sourced
 
 
 def structural_hash(nodes: list[fx.Node]) -> str:

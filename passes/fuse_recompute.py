@@ -62,7 +62,7 @@ def fusion_enabled(setting) -> bool:
 def _new(gm: fx.GraphModule, like: fx.Node, target, args: tuple) -> fx.Node:
     with gm.graph.inserting_before(like):
         node = gm.graph.call_function(target, args)
-    node.meta.update({k: like.meta[k] for k in (meta.RECOMPUTED, meta.RECOMPUTED_FROM, meta.BLOCK, meta.ROLE)
+    node.meta.update({k: like.meta[k] for k in (meta.RECOMPUTED, meta.RECOMPUTED_FROM, meta.BLOCK, meta.ROLE, meta.DECISION)
                       if k in like.meta})
     node.meta["val"] = _fake_run(target, args)
     return node

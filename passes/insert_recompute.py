@@ -1,10 +1,10 @@
 """Place window recomputation inside its communication window.
 
-Reads ``meta.ROLE`` (``"window:<w>"``, set by ``apply_remat_decisions`` on the joint nodes and
-copied onto their backward copies) and ``meta.RECOMPUTED``. torch's partitioner already put
-every recompute on demand, right before its first use; this pass moves the ones the plan
-assigned to window w right after the w-th collective of the backward is issued, so they run
-while it is in flight::
+Reads ``meta.DECISION`` (``Window(collective)``, set by ``apply_decisions_pass`` on the joint
+nodes and copied onto their backward copies) and ``meta.RECOMPUTED``. torch's partitioner
+already put every recompute on demand, right before its first use; this pass moves the ones the
+plan assigned to a window right after that collective (found by name in the backward) is
+issued, so they run while it is in flight::
 
     before:  ar = all_reduce(g) ... x_recomputed = gelu(h) ... wait_tensor(ar) ... use(x_recomputed)
     after:   ar = all_reduce(g); x_recomputed = gelu(h) ... wait_tensor(ar) ... use(x_recomputed)
@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from lynx_compile.costs import is_collective_node
+from lynx_compile.decisions import Window
 
 from . import meta
 from .context import PassContext
@@ -40,25 +41,26 @@ def _with_recomputed_inputs(group: list[fx.Node], coll: fx.Node, gm: fx.GraphMod
 
 
 def insert_recompute_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    # Windows are numbered over the backward's own collectives; a forward collective re-issued
-    # by a policy that recomputes it (``full``) is a recomputed node, not a window.
-    collectives = [n for n in gm.graph.nodes if is_collective_node(n) and not n.meta.get(meta.RECOMPUTED)]
+    # A forward collective re-issued by a policy that recomputes it (``full``) is a recomputed
+    # node, not a window.
+    collectives = {n.name: n for n in gm.graph.nodes if is_collective_node(n) and not n.meta.get(meta.RECOMPUTED)}
+    by_window: dict[str, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        decision = n.meta.get(meta.DECISION)
+        if n.meta.get(meta.RECOMPUTED) and isinstance(decision, Window):
+            by_window.setdefault(decision.collective, []).append(n)
+    stray = sorted(w for w in by_window if w not in collectives)
+    if stray:
+        raise RuntimeError(f"plan places recompute in the windows of {stray}, collectives this backward "
+                           f"does not have ({sorted(collectives)}); the plan is stale for this graph")
     moved = 0
-    for w, coll in enumerate(collectives):
-        role = f"window:{w}"
-        group = [n for n in gm.graph.nodes if n.meta.get(meta.RECOMPUTED) and n.meta.get(meta.ROLE) == role]
-        group = _with_recomputed_inputs(group, coll, gm)
+    for name, coll in collectives.items():  # graph order
+        group = _with_recomputed_inputs(by_window.get(name, []), coll, gm)
         anchor = coll
         for node in group:
             anchor.append(node)
             anchor = node
             moved += 1
-    stray = [n.name for n in gm.graph.nodes if n.meta.get(meta.RECOMPUTED)
-             and str(n.meta.get(meta.ROLE, "")).startswith("window:")
-             and int(n.meta[meta.ROLE].split(":")[1]) >= len(collectives)]
-    if stray:
-        raise RuntimeError(f"plan assigns {stray} to windows this backward does not have "
-                           f"({len(collectives)} collectives); the plan is stale for this graph")
     try:
         gm.graph.lint()
     except Exception as e:  # a window unit read something produced after its collective

@@ -9,9 +9,10 @@ COST = "lynx_cost"
 BLOCK = "lynx_block"
 #: ``str`` qualified module path of that block (e.g. ``"blocks.3"``).
 BLOCK_PATH = "lynx_block_path"
-#: ``str`` role inside the block as the policy sees it (e.g. ``"attn_core"``), or absent.
+#: ``str`` the policy whose decision tagged the node (``"full"``, ``"selective"``, ``"lynx"``...).
 ROLE = "lynx_role"
-#: ``str`` the policy's decision for a forward node: ``"save"`` or ``"recompute"``.
+#: ``lynx_compile.decisions.Demand()`` or ``Window(collective)`` on recomputed nodes (forward
+#: nodes of the joint graph and their backward copies); absent on kept ones.
 DECISION = "lynx_decision"
 #: ``bool`` set on backward-graph nodes that are copies of forward nodes (recomputation).
 RECOMPUTED = "lynx_recomputed"

@@ -1,10 +1,9 @@
 """Baseline recompute policies: decide which forward nodes of the joint graph to recompute.
 
-Reads ``meta.BLOCK`` (from ``find_blocks_pass``) and ``ctx.forward_names``. Writes
-``meta.DECISION = "recompute"`` and ``meta.ROLE`` on chosen forward nodes, plus torch's
-checkpoint tags (``meta["recompute"]``, ``meta["ac_graph_id"]`` = block index) through
-``lynx_compile._compat.tag_recompute``. The partitioner then saves every untagged producer of
-a tagged node, so only the *frontier* of the recomputed region is saved.
+Reads ``meta.BLOCK`` (from ``find_blocks_pass``) and ``ctx.forward_names``; returns a
+``Decisions`` record (every chosen node recomputed on demand), which ``apply_decisions_pass``
+tags like any other policy's. The partitioner then saves every untagged producer of a tagged
+node, so only the *frontier* of the recomputed region is saved. Writes nothing on the graph.
 
 Policies (what a Megatron user knows them as):
 
@@ -15,7 +14,7 @@ Policies (what a Megatron user knows them as):
   (Megatron's 5·a·s²·b term). With fused SDPA attention there is no such chain and nothing
   is tagged (said in the record).
 - ``none``: tag nothing. ``torch``: tag nothing but the outputs of RNG ops, pinned as saved
-  (see ``_pin_random_outputs``), then torch's min-cut decides.
+  (see ``pin_random_outputs``), then torch's min-cut decides.
 """
 from __future__ import annotations
 
@@ -26,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from lynx_compile import _compat
+from lynx_compile.decisions import DEMAND, Decisions
 
 from . import meta
 from .context import PassContext
@@ -54,12 +54,6 @@ def _takes_impure_random() -> bool:
     import inspect
 
     return "impure_random" in inspect.signature(fx.Node.is_impure).parameters
-
-
-def _tag(node: fx.Node, block: int, role: str) -> None:
-    _compat.tag_recompute(node, block)
-    node.meta[meta.DECISION] = "recompute"
-    node.meta[meta.ROLE] = role
 
 
 def _close_multi_output(nodes: set[fx.Node]) -> set[fx.Node]:
@@ -152,8 +146,8 @@ def _is_softmax(node: fx.Node) -> bool:
     return aten.sum.dim_IntList in targets and aten.div.Tensor in targets
 
 
-def _pin_random_outputs(gm: fx.GraphModule, ctx: PassContext) -> None:
-    """Keep RNG outputs saved under torch's min-cut.
+def pin_random_outputs(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """Keep RNG outputs saved under torch's min-cut (policy ``torch``).
 
     Below budget 1.0 min-cut's knapsack may pick a dropout to recompute, and without Inductor
     (which decomposes dropout into seeded Philox) the recomputed mask is drawn from a fresh RNG
@@ -171,14 +165,15 @@ def _pin_random_outputs(gm: fx.GraphModule, ctx: PassContext) -> None:
     ctx.record.decisions["torch_rng_outputs_pinned"] = pinned
 
 
-def select_recompute_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Tag the policy's recompute region in every block (see module docstring)."""
-    policy = ctx.config.policy
-    if policy == "torch":
-        _pin_random_outputs(gm, ctx)
-        return gm
+BASELINE_POLICIES = ("none", "full", "selective")
+
+
+def baseline_decisions(gm: fx.GraphModule, ctx: PassContext, policy: str) -> Decisions:
+    """Policy ``none`` / ``full`` / ``selective`` as a ``Decisions`` record (see module docstring)."""
+    if policy == "none":
+        return Decisions(policy="none")
     if policy not in ("full", "selective"):
-        return gm
+        raise ValueError(f"{policy!r} is not a baseline policy (one of {BASELINE_POLICIES})")
     by_block: dict[int, list[fx.Node]] = defaultdict(list)
     for node in gm.graph.nodes:
         if meta.BLOCK in node.meta:
@@ -189,16 +184,14 @@ def select_recompute_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
             "this graph. lynx finds blocks as children of a module list (paths ending in .<int>, "
             "e.g. model.layers.3); put your layers in an nn.ModuleList, or annotate them with "
             "torch.fx.traceback.annotate({'lynx_block': i}).")
-    counts = {}
+    counts, units = {}, {}
     for block, nodes in sorted(by_block.items()):
         region = full_region(nodes, ctx) if policy == "full" else attention_core(nodes, ctx)
-        role = "block" if policy == "full" else "attn_core"
-        for node in region:
-            _tag(node, block, role)
+        units.update(dict.fromkeys((n.name for n in region), DEMAND))
         counts[ctx.record.blocks[block] if block < len(ctx.record.blocks) else str(block)] = len(region)
     ctx.record.decisions["recompute_nodes_per_block"] = counts
     if policy == "selective" and not any(counts.values()):
         ctx.record.notes.append(
             "selective: no attention core (softmax between matmuls) found; with fused attention "
             "(SDPA/flash) there are no s x s tensors to drop, so nothing is recomputed")
-    return gm
+    return Decisions.make(policy, units)

@@ -4,7 +4,8 @@ Reads ``meta.COST``, ``meta.BLOCK``, the record's block hashes, and the no-recom
 (``fw_ref``, ``bw_ref``: torch's default partition of the untagged joint graph), whose node
 order is the event order of the problem. Returns the problem (plain data, no fx objects) and a
 ``UnitIndex`` mapping each unit back to the joint-graph nodes that make it up (its op, and the
-views and getitems that alias its storage), which ``apply_remat_solution`` tags.
+views and getitems that alias its storage); ``unit_decisions`` turns a solution into the
+``Decisions`` record ``apply_decisions_pass`` tags.
 
     joint ──(default partition, untagged)──▶ fw_ref, bw_ref ──simulate──▶ timelines
                                                    │
@@ -19,8 +20,9 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from lynx_compile import _compat
 from lynx_compile.costs import is_collective_node, is_wait_node
+from lynx_compile.decisions import DEMAND, KEEP, Decisions
+from lynx_compile.decisions import Window as DecisionWindow
 from lynx_compile.memory.simulate import allocations, backward_inputs, held_tangents, simulate_graph, storage_keys
 from lynx_compile.remat.problem import RematProblem, Unit, Window
 
@@ -215,7 +217,8 @@ def _windows(bw_nodes: list[fx.Node], joint_by_name: dict) -> tuple[Window, ...]
         if not waits:
             continue
         windows.append(Window(id=len(windows), start=pos[n], end=min(pos[w] for w in waits),
-                              duration_s=_cost(joint_by_name.get(n.name) or n), kind=str(n.target)))
+                              duration_s=_cost(joint_by_name.get(n.name) or n), kind=str(n.target),
+                              name=n.name))
     return tuple(windows)
 
 
@@ -226,33 +229,27 @@ def _block_groups(hashes: list[str]) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(g) for g in groups.values())
 
 
-def unit_decisions(problem: RematProblem, solution) -> dict[str, str]:
-    """unit name → "keep" | "demand" | "window:<id>" (units in neither set: "none")."""
-    out = {u.name: "none" for u in problem.units}
-    for i in solution.keep:
-        out[problem.units[i].name] = "keep"
+def unit_decisions(problem: RematProblem, index: UnitIndex, solution, source: str = "solver") -> Decisions:
+    """The solver's ``RematSolution`` as the typed record: per unit keep / demand / window
+    (named by its collective), each unit covering the joint nodes ``index`` lists."""
+    units = {u.name: KEEP for u in problem.units}
     for i in solution.demand:
-        out[problem.units[i].name] = "demand"
+        units[problem.units[i].name] = DEMAND
+    windows = {w.id: w.name for w in problem.windows}
     for i, w in solution.window:
-        out[problem.units[i].name] = f"window:{w}"
-    return out
+        units[problem.units[i].name] = DecisionWindow(windows[w])
+    members = {u.name: names for u, names in zip(problem.units, index.nodes)}
+    return Decisions.make("lynx", units, members, source)
 
 
-def apply_remat_decisions(joint: fx.GraphModule, problem: RematProblem, index: UnitIndex,
-                          decisions: dict[str, str]) -> int:
-    """Tag the joint nodes of every recomputed unit (its op, views and getitems). Returns the
-    number of units tagged. One checkpoint region (id 0) for all, so torch's partitioner saves
-    exactly the untagged producers of tagged nodes, i.e. the kept units."""
-    by_name = {n.name: n for n in joint.graph.nodes}
-    tagged = 0
-    for unit, names in zip(problem.units, index.nodes):
-        decision = decisions.get(unit.name, "keep")
-        if decision in ("keep", "none"):
-            continue
-        tagged += 1
-        for name in names:
-            node = by_name[name]
-            _compat.tag_recompute(node, 0)
-            node.meta[meta.DECISION] = "recompute"
-            node.meta[meta.ROLE] = decision
-    return tagged
+def decisions_from_backward(bw: fx.GraphModule, policy: str, problem: RematProblem | None,
+                            index: UnitIndex | None) -> Decisions:
+    """What a partition that was not made from a ``Decisions`` record (torch's min-cut)
+    recomputes, read back from its backward (after ``mark_recomputed_pass``): per unit of
+    ``problem`` when there is one (demand if any of its nodes is recomputed), else per node."""
+    recomputed = {n.meta.get(meta.RECOMPUTED_FROM) for n in bw.graph.nodes if n.meta.get(meta.RECOMPUTED)}
+    if problem is None or index is None:
+        return Decisions.make(policy, dict.fromkeys((r for r in recomputed if r), DEMAND))
+    units = {u.name: DEMAND if recomputed.intersection(names) else KEEP
+             for u, names in zip(problem.units, index.nodes)}
+    return Decisions.make(policy, units, {u.name: names for u, names in zip(problem.units, index.nodes)})

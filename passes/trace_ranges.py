@@ -1,12 +1,12 @@
 """Make recomputation visible in profiler traces (``LynxConfig.trace_recompute``).
 
-Reads ``meta.RECOMPUTED`` and ``meta.ROLE`` on the final backward graph. Wraps every maximal
+Reads ``meta.RECOMPUTED`` and ``meta.DECISION`` on the final backward graph. Wraps every maximal
 run of consecutive recomputed nodes in a ``torch.profiler`` range named
-``lynx::recompute[<role>]`` (``demand``, or ``window:<w>`` for runs placed inside collective w's
-window)::
+``lynx::recompute[<decision>]`` (``demand``, or ``window:<collective>`` for runs placed inside
+that collective's window)::
 
     ar = all_reduce(g)
-    h = profiler._record_function_enter_new("lynx::recompute[window:0]")
+    h = profiler._record_function_enter_new("lynx::recompute[window:all_reduce_2]")
     x_recomputed = gelu(y)
     profiler._record_function_exit(h)
     wait_tensor(ar)
@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from lynx_compile import _compat
+from lynx_compile.decisions import Window
 
 from . import meta
 
@@ -27,8 +28,8 @@ RANGE_PREFIX = "lynx::recompute"
 
 
 def _role(node: fx.Node) -> str:
-    role = str(node.meta.get(meta.ROLE, "demand"))
-    return role if role.startswith("window:") else "demand"
+    decision = node.meta.get(meta.DECISION)
+    return str(decision) if isinstance(decision, Window) else "demand"
 
 
 def trace_ranges_pass(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:

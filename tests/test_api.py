@@ -73,7 +73,8 @@ def test_dump_dir_writes_graphs_before_and_after_each_pass(tmp_path):
     torch.compile(model, backend=backend)(example_batch(model, 2)).loss.backward()
     folder = tmp_path / f"graph_{backend.records[-1].graph_id}"
     names = sorted(p.name for p in folder.iterdir())
-    assert "joint_02_select_recompute_pass_after.txt" in names
+    assert "joint_01_find_blocks_pass_after.txt" in names
+    assert "apply_00_apply_decisions_pass_after.txt" in names
     assert "backward_00_mark_recomputed_pass_after.txt" in names
     assert "_recomputed" in (folder / "backward_00_mark_recomputed_pass_after.txt").read_text()
     assert any(t.skipped and t.name == "annotate_costs_pass" for t in backend.records[-1].timings)

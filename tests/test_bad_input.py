@@ -7,7 +7,7 @@ import torch
 import lynx_compile
 from lynx_compile.config import make_config
 from lynx_compile.models import build_model, example_batch
-from lynx_compile.partition import BudgetError
+from lynx_compile.decisions import BudgetError
 
 NO_COSTS = ("annotate_costs_pass",)
 
@@ -81,8 +81,13 @@ def test_graph_breaks_compile_each_subgraph_and_say_so_once(caplog):
     caplog.set_level(logging.WARNING, logger="lynx_compile")
     model = _Broken()
     x = example_batch(model.inner, 2)
-    backend = lynx_compile.backend(policy="none", disable_passes=NO_COSTS, verbose=False, dump_dir=None,
-                                   compiler="eager")
+    from lynx_compile.backend import LynxBackend
+    from lynx_compile.config import make_config
+
+    # a fresh backend (lynx_compile.backend() returns the cached one an earlier test with the
+    # same options may have used, which has said it already)
+    backend = LynxBackend(make_config(dict(policy="none", disable_passes=NO_COSTS, verbose=False, dump_dir=None,
+                                           compiler="eager")))
     compiled = torch.compile(model, backend=backend)
     out = compiled(x)
     out.backward()

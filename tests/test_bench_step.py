@@ -45,7 +45,7 @@ def test_foreign_model_builds_and_checkpoints_its_layers():
 
 
 def test_budget_error_is_a_refusal_and_anything_else_an_error():
-    from lynx_compile.partition import BudgetError
+    from lynx_compile.decisions import BudgetError
 
     try:
         try:

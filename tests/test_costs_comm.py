@@ -16,7 +16,7 @@ from lynx_compile.costs import (
     LinkProfile,
     NodeCost,
     analytic_node_cost,
-    annotate_costs,
+    node_costs,
     collective_time,
     comm_node_cost,
 )
@@ -145,7 +145,7 @@ def test_analytic_and_annotate_delegate_to_comm():
     ar = next(n for n in gm.graph.nodes if n.target == funcol_ops.all_reduce.default)
     default = analytic_node_cost(ar, prof, world_size=2)
     assert default.runtime_s == pytest.approx(collective_time("all_reduce", 64 * 32 * 4, 2, LINKS["nvlink3"]))
-    costs = annotate_costs(gm, prof, link=LINKS["pcie4"], world_size=2)
+    costs = node_costs(gm, prof, link=LINKS["pcie4"], world_size=2)
     assert costs[ar.name].runtime_s == pytest.approx(collective_time("all_reduce", 64 * 32 * 4, 2, LINKS["pcie4"]))
     assert all(costs[n.name] == NodeCost.zero() for n in gm.graph.nodes if n.target == funcol_ops.wait_tensor.default)
 

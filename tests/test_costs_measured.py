@@ -11,13 +11,12 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from lynx_compile.costs import (
     NodeCost,
-    annotate_costs,
+    node_costs,
     materialize_inputs,
     measure_node_costs,
     measured_node_cost,
     out_bytes_of,
 )
-from lynx_compile.passes.meta import COST
 
 aten = torch.ops.aten
 
@@ -122,11 +121,11 @@ def test_measured_node_cost_takes_bytes_from_analytic():
     assert measured_node_cost(getitem_free, 3e-6) == NodeCost.zero()
 
 
-def test_annotate_costs_measured():
+def test_node_costs_measured():
     gm = make_fx(mlp)(*mlp_args(B=16, D=32, H=64))
-    costs = annotate_costs(gm, "cpu", source="measured", inputs=mlp_args(B=16, D=32, H=64), repeats=2)
+    costs = node_costs(gm, "cpu", source="measured", inputs=mlp_args(B=16, D=32, H=64), repeats=2)
     for node in gm.graph.nodes:
-        assert node.meta[COST] is costs[node.name]
+        assert node.name in costs
         if node.target == aten.addmm.default:
             assert costs[node.name].source == "measured" and costs[node.name].runtime_s > 0
         if node.op == "placeholder":

@@ -31,11 +31,12 @@ def megatron_fp32_block_bytes(s, b, h, a, policy):
         mask 1 -> 4 + 4 + 1 = 9 a s^2 b;  MLP 18 + 1 mask -> 37 sbh;  two LayerNorm inputs 8 sbh.
         no recompute: 66 sbh + 9 a s^2 b;  selective: 66 sbh;  full: 4 sbh.
     The model's exact ops add what Megatron leaves out: LayerNorm mean and rstd (2 LNs x 2 x
-    4 B x sb = 16 sb) whenever the LNs are not recomputed, and the causal mask (s^2 bytes of
-    bool) that masked_fill's backward reads when the attention core is not recomputed."""
+    4 B x sb = 16 sb) whenever the LNs are not recomputed. The causal mask (s^2 bytes of bool)
+    that masked_fill's backward reads when the attention core is not recomputed is one tensor
+    for all blocks (common subexpressions are merged before planning): saved once, outside them."""
     sbh, s2 = s * b * h, a * s * s * b
     if policy == "none":
-        return 66 * sbh + 9 * s2, 16 * s * b + s * s
+        return 66 * sbh + 9 * s2, 16 * s * b
     if policy == "selective":
         return 66 * sbh, 16 * s * b
     return 4 * sbh, 0

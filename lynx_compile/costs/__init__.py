@@ -1,8 +1,10 @@
 """Cost model: a runtime and output size for every node of an aot_autograd joint graph.
 
-    annotate_costs(gm, "h100-sxm")                      # roofline on a datasheet profile
-    annotate_costs(gm, "cpu", source="measured")        # time each node on real tensors
-    node.meta[COST] -> NodeCost(runtime_s, out_bytes, flops, bytes_moved, source)
+    node_costs(gm, "h100-sxm")                      # roofline on a datasheet profile
+    node_costs(gm, "cpu", source="measured")        # time each node on real tensors
+    -> {node name: NodeCost(runtime_s, out_bytes, flops, bytes_moved, source)}
+
+Plain data out, no graph writes: ``passes/annotate_costs.py`` stores them in ``node.meta``.
 
 Modules: ``types`` (NodeCost, size helpers), ``hardware`` (profiles, CPU calibration),
 ``analytic`` (roofline), ``measured`` (timing interpreter), ``comm`` (α–β collectives).
@@ -34,13 +36,12 @@ from lynx_compile.costs.hardware import (
 )
 from lynx_compile.costs.measured import materialize_inputs, measure_node_costs, measured_node_cost
 from lynx_compile.costs.types import NodeCost
-from lynx_compile.passes.meta import COST
 
-#: ``source=`` values ``annotate_costs`` accepts.
+#: ``source=`` values ``node_costs`` accepts.
 ANNOTATE_SOURCES: tuple[str, ...] = ("analytic", "measured")
 
 
-def annotate_costs(
+def node_costs(
     gm: torch.fx.GraphModule,
     profile: HardwareProfile | str,
     *,
@@ -50,13 +51,13 @@ def annotate_costs(
     repeats: int = 5,
     world_size: int | None = None,
 ) -> dict[str, NodeCost]:
-    """Compute a NodeCost for every node of ``gm`` and store it in ``node.meta[COST]``.
+    """A NodeCost for every node of ``gm`` (node name -> NodeCost).
 
     ``profile``: a HardwareProfile or a name for :func:`get_profile`. ``source="measured"``
     runs the graph (``inputs`` or materialized ones, ``repeats`` timed runs) for compute
     nodes; collectives always get the analytic communication time on ``link`` (default: the
     profile's link) over ``world_size`` ranks, because timing an async collective launch says
-    nothing about the transfer. Returns node name -> NodeCost. Writes ``meta[COST]`` only.
+    nothing about the transfer. Writes nothing on the graph.
     """
     if source not in ANNOTATE_SOURCES:
         raise ValueError(f"unknown cost source {source!r}; valid: {list(ANNOTATE_SOURCES)}")
@@ -68,7 +69,6 @@ def annotate_costs(
             cost = measured_node_cost(node, measured.get(node.name, 0.0))
         else:
             cost = analytic_node_cost(node, prof, link=link, world_size=world_size)
-        node.meta[COST] = cost
         costs[node.name] = cost
     return costs
 
@@ -83,7 +83,7 @@ __all__ = [
     "LinkProfile",
     "NodeCost",
     "analytic_node_cost",
-    "annotate_costs",
+    "node_costs",
     "calibrate_cpu_profile",
     "calibrate_link",
     "collective_time",

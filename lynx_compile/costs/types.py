@@ -1,6 +1,6 @@
 """The record the cost model attaches to every node, and the size helpers it is built on.
 
-``NodeCost`` is what ``annotate_costs`` stores under ``node.meta[COST]``: plain numbers, so a
+``NodeCost`` is what ``annotate_costs_pass`` stores under ``node.meta[COST]``: plain numbers, so a
 plan that copies costs out of a graph stays picklable and JSON-serializable.
 
 The helpers read ``node.meta["val"]`` as produced by aot_autograd / make_fx: a FakeTensor, a

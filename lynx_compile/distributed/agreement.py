@@ -63,7 +63,7 @@ def plan_fingerprint(plan: RecomputePlan) -> str:
     and recomputed tensors, per-unit decisions. Timings and notes are left out."""
     body = {"policy": plan.policy, "graph": plan.graph_hash,
             "saved": [d.name for d in plan.saved], "recomputed": [d.name for d in plan.recomputed],
-            "decisions": sorted(plan.decisions.items())}
+            "decisions": plan.decisions.to_dict()["units"]}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
 

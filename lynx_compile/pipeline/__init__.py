@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lynx_compile.passes.plan_stages import (
+from .plan_stages import (
     METHODS, SCHEDULES, PipelineCosts, StagePlan, StagePlanError, plan_stages)
 
 from .costs import profile_pipeline
@@ -98,7 +98,7 @@ class LocalPipeline:
             out = self.schedule.step(*(inputs if self.is_first else ()), **kwargs)
         except Exception as e:
             from lynx_compile.backend import find_backend_error
-            from lynx_compile.partition import BudgetError
+            from lynx_compile.decisions import BudgetError
 
             budget_error = find_backend_error(e, BudgetError)
             if budget_error is None:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from lynx_compile.passes.plan_stages import PipelineCosts, RecomputeCurve, SegmentCost
+from lynx_compile.pipeline.plan_stages import PipelineCosts, RecomputeCurve, SegmentCost
 
 log = logging.getLogger("lynx_compile")
 BUDGET_LADDER = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.45, 0.4, 0.35, 0.3, 0.25, 0.2, 0.15, 0.1)

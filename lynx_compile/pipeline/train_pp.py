@@ -50,7 +50,7 @@ def train_pipeline(args: argparse.Namespace, rank: int, world: int, say: Callabl
     """The pipeline training loop; returns (losses, step seconds, plan) on every rank."""
     import lynx_compile
     from lynx_compile.models.common import lm_loss
-    from lynx_compile.train import _batches, _build, _device, _options
+    from lynx_compile.train_setup import backend_options, batches_from_args, local_device, model_from_args
 
     tp = args.tp or 1
     if args.pp * tp != world:
@@ -65,14 +65,14 @@ def train_pipeline(args: argparse.Namespace, rank: int, world: int, say: Callabl
     tp_group, pp_group = tp_groups[rank // tp], pp_groups[rank % tp]
     stages = args.stages or args.pp
     micro = args.microbatches or default_microbatches(args.batch_size, stages)
-    device = _device()
-    model = _build(args, device)
-    batches = _batches(args, model.config, device)
+    device = local_device()
+    model = model_from_args(args, device)
+    batches = batches_from_args(args, model.config, device)
     if tp > 1:
         from lynx_compile.distributed.tensor_parallel import tensor_parallelize
 
         tensor_parallelize(model, tp_group, sequence_parallel=args.sp)
-    options = _options(args)
+    options = backend_options(args)
     options.pop("memory_budget", None)  # per stage, from the plan
     pl = lynx_compile.pipeline(model, (batches[0],), num_stages=stages, num_microbatches=micro,
                                loss_fn=lambda logits, idx: lm_loss(logits, idx, None),

@@ -85,6 +85,8 @@ class Window:
     """Backward event of its wait."""
     duration_s: float
     kind: str = "collective"
+    name: str = ""
+    """The collective's node name in the backward (what a ``Window`` decision names)."""
 
 
 @dataclass(frozen=True, kw_only=True)

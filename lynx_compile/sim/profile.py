@@ -109,7 +109,7 @@ def profile_layer(model: str, *, hardware: str, link: str, tp: int, microbatch: 
             r = _plan(model, tp, microbatch, policy="torch", memory_budget=frac, **common)
         except Exception as e:  # noqa: BLE001 - dynamo wraps the BudgetError
             from lynx_compile.backend import find_backend_error
-            from lynx_compile.partition import BudgetError
+            from lynx_compile.decisions import BudgetError
 
             if find_backend_error(e, BudgetError) is None:
                 raise

@@ -152,7 +152,7 @@ def _cuts(profile: LayerProfile, strategy: str, cluster: Cluster, layout: Layout
 
 def _lynx_cuts(profile: LayerProfile, strategy: str, cluster: Cluster, layout: Layout) -> list[int]:
     """Layers per stage from lynx's recompute-aware stage planner (``plan_stages``)."""
-    from lynx_compile.passes.plan_stages import PipelineCosts, RecomputeCurve, SegmentCost, StagePlanError, plan_stages
+    from lynx_compile.pipeline.plan_stages import PipelineCosts, RecomputeCurve, SegmentCost, StagePlanError, plan_stages
 
     pts = _candidates(profile, strategy)
     curve = RecomputeCurve(kept_bytes=tuple(q.kept_bytes for q in pts),
@@ -188,7 +188,7 @@ def _exposed(point: LayerPoint, profile: LayerProfile, cluster: Cluster) -> floa
 
 
 def _stage_layers(profile, strategy, cluster, layout, i, n) -> tuple[list[LayerSim], str]:
-    from lynx_compile.passes.plan_stages import in_flight
+    from lynx_compile.pipeline.plan_stages import in_flight
 
     k = in_flight(layout.schedule, layout.pp, layout.num_microbatches, i)
     room = cluster.memory_bytes - _static(profile, layout, i, n) - _edge_bytes(profile, layout, i, k)

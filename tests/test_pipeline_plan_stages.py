@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from lynx_compile.passes.plan_stages import (
+from lynx_compile.pipeline.plan_stages import (
     PipelineCosts, RecomputeCurve, SegmentCost, StagePlanError, _Pricer, allocate, allocate_with_transient, in_flight,
     plan_stages, transient_bytes, uniform_cuts)
 

@@ -1,0 +1,101 @@
+"""Apply one ``Decisions`` record and verify it: the single path from a decision to graphs.
+
+::
+
+    Decisions ─APPLY_PIPELINE (apply_decisions_pass)─▶ tagged joint ─partition─▶ (fw, bw)
+        ─BACKWARD_PIPELINE (mark, windows, fuse, side stream)─▶ bw ─simulate_step─▶ exact peak
+
+Every policy's candidate goes through ``realize``: the baselines, each round of lynx's solver,
+the seeds lynx compares against, and the plan finally compiled. The partition:
+``compiler="eager"`` uses torch's default partitioner (saves every untagged producer: the
+graphs run as written, so that is what they hold); under Inductor the base is torch.compile's
+own min-cut at budget 1, which on top of the tags also recomputes the cheap pointwise chains
+Inductor fuses into their consumers, so ``none`` is exactly torch.compile's partition. Policy
+``torch`` is min-cut at its own budget, with RNG outputs pinned as saved; what it recomputed is
+read back into a ``Decisions`` record.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch.fx as fx
+
+from lynx_compile import _compat
+from lynx_compile.decisions import Decisions
+from lynx_compile.memory.simulate import StepMemory, simulate_step
+from lynx_compile.passes import APPLY_PIPELINE, BACKWARD_PIPELINE, GraphRecord, PassContext, run_passes
+from lynx_compile.passes.apply_decisions import clear_decision_tags
+from lynx_compile.passes.policies import pin_random_outputs
+from lynx_compile.passes.remat_problem import decisions_from_backward
+
+
+@dataclass
+class Applied:
+    """A decision record made real: the partitioned graphs and their exact simulated memory."""
+
+    decisions: Decisions
+    fw: fx.GraphModule
+    bw: fx.GraphModule
+    mem: StepMemory
+    record: GraphRecord
+    """Where the passes of this application wrote their counts (the plan's own record for the
+    plan compiled; a scratch record for a candidate)."""
+
+
+def partition_joint(joint: fx.GraphModule, joint_inputs: Any, kw: dict, *, inductor: bool,
+                    torch_budget: float | None = None):
+    """(fw, bw) of the tagged ``joint`` (see the module docstring for which partitioner)."""
+    if torch_budget is not None:
+        fw, bw = _compat.min_cut_partition(joint, joint_inputs, memory_budget=torch_budget, **kw)
+    elif inductor:
+        fw, bw = _compat.min_cut_partition(joint, joint_inputs, memory_budget=1.0, **kw)
+    else:
+        fw, bw = _compat.default_partition(joint, joint_inputs, **kw)
+    # torch's partitioner can leave forward ops copied into the backward with no user there
+    # (seen on tensor-parallel graphs: the mm's feeding a saved collective input); they would
+    # run every step for nothing.
+    if bw.graph.eliminate_dead_code():
+        bw.recompile()
+    return fw, bw
+
+
+def scratch_context(ctx: PassContext, policy: str) -> PassContext:
+    """A context for a candidate plan: its deciding and its passes write into a record of its
+    own (the plan's record only hears of the winner), and no graphs are dumped (they would
+    overwrite the plan's own)."""
+    r = ctx.record
+    return dataclasses.replace(
+        ctx, config=dataclasses.replace(ctx.config, policy=policy.split("@")[0], dump_dir=None),
+        record=GraphRecord(graph_id=r.graph_id, policy=policy, blocks=r.blocks, block_hashes=r.block_hashes,
+                           reference_peak_bytes=r.reference_peak_bytes, problem=r.problem, unit_index=r.unit_index))
+
+
+def realize(joint: fx.GraphModule, ctx: PassContext, decisions: Decisions, kw: dict, *,
+            torch_budget: float | None = None) -> Applied:
+    """Tag ``decisions`` on ``joint``, partition, run the backward passes, simulate exactly.
+
+    ``torch_budget``: policy torch, min-cut at that activation_memory_budget (``decisions`` then
+    only names the policy; the result carries what min-cut recomputed). Pass counts go to
+    ``ctx.record`` (a ``scratch_context`` for candidates). Leaves the tags of ``decisions`` on
+    ``joint``."""
+    inductor = ctx.config.compiler == "inductor"
+    ctx = dataclasses.replace(ctx, decisions=decisions)
+    joint = run_passes(joint, ctx, APPLY_PIPELINE, "apply")
+    if torch_budget is not None:
+        pin_random_outputs(joint, ctx)
+    fw, bw = partition_joint(joint, ctx.joint_inputs, kw, inductor=inductor, torch_budget=torch_budget)
+    bw = run_passes(bw, ctx, BACKWARD_PIPELINE, "backward")
+    if torch_budget is not None:
+        decisions = decisions_from_backward(bw, decisions.policy, ctx.record.problem, ctx.record.unit_index)
+        clear_decision_tags(joint)  # the MUST_SAVE pins are min-cut's input, not a decision
+    return Applied(decisions=decisions, fw=fw, bw=bw, mem=simulate_step(fw, bw, fused=inductor), record=ctx.record)
+
+
+def untagged_reference(joint: fx.GraphModule, joint_inputs: Any, kw: dict) -> StepMemory:
+    """The no-recompute reference: torch's default partition of the untagged joint (every
+    forward value the backward reads is saved). Budget fractions are fractions of its peak."""
+    clear_decision_tags(joint)
+    fw, bw = partition_joint(joint, joint_inputs, kw, inductor=False)
+    return simulate_step(fw, bw)

@@ -1,0 +1,177 @@
+"""Decide: every policy's choice for one joint graph, as one applied ``Decisions`` record.
+
+::
+
+    policy none / full / selective ── baseline_decisions ─────────────┐
+    policy torch ── min-cut at the budget, read back ─────────────────┤
+    policy lynx ── optimize.plan_lynx (solve, re-solve on overshoot) ─┼─▶ apply.realize ─▶ Applied
+                └─ seed_with_baselines: full, selective, torch min-cut ┘   (fw, bw, exact peak)
+                   candidates, least exposed recompute that fits wins
+
+``decide`` returns the ``Applied`` plan to compile (and lynx's ``LynxOutcome`` for the plan
+record) or raises ``BudgetError`` naming the smallest reachable peak.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch.fx as fx
+
+from lynx_compile.apply import Applied, partition_joint, realize, scratch_context
+from lynx_compile.decisions import BudgetError, Decisions, Window
+from lynx_compile.passes import APPLY_PIPELINE, PassContext, meta, run_passes
+from lynx_compile.passes.apply_decisions import clear_decision_tags
+from lynx_compile.passes.mark_recomputed import mark_recomputed_pass
+from lynx_compile.passes.policies import baseline_decisions
+
+log = logging.getLogger("lynx_compile")
+
+BASELINES = ("full", "selective")
+TORCH_BUDGET_LADDER = (1.0, 0.5)
+"""torch's min-cut is tried at these multiples of the requested budget fraction: its budget
+counts saved bytes, not the peak, so a lower setting may be the one that fits."""
+
+
+def decide(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: int | None,
+           reference_peak: int) -> tuple[Applied, Any]:
+    """(the applied plan, lynx's ``LynxOutcome`` or None) under ``ctx.config.policy``.
+
+    Budget checks of the baselines are the caller's (after the plan is recorded); policy torch
+    is refused here when no baseline reaches the budget."""
+    cfg = ctx.config
+    policy = cfg.policy
+    if policy == "torch":
+        frac = min(1.0, budget / reference_peak) if budget is not None else 1.0
+        if budget is not None:
+            smallest = smallest_reachable(joint, ctx, kw, reference_peak)
+            if budget < smallest[1]:
+                raise budget_error(cfg, budget, reference_peak, smallest, None)
+        return realize(joint, ctx, Decisions(policy="torch"), kw, torch_budget=frac), None
+    if policy != "lynx":
+        return realize(joint, ctx, baseline_decisions(joint, ctx, policy), kw), None
+    # The problem's units are what the untagged partition of this compiler saves. Under
+    # Inductor that is torch.compile's own min-cut partition (plus what recomputing them needs):
+    # the pointwise chains min-cut recomputes fuse under Inductor and never materialize, so they
+    # are not units to decide on.
+    clear_decision_tags(joint)
+    base_fw, base_bw = partition_joint(joint, ctx.joint_inputs, kw, inductor=cfg.compiler == "inductor")
+    if cfg.compiler == "inductor":
+        base_bw = mark_recomputed_pass(base_bw, ctx)  # copies renamed: no name clash with units
+    from lynx_compile.optimize import plan_lynx
+
+    try:
+        outcome, failure = plan_lynx(joint, ctx, base_fw, base_bw, budget, kw), None
+    except BudgetError as e:
+        if budget is None or cfg.plan:
+            raise
+        outcome, failure = None, e
+    if budget is not None and not cfg.plan:
+        outcome = seed_with_baselines(joint, ctx, kw, budget, reference_peak, outcome, failure)
+    if outcome.applied.record is not ctx.record:  # a seed won: its passes' counts are the plan's
+        ctx.record.decisions.update(outcome.applied.record.decisions)
+    realize_tags(joint, ctx, outcome.decisions)
+    return outcome.applied, outcome
+
+
+def realize_tags(joint: fx.GraphModule, ctx: PassContext, decisions: Decisions) -> None:
+    """Leave the compiled plan's tags on ``joint`` (candidates tagged it after)."""
+    sub = dataclasses.replace(scratch_context(ctx, decisions.policy), decisions=decisions)
+    run_passes(joint, sub, APPLY_PIPELINE, "apply")
+
+
+def exposed_s(bw: fx.GraphModule, joint: fx.GraphModule) -> float:
+    """Seconds of recompute the backward runs on demand (not inside a communication window),
+    from the cost model: the one measure every candidate plan is compared on."""
+    joint_nodes = {n.name: n for n in joint.graph.nodes}
+    total = 0.0
+    for node in bw.graph.nodes:
+        if not node.meta.get(meta.RECOMPUTED) or isinstance(node.meta.get(meta.DECISION), Window):
+            continue
+        src = joint_nodes.get(node.meta.get(meta.RECOMPUTED_FROM, ""))
+        cost = (src or node).meta.get(meta.COST)
+        total += cost.runtime_s if cost else 0.0
+    return total
+
+
+def seed_with_baselines(joint, ctx: PassContext, kw: dict, budget: int, reference_peak: int,
+                        outcome, failure: Exception | None):
+    """lynx's plan, or a baseline's when one fits ``budget`` with less exposed recompute.
+
+    The optimizer's model keeps tensors that cross a block boundary and never re-issues a
+    collective, so some peaks that ``full``, ``selective`` or torch's min-cut reach lie outside
+    its search space. Each baseline is applied and simulated exactly (``realize``); the
+    candidate that fits with the least on-demand recompute (``exposed_s``) wins, so lynx reaches
+    every peak a baseline reaches with no more exposed recompute. Raises ``failure`` (lynx's
+    BudgetError) when nothing fits."""
+    from lynx_compile.optimize import LynxOutcome
+
+    frac = min(1.0, budget / reference_peak)
+    scores: dict[str, tuple[float, int]] = {}
+    best = None
+    if outcome is not None:
+        best = ("lynx", exposed_s(outcome.applied.bw, joint), outcome)
+        scores["lynx"] = (best[1], outcome.applied.mem.peak_bytes)
+    candidates = [(p, None) for p in (BASELINES if ctx.record.blocks else ())]
+    if _single_process():
+        # torch's min-cut breaks ties in set order, which differs between processes (seen on 2
+        # gloo ranks: the same graph, different recomputed getitems): with several ranks its
+        # partition could differ per rank and deadlock the collectives, so it seeds only here.
+        candidates += [("torch", b) for b in sorted({round(frac * m, 3) for m in TORCH_BUDGET_LADDER},
+                                                    reverse=True)]
+    for policy, torch_budget in candidates:
+        name = f"torch@{torch_budget:g}" if policy == "torch" else policy
+        sub = scratch_context(ctx, name)
+        decisions = Decisions(policy=name) if policy == "torch" else baseline_decisions(joint, sub, policy)
+        applied = realize(joint, sub, decisions, kw, torch_budget=torch_budget)
+        exposed = exposed_s(applied.bw, joint)
+        scores[name] = (exposed, applied.mem.peak_bytes)
+        if applied.mem.peak_bytes <= budget and (best is None or exposed < best[1] * (1 - 1e-9)):
+            best = (name, exposed, LynxOutcome(
+                applied=dataclasses.replace(applied, decisions=applied.decisions.with_source("seed")),
+                problem=outcome.problem if outcome else ctx.record.problem,
+                solver=f"baseline:{name}", status="seeded", exposed_s=exposed,
+                plan_time_s=outcome.plan_time_s if outcome else 0.0,
+                solve_s=outcome.solve_s if outcome else 0.0))
+    ctx.record.decisions["candidates"] = {k: {"exposed_s": e, "peak_bytes": b} for k, (e, b) in scores.items()}
+    if best is None:
+        tried = ", ".join(f"{k} {b / reference_peak:.3f}" for k, (_, b) in scores.items())
+        raise BudgetError(f"{failure} Baselines tried as seeds peak at (fraction of the no-recompute "
+                          f"peak): {tried}.") from failure
+    if best[0] != "lynx":
+        why = (f"lynx's optimizer found no plan under this budget ({failure})" if outcome is None else
+               f"lynx's own plan exposes {scores['lynx'][0] * 1e3:.3g} ms of recompute")
+        note = (f"seeded by baseline '{best[0]}': {why}; '{best[0]}' fits (peak "
+                f"{best[2].applied.mem.peak_bytes} B <= {budget} B) exposing {best[1] * 1e3:.3g} ms")
+        ctx.record.notes.append(note)
+        log.info("lynx: %s", note)
+    return best[2]
+
+
+def _single_process() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
+def smallest_reachable(joint, ctx: PassContext, kw: dict, reference_peak: int) -> tuple[str, int]:
+    """(policy, peak) of the baseline with the smallest exact peak (none, selective, full)."""
+    peaks = {"none": reference_peak}
+    if ctx.record.blocks:
+        for policy in ("selective", "full"):
+            sub = scratch_context(ctx, policy)
+            applied = realize(joint, sub, baseline_decisions(joint, sub, policy), kw)
+            peaks[policy] = applied.mem.peak_bytes
+    best = min(peaks, key=peaks.get)
+    return best, peaks[best]
+
+
+def budget_error(config, budget, reference_peak, smallest, predicted) -> BudgetError:
+    policy, peak = smallest
+    have = f"policy {config.policy!r} predicts a peak of {predicted} B; " if predicted is not None else ""
+    return BudgetError(
+        f"memory_budget={config.memory_budget!r} ({budget} B) is below what can be reached: {have}"
+        f"the smallest reachable peak is {peak} B = {peak / reference_peak:.3f} of the "
+        f"no-recompute peak ({reference_peak} B), with policy {policy!r}. "
+        f"Use memory_budget >= {peak / reference_peak:.3f} (or >= {peak} bytes).")

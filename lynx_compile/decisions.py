@@ -1,0 +1,139 @@
+"""``Decisions``: the one record every recompute policy produces and the apply path reads.
+
+Every policy answers the same question per *unit* (a forward op, with the views, getitems and
+fused pointwise ops that live and die with it): keep its output saved, recompute it on demand
+before its first backward use, or recompute it inside a backward collective's window::
+
+    policy none / full / selective ─┐
+    policy lynx (solver, seeds) ────┼─▶ Decisions ─apply_decisions_pass─▶ tagged joint ─▶ partition
+    policy torch (min-cut) ─────────┘   (read back from the partition torch's min-cut chose)
+
+Plain data: frozen, hashable, JSON round-trips (plan files, the plan cache, the cross-rank
+agreement check). No torch import. A window is the typed value ``Window(collective=<name>)``
+naming the backward collective whose issue → wait it hides in, never a string to split.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Union
+
+
+class BudgetError(ValueError):
+    """The memory budget is below what the chosen policy (or any policy) reaches."""
+
+
+@dataclass(frozen=True)
+class Keep:
+    """The unit's output is saved by the forward for the backward."""
+
+    def __str__(self) -> str:
+        return "keep"
+
+
+@dataclass(frozen=True)
+class Demand:
+    """Recomputed in the backward right before its first use."""
+
+    def __str__(self) -> str:
+        return "demand"
+
+
+@dataclass(frozen=True)
+class Window:
+    """Recomputed right after ``collective`` (a backward collective's node name) is issued, so
+    it runs while that collective is in flight, before its wait."""
+
+    collective: str
+
+    def __str__(self) -> str:
+        return f"window:{self.collective}"
+
+
+Decision = Union[Keep, Demand, Window]
+KEEP, DEMAND = Keep(), Demand()
+KINDS = ("keep", "demand", "window")
+
+
+def _decision_to_json(d: Decision) -> Any:
+    return {"window": d.collective} if isinstance(d, Window) else str(d)
+
+
+def _decision_from_json(x: Any) -> Decision:
+    if x == "keep":
+        return KEEP
+    if x == "demand":
+        return DEMAND
+    if isinstance(x, dict) and set(x) == {"window"} and isinstance(x["window"], str):
+        return Window(x["window"])
+    raise ValueError(f"not a lynx decision: {x!r} (expected 'keep', 'demand' or "
+                     "{'window': '<collective node name>'}; plans written by lynx before the typed "
+                     "decision record used 'window:<index>': re-plan them)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decisions:
+    """Per unit (by the name of its op in the joint graph): its ``Decision``.
+
+    ``members`` lists, for units that cover more than their own op, every joint node the unit
+    covers (tagged with it). Units not listed are kept."""
+
+    policy: str
+    """Which policy decided: "none", "full", "selective", "torch@<budget>", "lynx"."""
+    units: tuple[tuple[str, Decision], ...] = ()
+    members: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    source: str = ""
+    """Where a lynx plan came from: "solver", "cache", "file", "no budget", "seed"."""
+    _by_name: dict = field(default=None, init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_name", dict(self.units))
+
+    @classmethod
+    def make(cls, policy: str, units: dict[str, Decision], members: dict[str, tuple[str, ...]] | None = None,
+             source: str = "") -> "Decisions":
+        """From plain dicts; units in a canonical (sorted) order so equal plans compare equal."""
+        members = {k: tuple(v) for k, v in (members or {}).items() if tuple(v) != (k,)}
+        return cls(policy=policy, units=tuple(sorted(units.items())), members=tuple(sorted(members.items())),
+                   source=source)
+
+    def __getitem__(self, name: str) -> Decision:
+        return self._by_name.get(name, KEEP)
+
+    def __iter__(self) -> Iterator[tuple[str, Decision]]:
+        return iter(self.units)
+
+    def __len__(self) -> int:
+        return len(self.units)
+
+    def recomputed(self) -> Iterator[tuple[str, Decision]]:
+        """(unit, decision) for every unit recomputed, on demand or in a window."""
+        return ((n, d) for n, d in self.units if not isinstance(d, Keep))
+
+    def nodes_of(self, unit: str) -> tuple[str, ...]:
+        """The joint nodes a unit covers (itself unless ``members`` says more)."""
+        return dict(self.members).get(unit, (unit,))
+
+    def counts(self) -> dict[str, int]:
+        """Units per kind: {"keep": k, "demand": d, "window": w}."""
+        out = dict.fromkeys(KINDS, 0)
+        for _, d in self.units:
+            out[str(d).split(":")[0]] += 1
+        return out
+
+    def with_source(self, source: str) -> "Decisions":
+        return Decisions(policy=self.policy, units=self.units, members=self.members, source=source)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy, "source": self.source,
+                "units": {n: _decision_to_json(d) for n, d in self.units},
+                "members": {n: list(m) for n, m in self.members}}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Decisions":
+        if not isinstance(data, dict) or "units" not in data:
+            raise ValueError("not a lynx decision record (expected an object with 'policy' and 'units')")
+        return cls.make(data.get("policy", "lynx"), {n: _decision_from_json(d) for n, d in data["units"].items()},
+                        {n: tuple(m) for n, m in data.get("members", {}).items()}, data.get("source", ""))
+
+
+NO_DECISIONS = Decisions(policy="none")
