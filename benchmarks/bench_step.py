@@ -17,16 +17,14 @@ cuda`` without CUDA.
 
 Variants (``--variants``, comma list; each runs in its own process: fresh in-memory compile
 caches and allocator statistics, and a cold Inductor/Triton on-disk cache directory, or torch's
-usual ones, kept across variants and runs, with ``--shared-cache`` / ``--quick``):
-
-- ``eager``; ``checkpoint``: ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` around
-  each transformer block's forward (the largest ``nn.ModuleList``), eager.
-- ``inductor``: ``torch.compile(model)``; ``inductor-b<B>``: the same after
-  ``torch._functorch.config.activation_memory_budget = B``.
-- ``lynx-none``, ``lynx-full``, ``lynx-selective``, ``lynx-b<B>`` (policy lynx, ``memory_budget``
-  B, solver ``--solver``): ``torch.compile(model, backend="lynx", options={...,
-  "compiler": --lynx-compiler})``. A budget lynx cannot reach (``BudgetError``) is recorded as
-  ``refused: <first line>``; any other exception as ``error: <type>: <first line>``.
+usual ones, kept across variants and runs, with ``--shared-cache`` / ``--quick``) are
+``lynx_compile.variants`` names: ``eager``; ``checkpoint`` (``torch.utils.checkpoint``
+per transformer block, eager); ``inductor``, ``inductor-b<B>`` (``torch.compile``, with
+``activation_memory_budget = B``); ``lynx-none``, ``lynx-full``, ``lynx-selective``,
+``lynx-torch-b<B>``, ``lynx-b<B>`` (policy lynx, ``memory_budget`` B, solver ``--solver``):
+``torch.compile(model, backend="lynx", options={..., "compiler": --lynx-compiler})``. A budget
+lynx cannot reach (``BudgetError``) is recorded as ``refused: <first line>``; any other
+exception as ``error: <type>: <first line>``.
 
 Models (``--model``, comma list): a zoo preset (``gpt-tiny`` ... ``gpt-1.3b``, built by
 ``lynx_compile.models.build_model`` with ``--layers`` / ``--seq`` / ``--attn`` / ``--dropout``);
@@ -35,14 +33,15 @@ of the heads as key/value heads, GELU MLP, tied embeddings; loss inside forward)
 GPT preset; ``hf-llama:<preset>``: HF ``transformers`` ``LlamaForCausalLM`` sized the same way
 (skipped, with a note, when ``transformers`` is not installed).
 
-Measurement, per variant: an eager reference step (fp32 only) from the same seeds; then
-``--warmup`` steps (the first compiles; its wall time is ``first_step_s``, loss ``loss``), then
-``--steps`` timed steps, median ``step_ms`` (CUDA: events; CPU: ``time.perf_counter``).
-Gradients accumulate (no optimizer, no zeroing). ``peak_MiB``: CUDA: ``max_memory_allocated``
-over the timed steps minus what was allocated before them (parameters, inputs and the
-gradients the warm-up left); CPU: ``lynx_compile.memory.measure_step`` (the profiler's
-allocator events over one more step, gradients excluded). ``predicted_peak_MiB``: the lynx
-plan's predicted peak (exact for ``compiler="eager"``; Inductor's fusions change the real one).
+Measurement, per variant (``lynx_compile.variants.run_variant``, as ``lynx demo``): an eager
+reference step (fp32 only) from the same seeds; then ``--warmup`` steps (the first compiles;
+its wall time is ``first_step_s``, loss ``loss``), then ``--steps`` timed steps, median
+``step_ms`` (CUDA: events; CPU: ``time.perf_counter``). Gradients accumulate (no optimizer, no
+zeroing). ``peak_MiB``: ``lynx_compile.memory.measure_step`` over one more step with the
+gradients set to None: CUDA: ``max_memory_allocated`` above what was allocated before it, minus
+the gradients it created; CPU: the profiler's allocator events, gradients excluded.
+``predicted_peak_MiB``: the lynx plan's predicted peak (exact for ``compiler="eager"``; Inductor's
+fusions change the real one).
 ``grad_rel_diff``: max over parameters of max|g - g_eager| / max|g_eager| after the first step
 (the denominator floored at 1e-6 of the largest gradient of any parameter);
 with dropout > 0, Inductor draws its own random numbers, so compiled-by-Inductor variants
@@ -57,11 +56,9 @@ import dataclasses
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -73,8 +70,12 @@ if HERE not in sys.path:  # sibling benchmark modules, also when imported from t
 from bench_kernels import environment as gpu_environment  # noqa: E402
 from bench_kernels import header_line  # noqa: E402
 
+from lynx_compile import variants  # noqa: E402
+from lynx_compile.memory.measure import grad_rel_diff, grad_snapshot  # noqa: E402
 from lynx_compile.report import csv_text, markdown_table  # noqa: E402
 from lynx_compile.report import environment as host_environment  # noqa: E402
+from lynx_compile.variants import (checkpoint_blocks, describe_failure, parse_variant,  # noqa: E402,F401
+                                   plot_pareto, transformer_blocks, under_inductor)
 
 RESULTS = os.path.join(HERE, "results")
 NO_CUDA_MESSAGE = "bench_step.py --device cuda needs a CUDA GPU; none found"
@@ -163,95 +164,17 @@ def build(s: Settings) -> tuple[torch.nn.Module, Callable[[torch.nn.Module], tor
     raise ValueError(f"unknown model {s.model!r}: a zoo preset, gqa:<preset> or hf-llama:<preset>")
 
 
-def transformer_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The model's block list: its largest ``nn.ModuleList``."""
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
-    if not lists:
-        raise ValueError(f"{type(model).__name__} has no nn.ModuleList of blocks to checkpoint")
-    return max(lists, key=len)
-
-
-def checkpoint_blocks(model: torch.nn.Module) -> None:
-    """Wrap each block's forward in ``checkpoint(use_reentrant=False)``, in place."""
-    from torch.utils.checkpoint import checkpoint
-
-    for block in transformer_blocks(model):
-        fwd = block.forward
-        block.forward = (lambda f: lambda *a, **k: checkpoint(f, *a, use_reentrant=False, **k))(fwd)
-
-
 # ----------------------------------------------------------------------------------- variants
 
-def lynx_options(variant: str, s: Settings) -> Optional[dict]:
-    """The lynx ``options`` of a ``lynx-*`` variant; None for the others."""
-    if not variant.startswith("lynx-"):
-        return None
-    what = variant[len("lynx-"):]
-    if what.startswith("b"):
-        return {"policy": "lynx", "memory_budget": float(what[1:]), "solver": s.solver, "compiler": s.lynx_compiler}
-    return {"policy": what, "compiler": s.lynx_compiler}
-
-
 def check_variant(variant: str) -> str:
-    ok = variant in ("eager", "checkpoint", "inductor", "lynx-none", "lynx-full", "lynx-selective")
-    for prefix in ("inductor-b", "lynx-b"):
-        if variant.startswith(prefix):
-            try:
-                b = float(variant[len(prefix):])
-                ok = 0.0 <= b <= 1.0 and (prefix == "inductor-b" or b > 0)
-            except ValueError:
-                ok = False
-    if not ok:
-        raise argparse.ArgumentTypeError(
-            f"unknown variant {variant!r}; known: eager, checkpoint, inductor, inductor-b<B> (B in [0, 1]), "
-            "lynx-none, lynx-full, lynx-selective, lynx-b<B> (B in (0, 1])")
+    try:
+        parse_variant(variant)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return variant
 
 
-def under_inductor(variant: str, s: Settings) -> bool:
-    """Whether ``variant``'s graphs run under Inductor (and so draw Inductor's random numbers)."""
-    return variant.startswith("inductor") or (variant.startswith("lynx-") and s.lynx_compiler == "inductor")
-
-
-def prepare(variant: str, model: torch.nn.Module, s: Settings) -> Callable:
-    """The callable model of ``variant`` (compiles lazily, on the first call)."""
-    if variant == "eager":
-        return model
-    if variant == "checkpoint":
-        checkpoint_blocks(model)
-        return model
-    if variant.startswith("inductor"):
-        if variant.startswith("inductor-b"):
-            torch._functorch.config.activation_memory_budget = float(variant[len("inductor-b"):])
-        return torch.compile(model)
-    return torch.compile(model, backend="lynx", options=lynx_options(variant, s))
-
-
 # -------------------------------------------------------------------------------- measurement
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _grads(model: torch.nn.Module) -> list[Optional[torch.Tensor]]:
-    return [None if p.grad is None else p.grad.detach().float().cpu().clone() for p in model.parameters()]
-
-
-def grad_rel_diff(grads: Sequence[Optional[torch.Tensor]], ref: Sequence[Optional[torch.Tensor]]) -> float:
-    """Max over parameters of max|g - r| / max(max|r|, 1e-6 * R), R = the largest |r| of any
-    parameter (a missing gradient counts as zeros). The floor keeps gradients that are zero in
-    exact arithmetic (e.g. a key projection's bias: softmax ignores a per-query constant) from
-    turning rounding noise into a large relative difference."""
-    pairs = [(g, r) for g, r in zip(grads, ref, strict=True) if g is not None or r is not None]
-    pairs = [(torch.zeros_like(r) if g is None else g, torch.zeros_like(g) if r is None else r) for g, r in pairs]
-    floor = 1e-6 * max((r.abs().max().item() for _, r in pairs), default=0.0)
-    worst = 0.0
-    for g, r in pairs:
-        scale = max(r.abs().max().item(), floor) or 1.0
-        worst = max(worst, (g - r).abs().max().item() / scale)
-    return worst
-
 
 def eager_reference(s: Settings) -> tuple[float, list]:
     """Loss and gradients of one eager step from the same seeds (fp32 only)."""
@@ -259,15 +182,16 @@ def eager_reference(s: Settings) -> tuple[float, list]:
     torch.manual_seed(1234)
     loss = loss_of(model)
     loss.backward()
-    out = loss.item(), _grads(model)
+    out = loss.item(), grad_snapshot(model)
     del model
     return out
 
 
 def run_variant(variant: str, s: Settings, ref_grads_path: Optional[str] = None) -> dict:
-    """Measure ``variant`` in this process; one result row (see the module docstring).
-    ``ref_grads_path``: the ``inductor`` variant writes its first-step gradients there (fp32);
-    the other compiled variants compare with them when the file exists."""
+    """Measure ``variant`` in this process (``lynx_compile.variants.run_variant``); one result row
+    (see the module docstring). ``ref_grads_path``: the ``inductor`` variant writes its
+    first-step gradients there (fp32); the other compiled variants compare with them when the
+    file exists."""
     check_variant(variant)
     if s.device == "cpu":
         torch.set_num_threads(s.threads or 1)
@@ -278,84 +202,20 @@ def run_variant(variant: str, s: Settings, ref_grads_path: Optional[str] = None)
     try:
         loss_ref, grads_ref = eager_reference(s) if fp32 else (None, None)
         model, loss_of = build(s)
-        fn = prepare(variant, model, s)
-
-        def step() -> torch.Tensor:
-            loss = loss_of(fn)
-            loss.backward()
-            return loss
-
-        torch.manual_seed(1234)
-        _sync(s.device)
-        t0 = time.perf_counter()
-        loss = step()
-        _sync(s.device)
-        row["first_step_s"] = time.perf_counter() - t0
-        row["loss"] = loss.item()
-        if fp32:
-            grads = _grads(model)
-            row["loss_equals_eager"] = abs(row["loss"] - loss_ref) <= LOSS_RTOL * abs(loss_ref)
-            row["grad_rel_diff"] = grad_rel_diff(grads, grads_ref)
-            row["grads_equal_eager"] = row["grad_rel_diff"] <= GRAD_RTOL
-            if ref_grads_path and variant == "inductor":
-                torch.save(grads, ref_grads_path)
-            elif ref_grads_path and os.path.exists(ref_grads_path) and under_inductor(variant, s):
-                row["grad_rel_diff_vs_inductor"] = grad_rel_diff(grads, torch.load(ref_grads_path))
-            del grads, grads_ref
-        for _ in range(s.warmup - 1):
-            step()
-        times, peak = timed_steps(step, model, s)
-        row["step_ms"] = statistics.median(times) * 1e3
-        row["peak_MiB"] = peak / 2**20
-        options = lynx_options(variant, s)
-        if options is not None:
-            import lynx_compile
-
-            plans = lynx_compile.backend(**options).plans
-            if plans:
-                row["predicted_peak_MiB"] = max(p.peak_bytes for p in plans) / 2**20
-            row["lynx_graphs"] = len(plans)
-    except Exception as exc:  # noqa: BLE001 - a variant that fails is a result, the others still run
-        row["result"] = describe_failure(exc)
+    except Exception as exc:  # noqa: BLE001 - reported as the row's result
+        return {**row, "result": describe_failure(exc)}
+    measured, grads = variants.run_variant(variant, model, loss_of, device=s.device, warmup=s.warmup,
+                                           steps=s.steps, solver=s.solver, compiler=s.lynx_compiler,
+                                           ref_grads=grads_ref)
+    row.update(measured)
+    if fp32 and grads is not None:
+        row["loss_equals_eager"] = abs(row["loss"] - loss_ref) <= LOSS_RTOL * abs(loss_ref)
+        row["grads_equal_eager"] = row["grad_rel_diff"] <= GRAD_RTOL
+        if ref_grads_path and variant == "inductor":
+            torch.save(grads, ref_grads_path)
+        elif ref_grads_path and os.path.exists(ref_grads_path) and under_inductor(variant, s.lynx_compiler):
+            row["grad_rel_diff_vs_inductor"] = grad_rel_diff(grads, torch.load(ref_grads_path))
     return row
-
-
-def timed_steps(step: Callable, model: torch.nn.Module, s: Settings) -> tuple[list[float], int]:
-    """Seconds of each timed step, and the peak activation bytes (see the module docstring)."""
-    if s.device == "cuda":
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(s.steps)]
-        for start, end in events:
-            start.record()
-            step()
-            end.record()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - before
-        return [a.elapsed_time(b) / 1e3 for a, b in events], peak
-    from lynx_compile.memory import measure_step
-
-    m = measure_step(step, device="cpu", repeats=s.steps, warmup=0, params=list(model.parameters()))
-    return list(m.step_times_s), m.peak_bytes
-
-
-def describe_failure(exc: BaseException) -> str:
-    """``refused: <first line>`` for a lynx BudgetError anywhere under dynamo's wrappers,
-    else ``error: <type>: <first line>``."""
-    from lynx_compile.backend import find_backend_error
-    from lynx_compile.partition import BudgetError
-
-    budget = find_backend_error(exc, BudgetError)
-    if budget is not None:
-        return f"refused: {_first_line(budget)}"
-    return f"error: {type(exc).__name__}: {_first_line(exc)}"
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""
 
 
 # ------------------------------------------------------------------------ one process per run
@@ -435,52 +295,8 @@ def summary(rows: Sequence[dict]) -> list[str]:
 
 
 def plot(rows: Sequence[dict], path: str, title: str) -> None:
-    """Pareto plot per model: x = peak MiB, y = step ms; torch's budget sweep as a line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        ok = [r for r in rows if r["model"] == model and r["result"] == "ok"]
-        budget = {r["variant"]: float(r["variant"][len("inductor-b"):]) for r in ok
-                  if r["variant"].startswith("inductor-b")}
-        if "inductor-b1.0" not in budget and any(r["variant"] == "inductor" for r in ok):
-            budget["inductor"] = 1.0  # torch's default budget closes the sweep
-        sweep = sorted((r for r in ok if r["variant"] in budget), key=lambda r: budget[r["variant"]])
-        if sweep:
-            ax.plot([r["peak_MiB"] for r in sweep], [r["step_ms"] for r in sweep], "o-", color="tab:blue",
-                    label="torch.compile + budget")
-            for r in sweep:
-                ax.annotate(f"b{budget[r['variant']]:g}", (r["peak_MiB"], r["step_ms"]), fontsize=7,
-                            textcoords="offset points", xytext=(3, -9), color="tab:blue")
-        marks = {"inductor": ("s", "tab:blue", "torch.compile"), "eager": ("^", "black", "eager"),
-                 "checkpoint": ("v", "gray", "checkpoint per block")}
-        for r in ok:
-            if r["variant"] in marks:
-                m, c, label = marks[r["variant"]]
-                ax.plot(r["peak_MiB"], r["step_ms"], m, color=c, label=label)
-        lynx = [r for r in ok if r["variant"].startswith("lynx-")]
-        if lynx:
-            ax.plot([r["peak_MiB"] for r in lynx], [r["step_ms"] for r in lynx], "D", color="tab:red",
-                    linestyle="none", label="lynx")
-            labels: dict[tuple, list[str]] = {}
-            for r in lynx:  # coincident points (e.g. a budget that ends at full recompute) share one label
-                labels.setdefault((r["peak_MiB"], r["step_ms"]), []).append(r["variant"][len("lynx-"):])
-            for xy, names in labels.items():
-                ax.annotate(", ".join(names), xy, fontsize=8, textcoords="offset points", xytext=(4, 4),
-                            color="tab:red")
-        ax.set_title(model, fontsize=10)
-        ax.set_xlabel("peak activation memory (MiB)")
-        ax.set_ylabel("step time (ms)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    """Pareto plot per model (``lynx_compile.variants.plot_pareto``)."""
+    plot_pareto(rows, path, title)
 
 
 def write_results(out: str, stem: str, rows: list[dict], settings: Sequence[Settings], argv: Sequence[str],
@@ -504,9 +320,8 @@ def write_results(out: str, stem: str, rows: list[dict], settings: Sequence[Sett
              f"{s.warmup} warm-up steps (the first compiles: first_step_s), median of {s.steps} timed steps; "
              f"lynx solver {s.solver}, lynx compiler {s.lynx_compiler}. Step = forward + loss + backward, "
              "no optimizer; each variant in its own process. peak = activation memory: "
-             + ("`max_memory_allocated` over the timed steps minus what was allocated before them."
-                if device == "cuda" else
-                "`lynx_compile.memory.measure_step` (CPU allocator events of one step, gradients excluded).")
+             + "`lynx_compile.memory.measure_step` over one step, gradients excluded ("
+             + ("`max_memory_allocated` above the start)." if device == "cuda" else "CPU allocator events).")
              + f" grads_equal_eager: max relative difference <= {GRAD_RTOL:g} after the first step (fp32 only).",
              "", markdown_table(table_rows, MD_COLUMNS)]
     failed = [r for r in rows if r["result"] != "ok"]

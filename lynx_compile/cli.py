@@ -140,17 +140,9 @@ def _build_on(spec: str, device: str, overrides: dict):
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from lynx_compile.demo import run_demo
-    from lynx_compile.report import environment, markdown_table
+    from lynx_compile.demo import cmd_demo as demo
 
-    rows = run_demo(args.model, steps=args.steps, batch_size=args.batch_size)
-    env = environment()
-    print(f"\nlynx demo: {args.model}, batch {args.batch_size}, {args.steps} AdamW steps, fp32, dropout on "
-          f"({env['cpu']}, torch {env['torch']}, {env['threads']} threads)\n")
-    print(markdown_table(rows))
-    ok = all(r["loss_equals_eager"] == "yes" for r in rows)
-    print("\nall policies match eager" if ok else "\nMISMATCH against eager", flush=True)
-    return 0 if ok else 1
+    return demo(args)
 
 
 def _say(msg: str) -> None:
@@ -182,10 +174,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_options(p)
     p.set_defaults(func=cmd_plan)
     d = sub.add_parser("demo", parents=[debug],
-                       help="train a small GPT on CPU under every policy and compare with eager")
-    d.add_argument("--model", default="gpt-small", help="a preset (e.g. gpt-tiny, gpt-small)")
-    d.add_argument("--steps", type=int, default=4, help="AdamW steps per policy")
-    d.add_argument("--batch-size", type=int, default=4, help="sequences per step")
+                       help="one training step of a small GPT under eager, torch.utils.checkpoint, "
+                       "torch.compile (+ activation_memory_budget) and every lynx policy: step time, peak "
+                       "memory, gradients vs eager, Pareto plot")
+    d.add_argument("--model", default="gpt-tiny", help="a preset (default gpt-tiny)")
+    d.add_argument("--steps", type=int, default=20, help="timed steps per variant (median reported)")
+    d.add_argument("--batch-size", type=int, default=2, help="sequences per step")
+    d.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when present")
+    d.add_argument("--out", default=None, metavar="DIR", help="where demo_<device>.md and .png go "
+                   "(default: <tmp>/lynx_demo)")
     d.set_defaults(func=cmd_demo)
     s = sub.add_parser("simulate", parents=[debug],
                        help="simulate one training iteration of a paper-scale GPT on a modeled cluster")

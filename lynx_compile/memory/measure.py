@@ -7,14 +7,22 @@ from the start of the step gives live bytes; the peak is its maximum. Either way
 is what the step allocates beyond what was already live (parameters, gradients, optimizer
 state, inputs), which is what ``lynx_compile.memory.simulate`` predicts.
 
-Step time is measured in separate runs without the profiler (it slows CPU execution).
+Step time is measured in separate runs without the profiler (it slows CPU execution): wall
+time on CPU, CUDA events on CUDA. The profiler's own log lines (kineto's ``USDT: profiler_start``
+/ ``profiler_stop``, written to file descriptor 2 at every start and stop) are dropped.
+
+``grad_snapshot`` / ``grad_rel_diff`` compare the gradients a step left with a reference's.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -27,7 +35,7 @@ class StepMeasurement:
     """Peak bytes allocated during the step above the bytes live when it started (gradients
     left in ``.grad`` excluded when ``params`` were given)."""
     step_s: float
-    """Median wall time of the step (seconds)."""
+    """Median time of the step (seconds): wall time on CPU, CUDA events on CUDA."""
     step_times_s: tuple[float, ...]
     device: str
     method: str
@@ -62,6 +70,37 @@ def _allocation_events(prof) -> list[tuple[int, int, int]]:
     return _compat.cpu_allocation_events(prof)
 
 
+#: Line prefixes of kineto's informational log (its ``STAGE`` and ``USDT`` levels), which it
+#: writes straight to file descriptor 2 when a profiler starts and stops.
+KINETO_LOG_PREFIXES = ("USDT:", "STAGE:")
+
+
+@contextlib.contextmanager
+def without_kineto_log() -> Iterator[None]:
+    """Drop kineto's informational lines written to file descriptor 2 inside the block; anything
+    else written there meanwhile (warnings, errors) is written back after it. Setting
+    ``KINETO_LOG_LEVEL`` instead only works before the process's first profiler starts."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no usable fd 2: nothing to filter
+        yield
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            text = tmp.read().decode(errors="replace")
+            kept = [ln for ln in text.splitlines(keepends=True) if not ln.startswith(KINETO_LOG_PREFIXES)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
 def cpu_peak_bytes(fn: Callable[[], Any], exclude: Callable[[], set[int]] | None = None) -> int:
     """Peak of live CPU-allocator bytes while ``fn`` runs, relative to its start.
 
@@ -69,8 +108,14 @@ def cpu_peak_bytes(fn: Callable[[], Any], exclude: Callable[[], set[int]] | None
     left out: the gradients the step leaves in ``.grad``."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
+    with without_kineto_log():  # only around start / stop: what fn() writes goes through as written
+        prof.start()
+    try:
         fn()
+    finally:
+        with without_kineto_log():
+            prof.stop()
     events = _allocation_events(prof)
     skip: set[int] = set()
     if exclude is not None:
@@ -96,6 +141,27 @@ def cuda_peak_bytes(fn: Callable[[], Any], device: torch.device, grad_bytes: Cal
     return torch.cuda.max_memory_allocated(device) - before - (grad_bytes() if grad_bytes else 0)
 
 
+def step_times(step_fn: Callable[[], Any], device: torch.device, repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` runs of ``step_fn``: CUDA events around each run on CUDA
+    (runs back to back, one synchronization at the end), ``time.perf_counter`` otherwise."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(repeats)]
+        for start, end in events:
+            start.record()
+            step_fn()
+            end.record()
+        torch.cuda.synchronize(device)
+        return [start.elapsed_time(end) / 1e3 for start, end in events]
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step_fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def measure_step(step_fn: Callable[[], Any], *, device: str | torch.device = "cpu",
                  repeats: int = 3, warmup: int = 1, plan: Any = None,
                  params: Iterable[torch.Tensor] | None = None) -> StepMeasurement:
@@ -109,13 +175,7 @@ def measure_step(step_fn: Callable[[], Any], *, device: str | torch.device = "cp
     device = torch.device(device)
     for _ in range(warmup):
         step_fn()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        step_fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
+    times = step_times(step_fn, device, repeats)
     global BACKWARD_OUTPUTS
     params = [p for p in params] if params is not None else []
     for p in params:
@@ -137,3 +197,23 @@ def measure_step(step_fn: Callable[[], Any], *, device: str | torch.device = "cp
                            step_times_s=tuple(times), device=str(device), method=method,
                            predicted_peak_bytes=plan.peak_bytes if plan is not None else None,
                            predicted_saved_bytes=plan.saved_bytes if plan is not None else None)
+
+
+def grad_snapshot(model: torch.nn.Module) -> list[Optional[torch.Tensor]]:
+    """A copy of every parameter's ``.grad`` (fp32, on the CPU; None where there is none)."""
+    return [None if p.grad is None else p.grad.detach().float().cpu().clone() for p in model.parameters()]
+
+
+def grad_rel_diff(grads: Sequence[Optional[torch.Tensor]], ref: Sequence[Optional[torch.Tensor]]) -> float:
+    """Max over parameters of max|g - r| / max(max|r|, 1e-6 * R), R = the largest |r| of any
+    parameter (a missing gradient counts as zeros). The floor keeps gradients that are zero in
+    exact arithmetic (e.g. a key projection's bias: softmax ignores a per-query constant) from
+    turning rounding noise into a large relative difference."""
+    pairs = [(g, r) for g, r in zip(grads, ref, strict=True) if g is not None or r is not None]
+    pairs = [(torch.zeros_like(r) if g is None else g, torch.zeros_like(g) if r is None else r) for g, r in pairs]
+    floor = 1e-6 * max((r.abs().max().item() for _, r in pairs), default=0.0)
+    worst = 0.0
+    for g, r in pairs:
+        scale = max(r.abs().max().item(), floor) or 1.0
+        worst = max(worst, (g - r).abs().max().item() / scale)
+    return worst
