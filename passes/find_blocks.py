@@ -2,7 +2,8 @@
 
 Reads ``nn_module_stack`` (forward nodes) and ``fwd_nn_module_stack`` (backward nodes), or a
 user annotation ``torch.fx.traceback.annotate({"lynx_block": k})`` (``meta["custom"]``).
-Writes ``meta.BLOCK`` (int) and ``meta.BLOCK_PATH`` (str) on every node inside a block, and the
+Writes ``meta.BLOCK`` (int) and ``meta.BLOCK_PATH`` (str) on every node inside a block,
+``meta.CAUSAL_MASK`` on constant causal masks, and the
 block list plus a structural hash per block (op sequence, shapes, dtypes; never names) into the
 record.
 
@@ -21,6 +22,7 @@ import torch.fx as fx
 
 from . import meta
 from .context import PassContext
+from .fuse_recompute import is_causal_mask
 
 _INDEXED = re.compile(r"^(?P<parent>.*)\.(?P<index>\d+)$")
 
@@ -85,6 +87,9 @@ def find_blocks_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             node.meta[meta.BLOCK] = index
             node.meta[meta.BLOCK_PATH] = path
     sourced = _adopt_sources(gm)
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.triu.default):
+        if is_causal_mask(node):
+            node.meta[meta.CAUSAL_MASK] = True
     ctx.record.blocks = paths
     # Constants and masks (computed from no activation) are left out of the hash: merged by CSE,
     # one block's causal mask serves every block, and the blocks are still the same layer.

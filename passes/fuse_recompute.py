@@ -77,6 +77,12 @@ def _fake_run(target, args):
         return target(*vals)
 
 
+def is_causal_mask(node: fx.Node) -> bool:
+    """``triu(ones(T, T), 1)``: the constant causal mask (True above the diagonal)."""
+    return (node.target is aten.triu.default and node.args[1:] == (1,) and isinstance(node.args[0], fx.Node)
+            and node.args[0].target is aten.ones.default)
+
+
 def _fuse_softmax(gm: fx.GraphModule, softmax: fx.Node) -> bool:
     src, dim, half = softmax.args
     if dim not in (-1, len(softmax.meta["val"].shape) - 1) or half:
@@ -85,8 +91,7 @@ def _fuse_softmax(gm: fx.GraphModule, softmax: fx.Node) -> bool:
     if not (isinstance(fill, fx.Node) and fill.target is aten.masked_fill.Scalar and fill.args[2] == float("-inf")):
         return False
     scaled, mask = fill.args[0], fill.args[1]
-    if not (isinstance(mask, fx.Node) and mask.target is aten.triu.default and mask.args[1:] == (1,)
-            and isinstance(mask.args[0], fx.Node) and mask.args[0].target is aten.ones.default):
+    if not (isinstance(mask, fx.Node) and (is_causal_mask(mask) or mask.meta.get(meta.CAUSAL_MASK))):
         return False
     if isinstance(scaled, fx.Node) and scaled.target is aten.mul.Tensor and isinstance(scaled.args[1], (int, float)):
         scores, scale = scaled.args[0], float(scaled.args[1])

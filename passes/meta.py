@@ -20,3 +20,7 @@ RECOMPUTED = "lynx_recomputed"
 RECOMPUTED_FROM = "lynx_recomputed_from"
 #: ``int`` side-stream segment a backward node (or its begin / end / wait marker) belongs to.
 SIDE_STREAM = "lynx_side_stream"
+#: ``True`` on a forward ``triu(ones(T, T), 1)`` node (a constant causal mask), set by
+#: ``find_blocks_pass``; the partitioner copies it onto the backward placeholder when the mask is
+#: saved (one mask that several blocks share, after CSE) so the fused causal softmax still knows it.
+CAUSAL_MASK = "lynx_causal_mask"
