@@ -20,6 +20,7 @@ install-test: install
 	$(PYTHON) -m pip install -q -e ".[test]"
 
 demo: install
+	$(PYTHON) -m pip install -q -e ".[plots]"
 	lynx demo
 
 plan: install

@@ -17,9 +17,13 @@ from lynx_compile.models import build_model, example_batch
 
 @pytest.fixture
 def lynx_logging():
-    """Restore the lynx loggers after a test that installs lynx's stderr handler."""
+    """Clean lynx loggers for a test that installs lynx's stderr handler (an earlier test with
+    ``verbose=True`` leaves the solver's log on for the process), restored after it."""
     loggers = [logging.getLogger("lynx_compile"), logging.getLogger("lynx_compile.solver")]
     saved = [(lg, lg.level, list(lg.handlers)) for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.NOTSET)
+        lg.handlers[:] = []
     yield
     for lg, level, handlers in saved:
         lg.setLevel(level)
