@@ -117,6 +117,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
               f"peak activation memory: {human_bytes(plan.peak_bytes)} "
               f"({plan.peak_fraction:.2f} of no-recompute {human_bytes(plan.reference_peak_bytes)}, "
               f"at {plan.peak_at})   recompute time: {plan.recompute_s * 1e3:.3f} ms")
+        if plan.budget_bytes is not None:
+            what = ("the step's activation peak" if plan.budget_scope == "peak" else
+                    "what this graph saves for its backward (it is one block or a piece of the model)")
+            print(f"budget: {human_bytes(plan.budget_bytes)} of {what}")
         if plan.policy == "lynx":
             counts = {k: v for k, v in plan.decisions.counts().items() if v}
             print(f"solver: {plan.solver} ({plan.solver_status})   plan time: {plan.plan_time_s:.3f} s   "

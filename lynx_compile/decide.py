@@ -75,6 +75,71 @@ def decide(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: int | None
     return outcome.applied, outcome
 
 
+def decide_piece(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: int | None,
+                 reference_saved: int) -> tuple[Applied, Any]:
+    """A graph that is one block or a piece of a model (``find_blocks``: no module-list
+    children): the budget bounds the bytes it saves for its backward, which is what adds up
+    across the pieces (its own peak is mostly the one block's backward, the same under any
+    plan). Baseline policies are applied as asked. Policy lynx takes the candidate (none, full,
+    selective, torch's min-cut at the budget and half of it) that saves no more than
+    ``budget`` with the least exposed recompute; when none does (a loss-only graph saves what
+    nothing recomputes), the one that saves least, with a warning naming the graph break."""
+    from lynx_compile.optimize import LynxOutcome
+
+    cfg = ctx.config
+    if cfg.policy != "lynx":
+        return decide(joint, ctx, kw, None, reference_saved)
+    frac = min(1.0, budget / reference_saved) if budget is not None and reference_saved else 1.0
+    candidates = [("none", None), *((p, None) for p in BASELINES)]
+    if budget is not None and _single_process():  # (see seed_with_baselines)
+        candidates += [("torch", b) for b in sorted({round(frac * m, 3) for m in TORCH_BUDGET_LADDER}, reverse=True)]
+    scored, own = [], None
+    if budget is not None and ctx.record.reference_peak_bytes:
+        # lynx's optimizer too (it places recompute in communication windows): solved for the
+        # same fraction of the peak, a candidate like the others when what it saves fits
+        from lynx_compile.optimize import plan_lynx
+
+        clear_decision_tags(joint)
+        base_fw, base_bw = partition_joint(joint, ctx.joint_inputs, kw, inductor=cfg.compiler == "inductor")
+        if cfg.compiler == "inductor":
+            base_bw = mark_recomputed_pass(base_bw, ctx)
+        try:
+            own = plan_lynx(joint, ctx, base_fw, base_bw, int(frac * ctx.record.reference_peak_bytes), kw)
+            scored.append(("lynx", exposed_s(own.applied.bw, joint), own.applied))
+        except BudgetError as e:
+            ctx.record.notes.append(f"lynx's optimizer: {e}")
+    for policy, torch_budget in candidates:
+        name = f"torch@{torch_budget:g}" if policy == "torch" else policy
+        sub = scratch_context(ctx, name)
+        decisions = Decisions(policy=name) if policy == "torch" else baseline_decisions(joint, sub, policy)
+        applied = realize(joint, sub, decisions, kw, torch_budget=torch_budget)
+        scored.append((name, exposed_s(applied.bw, joint), applied))
+        if budget is None:
+            break  # no budget: recompute nothing beyond what the compiler does on its own
+    ctx.record.decisions["candidates"] = {n: {"exposed_s": e, "saved_bytes": a.mem.saved_bytes} for n, e, a in scored}
+    fitting = [c for c in scored if budget is None or c[2].mem.saved_bytes <= budget]
+    if fitting:
+        name, exposed, applied = min(fitting, key=lambda c: (c[1], c[2].mem.saved_bytes))
+    else:
+        name, exposed, applied = min(scored, key=lambda c: (c[2].mem.saved_bytes, c[1]))
+        msg = (f"graph {ctx.record.graph_id} is one block or a piece of a model (no module-list children; "
+               f"a graph break or a per-block compile), where memory_budget={cfg.memory_budget!r} bounds the "
+               f"bytes it saves for its backward ({budget} B of {reference_saved} B); no plan saves that "
+               f"little (least: '{name}', {applied.mem.saved_bytes} B), so that one is used. If this graph "
+               "should not be separate, TORCH_LOGS=graph_breaks shows why dynamo split the model.")
+        log.warning("lynx: %s", msg)
+        ctx.record.notes.append(msg)
+    ctx.record.decisions.update(applied.record.decisions)
+    realize_tags(joint, ctx, applied.decisions)
+    note = f"one block or a piece of a model: the budget bounds saved bytes; '{name}' chosen"
+    ctx.record.notes.append(note)
+    if name == "lynx":
+        return own.applied, own
+    outcome = LynxOutcome(applied=dataclasses.replace(applied, decisions=applied.decisions.with_source("seed")),
+                          problem=ctx.record.problem, solver=f"baseline:{name}", status="seeded", exposed_s=exposed)
+    return outcome.applied, outcome
+
+
 def realize_tags(joint: fx.GraphModule, ctx: PassContext, decisions: Decisions) -> None:
     """Leave the compiled plan's tags on ``joint`` (candidates tagged it after)."""
     sub = dataclasses.replace(scratch_context(ctx, decisions.policy), decisions=decisions)

@@ -20,12 +20,12 @@ import torch.fx as fx
 from lynx_compile import _compat
 from lynx_compile.apply import Applied, untagged_reference
 from lynx_compile.config import LynxConfig
-from lynx_compile.decide import decide, smallest_reachable, budget_error
+from lynx_compile.decide import budget_error, decide, decide_piece, smallest_reachable
 from lynx_compile.decisions import BudgetError
 from lynx_compile.distributed.agreement import check_plan_agreement
 from lynx_compile.memory.simulate import _nbytes, backward_inputs
 from lynx_compile.passes import JOINT_PIPELINE, GraphRecord, PassContext, meta, run_passes
-from lynx_compile.passes.find_blocks import structural_hash
+from lynx_compile.passes.find_blocks import WHOLE_GRAPH, structural_hash
 from lynx_compile.plan import BlockSummary, RecomputePlan, TensorDecision
 
 log = logging.getLogger("lynx_compile")
@@ -45,21 +45,27 @@ def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs:
     """Partition ``joint`` into (fw, bw) under ``config.policy``; fills ``record.plan``."""
     kw = dict(num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static_lifetime_input_indices)
     # The reference saves every forward value the backward reads of the graph as traced:
-    # budgets are fractions of its peak.
+    # budgets are fractions of its peak (of its saved bytes for a piece of a model).
     reference = untagged_reference(joint, joint_inputs, kw)
     joint = _compat.canonicalize_joint(joint)
     ctx = PassContext(config=config, record=record, num_fwd_outputs=num_fwd_outputs,
                       joint_inputs=joint_inputs,
                       forward_names=frozenset(_compat.forward_node_names(joint)))
     record.reference_peak_bytes = reference.peak_bytes
-    budget = _budget_bytes(config, reference.peak_bytes)
 
     joint = run_passes(joint, ctx, JOINT_PIPELINE, "joint")
     # Hashed before any tagged partition: replaying RNG adds nodes to the joint graph in place.
     ctx.record.decisions["graph_hash"] = structural_hash(list(joint.graph.nodes))
-    applied, outcome = decide(joint, ctx, kw, budget, reference.peak_bytes)
+    piece = record.blocks == [WHOLE_GRAPH]
+    if piece:  # one block or a piece of a model: what adds up across graphs is what each saves
+        budget = _budget_bytes(config, reference.saved_bytes)
+        applied, outcome = decide_piece(joint, ctx, kw, budget, reference.saved_bytes)
+    else:
+        budget = _budget_bytes(config, reference.peak_bytes)
+        applied, outcome = decide(joint, ctx, kw, budget, reference.peak_bytes)
     fw, bw, mem = applied.fw, applied.bw, applied.mem
-    record.plan = build_plan(config.policy, joint, applied, ctx, budget, outcome)
+    record.plan = build_plan(config.policy, joint, applied, ctx, budget, outcome,
+                             budget_scope="saved" if piece else "peak")
     record.saved_names = tuple(p.name for p in bw.graph.find_nodes(op="placeholder")
                                if not p.name.startswith("tangents"))
     record.segment_costs = segment_costs(joint, ctx.forward_names)
@@ -67,7 +73,12 @@ def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs:
         with _compat.eager_dispatch():  # real tensors for the all-gather, not the compile's fakes
             record.decisions["plan_fingerprint"] = check_plan_agreement(record.plan, record.graph_id)
 
-    if budget is not None and mem.peak_bytes > budget:
+    if budget is not None and piece and mem.saved_bytes > budget and config.policy != "lynx":
+        raise BudgetError(f"memory_budget={config.memory_budget!r}: this graph is one block or a piece of a "
+                          f"model, where the budget applies to the activations it saves ({budget} B of "
+                          f"{reference.saved_bytes} B); policy {config.policy!r} saves {mem.saved_bytes} B. "
+                          "Use policy 'lynx' (it picks the cheapest plan that fits) or a larger budget.")
+    if budget is not None and not piece and mem.peak_bytes > budget:
         if config.policy == "torch":
             frac = min(1.0, budget / reference.peak_bytes)
             msg = (f"policy 'torch' at activation_memory_budget={frac:.3f} predicts a peak of "
@@ -122,7 +133,7 @@ def segment_costs(joint: fx.GraphModule, forward_names: frozenset[str]) -> dict:
 
 
 def build_plan(policy: str, joint: fx.GraphModule, applied: Applied, ctx: PassContext,
-               budget: int | None, outcome=None) -> RecomputePlan:
+               budget: int | None, outcome=None, budget_scope: str = "peak") -> RecomputePlan:
     """The plan record of ``applied``: its decisions, what its graphs save and recompute (names,
     bytes, blocks, seconds) and their exact simulated memory."""
     fw, bw, mem = applied.fw, applied.bw, applied.mem
@@ -162,7 +173,7 @@ def build_plan(policy: str, joint: fx.GraphModule, applied: Applied, ctx: PassCo
         saved_bytes=mem.saved_bytes, peak_bytes=mem.peak_bytes,
         forward_peak_bytes=mem.forward_peak_bytes, backward_peak_bytes=mem.backward_peak_bytes,
         peak_at=mem.peak_at, recompute_s=recompute_s,
-        reference_peak_bytes=ctx.record.reference_peak_bytes or 0, budget_bytes=budget,
+        reference_peak_bytes=ctx.record.reference_peak_bytes or 0, budget_bytes=budget, budget_scope=budget_scope,
         notes=tuple(ctx.record.notes), decisions=applied.decisions,
         solver=outcome.solver if outcome else "", solver_status=outcome.status if outcome else "",
         exposed_s=outcome.exposed_s if outcome else recompute_s,

@@ -52,6 +52,10 @@ class RecomputePlan:
     recompute_s: float = 0.0
     reference_peak_bytes: int = 0
     budget_bytes: int | None = None
+    budget_scope: str = "peak"
+    """What ``budget_bytes`` bounds: ``"peak"`` (the step's activation peak; a graph holding the
+    model's blocks) or ``"saved"`` (the activations the graph saves for its backward; a graph
+    that is one block or a piece of a model, whose savings add up across graphs)."""
     notes: tuple[str, ...] = field(default_factory=tuple)
     decisions: Decisions = field(default_factory=lambda: Decisions(policy="none"))
     """Per unit (forward op): ``Keep()`` / ``Demand()`` / ``Window(collective)``, as the policy

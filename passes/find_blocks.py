@@ -77,8 +77,7 @@ def find_blocks_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         m = _INDEXED.match(path)
         parents[m.group("parent") if m else ""] += 1
     if not parents:
-        ctx.record.notes.append("no transformer blocks found (no module-list children in the module stack)")
-        return gm
+        return _whole_graph_block(gm, ctx)
     parent = max(parents, key=lambda p: (parents[p], -len(p)))
     paths = [p for p in by_path if (_INDEXED.match(p).group("parent") if _INDEXED.match(p) else "") == parent]
     paths.sort(key=lambda p: int(_INDEXED.match(p).group("index")) if _INDEXED.match(p) else 0)
@@ -95,6 +94,27 @@ def find_blocks_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     # one block's causal mask serves every block, and the blocks are still the same layer.
     ctx.record.block_hashes = [structural_hash([n for n in by_path[p] if "nn_module_stack" in n.meta
                                                 and not sourced[n]]) for p in paths]
+    return gm
+
+
+WHOLE_GRAPH = "(whole graph)"
+
+
+def _whole_graph_block(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """No module-list children: the graph is one block, or part of one (a block compiled on its
+    own, torchtitan-style, or a piece between graph breaks). It may recompute everything but
+    its inputs, so every node traced from the model's modules is block 0."""
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    nodes = [n for n in calls if module_paths(n)] or calls  # (a function compiled on its own: all of it)
+    for node in nodes:
+        node.meta[meta.BLOCK] = 0
+        node.meta[meta.BLOCK_PATH] = WHOLE_GRAPH
+    sourced = _adopt_sources(gm)
+    ctx.record.blocks = [WHOLE_GRAPH]
+    ctx.record.block_hashes = [structural_hash([n for n in nodes if n.name in ctx.forward_names and not sourced[n]])]
+    ctx.record.notes.append(
+        "no module-list children (e.g. model.layers.3) in this graph: it is treated as one block "
+        "(a block compiled on its own, or a piece between graph breaks); its inputs stay saved")
     return gm
 
 

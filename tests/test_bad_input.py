@@ -95,17 +95,3 @@ def test_graph_breaks_compile_each_subgraph_and_say_so_once(caplog):
     warnings = [r for r in caplog.records if "more than one graph" in r.getMessage()]
     assert len(warnings) == 1
     assert torch.allclose(out, model(x))
-
-
-def test_block_policy_without_blocks_explains():
-    class Flat(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = torch.nn.Linear(8, 8)
-
-        def forward(self, x):
-            return self.a(x).relu().sum()
-
-    compiled = torch.compile(Flat(), backend="lynx", options={"policy": "full", "disable_passes": NO_COSTS, "compiler": "eager"})
-    with pytest.raises(Exception, match="no blocks were found"):
-        compiled(torch.randn(4, 8, requires_grad=True))
