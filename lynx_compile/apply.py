@@ -3,7 +3,8 @@
 ::
 
     Decisions ─APPLY_PIPELINE (apply_decisions_pass)─▶ tagged joint ─partition─▶ (fw, bw)
-        ─BACKWARD_PIPELINE (mark, windows, fuse, side stream)─▶ bw ─simulate_step─▶ exact peak
+        ─FORWARD_PIPELINE (offload)─▶ fw
+        ─BACKWARD_PIPELINE (mark, windows, fuse, reload, side stream)─▶ bw ─simulate_step─▶ exact peak
 
 Every policy's candidate goes through ``realize``: the baselines, each round of lynx's solver,
 the seeds lynx compares against, and the plan finally compiled. The partition:
@@ -25,7 +26,8 @@ import torch.fx as fx
 from lynx_compile import _compat
 from lynx_compile.decisions import Decisions
 from lynx_compile.memory.simulate import StepMemory, simulate_step
-from lynx_compile.passes import APPLY_PIPELINE, BACKWARD_PIPELINE, GraphRecord, PassContext, run_passes
+from lynx_compile.passes import (APPLY_PIPELINE, BACKWARD_PIPELINE, FORWARD_PIPELINE, GraphRecord, PassContext,
+                                  run_passes)
 from lynx_compile.passes.apply_decisions import clear_decision_tags
 from lynx_compile.passes.policies import pin_random_outputs
 from lynx_compile.passes.remat_problem import decisions_from_backward
@@ -86,6 +88,7 @@ def realize(joint: fx.GraphModule, ctx: PassContext, decisions: Decisions, kw: d
     if torch_budget is not None:
         pin_random_outputs(joint, ctx)
     fw, bw = partition_joint(joint, ctx.joint_inputs, kw, inductor=inductor, torch_budget=torch_budget)
+    fw = run_passes(fw, ctx, FORWARD_PIPELINE, "forward")
     bw = run_passes(bw, ctx, BACKWARD_PIPELINE, "backward")
     if torch_budget is not None:
         decisions = decisions_from_backward(bw, decisions.policy, ctx.record.problem, ctx.record.unit_index)

@@ -79,6 +79,15 @@ class LynxConfig:
     """Let ``policy="lynx"`` place recompute inside communication windows. ``False`` plans
     on-demand recompute only (the "lynx without overlap" baseline of the TP benchmark)."""
 
+    offload: bool = False
+    """Let ``policy="lynx"`` also offload saved activations to host memory (Kuaishou ATC'24):
+    per tensor keep / recompute / offload under the same peak budget, a copy priced by the
+    hardware profile's ``host_link_bytes_per_s`` and exposed only where it outlasts the compute
+    it overlaps (``passes/offload.py``). Visible in the graphs as ``lynx.offload`` /
+    ``offload_wait`` (forward) and ``lynx.reload`` / ``reload_wait`` (backward). Needs
+    ``compiler='eager'`` (chosen when ``compiler`` is not given); not with ``side_stream`` or
+    ``recompute_in_wait``. On CPU "host" is a second CPU buffer."""
+
     recompute_in_wait: bool = False
     """Keep each forward's saved tensors per pipeline micro-batch so that the recompute prefix of
     its backward (the recomputed ops no gradient flows into) can run early, while the stage waits
@@ -171,7 +180,7 @@ def make_config(options: dict[str, Any] | None = None) -> LynxConfig:
     if options.get("plan") is not None:
         check_plan_file(options["plan"], "plan")
     _check_solver_installed(options)
-    needs_eager = [k for k in ("side_stream", "recompute_in_wait", "trace_recompute") if options.get(k)]
+    needs_eager = [k for k in ("side_stream", "recompute_in_wait", "trace_recompute", "offload") if options.get(k)]
     if needs_eager and "compiler" not in options:
         options["compiler"] = "eager"  # documented: these run the backward graph in pieces
     if options.get("trace_recompute") and options.get("compiler") == "inductor":
@@ -183,6 +192,16 @@ def make_config(options: dict[str, Any] | None = None) -> LynxConfig:
     if options.get("side_stream") and options.get("compiler") == "inductor":
         raise ValueError("side_stream=True runs the backward in pieces on two streams and needs "
                          "compiler='eager'; drop one of the two")
+    if options.get("offload"):
+        if options.get("compiler") == "inductor":
+            raise ValueError("offload=True is applied to the op-by-op graphs and needs compiler='eager' "
+                             "(Inductor support is not built yet); drop one of the two")
+        if options.get("policy", "lynx") != "lynx":
+            raise ValueError(f"offload=True is decided by the optimizer (policy 'lynx'), not by "
+                             f"policy {options['policy']!r}; drop one of the two")
+        clash = [k for k in ("side_stream", "recompute_in_wait") if options.get(k)]
+        if clash:
+            raise ValueError(f"offload=True is not combined with {clash[0]}=True yet; choose one")
     if options.get("side_stream") and options.get("recompute_in_wait"):
         raise ValueError("side_stream=True and recompute_in_wait=True both take over the backward's "
                          "recompute; choose one")
@@ -203,7 +222,7 @@ def make_config(options: dict[str, Any] | None = None) -> LynxConfig:
     return LynxConfig(**options)
 
 
-_BOOLS = ("plan_cache", "windows", "recompute_in_wait", "side_stream", "check_plan_agreement",
+_BOOLS = ("plan_cache", "windows", "offload", "recompute_in_wait", "side_stream", "check_plan_agreement",
           "trace_recompute", "verbose")
 
 

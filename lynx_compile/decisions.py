@@ -2,7 +2,8 @@
 
 Every policy answers the same question per *unit* (a forward op, with the views, getitems and
 fused pointwise ops that live and die with it): keep its output saved, recompute it on demand
-before its first backward use, or recompute it inside a backward collective's window::
+before its first backward use, recompute it inside a backward collective's window, or save it
+in host memory between the forward and the backward (offload, ``LynxConfig.offload``)::
 
     policy none / full / selective ─┐
     policy lynx (solver, seeds) ────┼─▶ Decisions ─apply_decisions_pass─▶ tagged joint ─▶ partition
@@ -49,9 +50,19 @@ class Window:
         return f"window:{self.collective}"
 
 
-Decision = Union[Keep, Demand, Window]
-KEEP, DEMAND = Keep(), Demand()
-KINDS = ("keep", "demand", "window")
+@dataclass(frozen=True)
+class Offload:
+    """Saved for the backward, but in host memory in between: copied device to host right after
+    its producer in the forward, host to device before its first backward use
+    (``passes/offload.py``; ops ``torch.ops.lynx.offload`` / ``lynx.reload``)."""
+
+    def __str__(self) -> str:
+        return "offload"
+
+
+Decision = Union[Keep, Demand, Window, Offload]
+KEEP, DEMAND, OFFLOAD = Keep(), Demand(), Offload()
+KINDS = ("keep", "demand", "window", "offload")
 
 
 def _decision_to_json(d: Decision) -> Any:
@@ -63,9 +74,11 @@ def _decision_from_json(x: Any) -> Decision:
         return KEEP
     if x == "demand":
         return DEMAND
+    if x == "offload":
+        return OFFLOAD
     if isinstance(x, dict) and set(x) == {"window"} and isinstance(x["window"], str):
         return Window(x["window"])
-    raise ValueError(f"not a lynx decision: {x!r} (expected 'keep', 'demand' or "
+    raise ValueError(f"not a lynx decision: {x!r} (expected 'keep', 'demand', 'offload' or "
                      "{'window': '<collective node name>'}; plans written by lynx before the typed "
                      "decision record used 'window:<index>': re-plan them)")
 
@@ -107,14 +120,18 @@ class Decisions:
 
     def recomputed(self) -> Iterator[tuple[str, Decision]]:
         """(unit, decision) for every unit recomputed, on demand or in a window."""
-        return ((n, d) for n, d in self.units if not isinstance(d, Keep))
+        return ((n, d) for n, d in self.units if isinstance(d, (Demand, Window)))
+
+    def offloaded(self) -> Iterator[str]:
+        """Every unit decided ``Offload()``."""
+        return (n for n, d in self.units if isinstance(d, Offload))
 
     def nodes_of(self, unit: str) -> tuple[str, ...]:
         """The joint nodes a unit covers (itself unless ``members`` says more)."""
         return dict(self.members).get(unit, (unit,))
 
     def counts(self) -> dict[str, int]:
-        """Units per kind: {"keep": k, "demand": d, "window": w}."""
+        """Units per kind: {"keep": k, "demand": d, "window": w, "offload": o}."""
         out = dict.fromkeys(KINDS, 0)
         for _, d in self.units:
             out[str(d).split(":")[0]] += 1

@@ -34,7 +34,8 @@ from lynx_compile.remat.problem import InfeasibleBudget, RematProblem
 log = logging.getLogger("lynx_compile")
 MAX_ROUNDS = 6
 _CACHE: dict[tuple, tuple[Decisions, str, str, float]] = {}
-"""(graph hash, budget, solver, gap, compiler) → (decisions, solver, status, exposed seconds)."""
+"""(graph hash, budget, solver, gap, compiler, offload prices) → (decisions, solver, status,
+exposed seconds)."""
 
 
 @dataclass
@@ -90,7 +91,8 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, base_fw: fx.GraphModule, 
     problem, index = extract_remat_problem(joint, base_fw, base_bw, ctx)
     ctx.record.problem, ctx.record.unit_index = problem, index  # kept when no plan fits, for the error
     target = budget if budget is not None else problem.reference_peak
-    key = (problem.graph_hash, budget, cfg.solver, cfg.mip_gap, cfg.compiler)
+    key = (problem.graph_hash, budget, cfg.solver, cfg.mip_gap, cfg.compiler,
+           tuple(u.offload_s for u in problem.units) if cfg.offload else None)
     fixed = load_plan_decisions(cfg.plan, problem.graph_hash) if cfg.plan else None
     if fixed is None and budget is None:  # nothing to fit: recompute nothing, solve nothing
         fixed = Decisions.make("lynx", {u.name: KEEP for u in problem.units}, source="no budget")

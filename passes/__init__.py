@@ -2,7 +2,8 @@
 
 ``JOINT_PIPELINE`` analyses the aot_autograd joint graph (costs, blocks); a policy then decides
 (``lynx_compile.decide``); ``APPLY_PIPELINE`` tags its ``Decisions`` on the joint graph before
-each partition; ``BACKWARD_PIPELINE`` runs on the partitioned backward graph. Disable one with
+each partition; ``FORWARD_PIPELINE`` / ``BACKWARD_PIPELINE`` run on the partitioned forward /
+backward graphs. Disable one with
 ``options={"disable_passes": ("<name>",)}``.
 """
 from .annotate_costs import annotate_costs_pass
@@ -12,14 +13,17 @@ from .find_blocks import find_blocks_pass
 from .fuse_recompute import fuse_recompute_pass
 from .insert_recompute import insert_recompute_pass
 from .mark_recomputed import mark_recomputed_pass
+from .offload import offload_backward_pass, offload_forward_pass
 from .runner import run_passes
 from .side_stream import side_stream_pass
 
 JOINT_PIPELINE = (annotate_costs_pass, find_blocks_pass)
 APPLY_PIPELINE = (apply_decisions_pass,)
+FORWARD_PIPELINE = (offload_forward_pass,)
 BACKWARD_PIPELINE = (mark_recomputed_pass, insert_recompute_pass, fuse_recompute_pass,
-                     side_stream_pass)
+                     offload_backward_pass, side_stream_pass)
 
-__all__ = ["JOINT_PIPELINE", "APPLY_PIPELINE", "BACKWARD_PIPELINE", "GraphRecord", "PassContext", "run_passes",
+__all__ = ["JOINT_PIPELINE", "APPLY_PIPELINE", "FORWARD_PIPELINE", "BACKWARD_PIPELINE", "GraphRecord", "PassContext", "run_passes",
            "annotate_costs_pass", "find_blocks_pass", "apply_decisions_pass", "mark_recomputed_pass",
-           "insert_recompute_pass", "fuse_recompute_pass", "side_stream_pass"]
+           "insert_recompute_pass", "fuse_recompute_pass", "offload_forward_pass", "offload_backward_pass",
+           "side_stream_pass"]

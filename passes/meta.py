@@ -24,3 +24,6 @@ SIDE_STREAM = "lynx_side_stream"
 #: ``find_blocks_pass``; the partitioner copies it onto the backward placeholder when the mask is
 #: saved (one mask that several blocks share, after CSE) so the fused causal softmax still knows it.
 CAUSAL_MASK = "lynx_causal_mask"
+#: ``str`` on nodes ``offload_pass`` inserts: ``"offload"`` / ``"offload_wait"`` (forward),
+#: ``"host"`` (the backward input holding the host copy), ``"reload"`` / ``"reload_wait"``.
+OFFLOAD = "lynx_offload"

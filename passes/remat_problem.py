@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from lynx_compile.costs import is_collective_node, is_wait_node
-from lynx_compile.decisions import DEMAND, KEEP, Decisions
+from lynx_compile.decisions import DEMAND, KEEP, OFFLOAD, Decisions
 from lynx_compile.decisions import Window as DecisionWindow
 from lynx_compile.memory.simulate import allocations, backward_inputs, held_tangents, simulate_graph, storage_keys
 from lynx_compile.remat.problem import RematProblem, Unit, Window
@@ -29,6 +29,7 @@ from lynx_compile.remat.problem import RematProblem, Unit, Window
 from . import meta
 from .context import PassContext
 from .find_blocks import structural_hash
+from .offload import cover_after, host_link_bytes_per_s
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,8 @@ def extract_remat_problem(joint: fx.GraphModule, fw_ref: fx.GraphModule, bw_ref:
             block=region[op], fw_pos=pos_fw[op], fw_last=fw_last[op],
             first_use=min(uses[op]) if uses[op] else None, need_start=start, need_end=end,
             must_keep=op in boundary or not _recomputable(joint_node, ctx)))
+    if ctx.config.offload:
+        units = _price_offload(units, kept, fw_nodes, bw_nodes, joint_by_name, host_link_bytes_per_s(ctx))
 
     fused = ctx.config.compiler == "inductor"  # bytes outside the units: as Inductor runs them
     fw_base = _base(simulate_graph(fw_ref, live_inputs={}, input_keys={}, fused=fused).timeline,
@@ -124,6 +127,31 @@ def extract_remat_problem(joint: fx.GraphModule, fw_ref: fx.GraphModule, bw_ref:
         block_groups=_block_groups(ctx.record.block_hashes), reference_peak=ctx.record.reference_peak_bytes or 0,
         graph_hash=structural_hash(list(joint.graph.nodes)))
     return problem, UnitIndex(nodes=tuple(tuple(members[op]) for op in kept))
+
+
+def _price_offload(units, ops, fw_nodes, bw_nodes, joint_by_name, link_bytes_per_s: float) -> list[Unit]:
+    """Units read by the backward that hold a floating-point tensor get their offload price
+    and live intervals (the copy model of ``passes/offload.py``, on the reference schedule)."""
+    import dataclasses
+
+    import torch
+
+    fw_cost = [_cost(joint_by_name.get(n.name) or n) for n in fw_nodes[:-1]]
+    bw_cost = [_cost(joint_by_name.get(n.name) or n) if n.op != "placeholder" else 0.0 for n in bw_nodes]
+    out = []
+    for u, op in zip(units, ops):
+        val = op.meta.get("val")
+        if u.first_use is None or not u.nbytes or not isinstance(val, torch.Tensor) \
+                or not val.dtype.is_floating_point:
+            out.append(u)
+            continue
+        t = u.nbytes / link_bytes_per_s
+        k_fw, exp_fw = cover_after(fw_cost[u.fw_pos + 1:], t)
+        k_bw, exp_bw = cover_after(bw_cost[:u.need_start][::-1], t)
+        out.append(dataclasses.replace(u, offload_s=t, offload_exposed_s=exp_fw + exp_bw,
+                                       offload_fw_end=max(u.fw_last, u.fw_pos + k_fw),
+                                       offload_bw_start=u.need_start - k_bw))
+    return out
 
 
 def _fold_fused(unit_ops, inputs, uses, region, members, extra_cost, joint_by_name) -> list[fx.Node]:
@@ -231,13 +259,15 @@ def _block_groups(hashes: list[str]) -> tuple[tuple[int, ...], ...]:
 
 def unit_decisions(problem: RematProblem, index: UnitIndex, solution, source: str = "solver") -> Decisions:
     """The solver's ``RematSolution`` as the typed record: per unit keep / demand / window
-    (named by its collective), each unit covering the joint nodes ``index`` lists."""
+    (named by its collective) / offload, each unit covering the joint nodes ``index`` lists."""
     units = {u.name: KEEP for u in problem.units}
     for i in solution.demand:
         units[problem.units[i].name] = DEMAND
     windows = {w.id: w.name for w in problem.windows}
     for i, w in solution.window:
         units[problem.units[i].name] = DecisionWindow(windows[w])
+    for i in getattr(solution, "offload", ()):
+        units[problem.units[i].name] = OFFLOAD
     members = {u.name: names for u, names in zip(problem.units, index.nodes)}
     return Decisions.make("lynx", units, members, source)
 

@@ -52,6 +52,11 @@ class HardwareProfile:
     ~80-90% of HBM peak, so 0.8."""
     default_link: str
     """Key in ``comm.LINKS`` of the intra-node link collectives use when none is given."""
+    host_link_bytes_per_s: float = 25e9
+    """Device<->host copy bandwidth, one direction, bytes/s: what prices activation offload.
+    PCIe 4 x16 ~25e9 achieved (32 GB/s raw), PCIe 5 x16 ~50e9, NVLink-C2C (GH200) ~450e9
+    (``HOST_LINKS``). The CPU profile uses its measured memcpy bandwidth (host is a second
+    CPU buffer there)."""
 
     def peak_flops_for(self, dtype: torch.dtype | str, *, matmul: bool = True) -> float:
         """Peak FLOP/s for ``dtype``; dtypes without an entry (float64, ints) use "float32".
@@ -96,6 +101,7 @@ DATASHEET_PROFILES: dict[str, HardwareProfile] = {
         memory_capacity_bytes=80 * GIB,  # 80GB HBM2e (5 stacks x 16 GiB)
         launch_overhead_s=3e-6,  # GPU-timeline gap per kernel when the CPU runs ahead
         default_link="nvlink3",  # NVLink 3: 600 GB/s
+        host_link_bytes_per_s=25e9,  # host over PCIe 4 x16
     ),
     "a100-pcie-80gb": HardwareProfile(
         name="a100-pcie-80gb",
@@ -109,6 +115,7 @@ DATASHEET_PROFILES: dict[str, HardwareProfile] = {
         memory_capacity_bytes=80 * GIB,
         launch_overhead_s=3e-6,
         default_link="pcie4",  # PCIe Gen4 64 GB/s bidir (NVLink bridge pairs only 2 GPUs)
+        host_link_bytes_per_s=25e9,  # PCIe 4 x16
     ),
     "h100-sxm": HardwareProfile(
         name="h100-sxm",
@@ -122,6 +129,7 @@ DATASHEET_PROFILES: dict[str, HardwareProfile] = {
         memory_capacity_bytes=80 * GIB,  # 80GB HBM3
         launch_overhead_s=3e-6,
         default_link="nvlink4",  # NVLink 4: 900 GB/s
+        host_link_bytes_per_s=50e9,  # host over PCIe 5 x16 (GH200 would be NVLink-C2C, 450e9)
     ),
     "h200": HardwareProfile(
         name="h200",
@@ -135,6 +143,7 @@ DATASHEET_PROFILES: dict[str, HardwareProfile] = {
         memory_capacity_bytes=141 * GIB,  # "141GB" HBM3e (about 139 GiB visible to CUDA)
         launch_overhead_s=3e-6,
         default_link="nvlink4",  # NVLink 900 GB/s
+        host_link_bytes_per_s=50e9,  # PCIe 5 x16
     ),
     # Huawei publishes few official 910B numbers; these are the commonly quoted public figures
     # and are UNCERTAIN. FP16 is quoted 280-376 TFLOPS depending on SKU (910B4..910B2); we
@@ -148,8 +157,13 @@ DATASHEET_PROFILES: dict[str, HardwareProfile] = {
         memory_capacity_bytes=64 * GIB,
         launch_overhead_s=10e-6,  # NPU op dispatch is heavier than CUDA launch (guess)
         default_link="hccs",
+        host_link_bytes_per_s=25e9,  # PCIe 4 x16 (assumed, like the rest of this profile)
     ),
 }
+
+#: Device<->host links, one direction, achieved bytes/s (datasheet raw: PCIe 4 x16 32 GB/s,
+#: PCIe 5 x16 64 GB/s, NVLink-C2C 900 GB/s total = 450 GB/s per direction).
+HOST_LINKS: dict[str, float] = {"pcie4": 25e9, "pcie5": 50e9, "nvlink-c2c": 450e9}
 
 #: Opt-in on-disk cache for the calibrated CPU profile.
 DEFAULT_CPU_PROFILE_CACHE = Path("~/.cache/lynx_compile/cpu_profile.json").expanduser()
@@ -223,6 +237,7 @@ def _measure_cpu(budget: float) -> HardwareProfile:
         matmul_efficiency=1.0,  # measured rates are already achieved rates
         memory_efficiency=1.0,
         default_link="loopback-gloo",
+        host_link_bytes_per_s=copy_bw / 2,  # "host" is another CPU buffer: a memcpy (read + write)
     )
 
 

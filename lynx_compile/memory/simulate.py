@@ -8,6 +8,12 @@ tensors) stay live from the end of the forward until their last use in the backw
 Parameters and inputs (forward placeholders) are the baseline and not counted, and neither are
 the gradients the backward returns (they become ``.grad``: gradient memory).
 
+Offloaded tensors (``lynx.offload``, ``passes/offload.py``): the host copy allocates no device
+bytes; the device tensor lives until ``lynx.offload_wait`` (the copy is done), the reloaded one
+from ``lynx.reload``. On CPU "host" is a second CPU buffer, but the prediction is still the
+device-side bytes, as if host memory were separate (the CPU allocator's measured peak includes
+the host copies).
+
 Not modelled: workspace an op allocates internally and frees before returning (matmul packing,
 softmax temporaries). That is what keeps prediction and measurement apart by a few percent.
 """
@@ -122,10 +128,18 @@ def allocations(node: fx.Node) -> list[tuple[str, int]]:
     tuples flattened)."""
     if node.op != "call_function" or aliased_input(node) is not None or node.target is operator.getitem:
         return []
+    if node.target in _host_ops():
+        return []          # host memory, not device memory
     val = _value(node)
     if isinstance(val, (tuple, list)):
         return _leaves(node.name, val)
     return [(node.name, _nbytes(val))]
+
+
+def _host_ops() -> frozenset:
+    from lynx_compile.runtime.offload import HOST_OPS
+
+    return HOST_OPS
 
 
 def fused_interior(node: fx.Node) -> bool:

@@ -20,7 +20,7 @@ import numpy as np
 
 from .problem import RematProblem
 
-NONE, KEEP, DEMAND, WINDOW = 0, 1, 2, 3
+NONE, KEEP, DEMAND, WINDOW, OFFLOAD = 0, 1, 2, 3, 4
 """Per-unit states of the internal assignment arrays (``state``; ``win`` holds window order)."""
 
 
@@ -32,7 +32,7 @@ class Evaluation:
     fw_memory: tuple[int, ...]
     bw_memory: tuple[int, ...]
     exposed_s: float
-    """Objective: demand recompute time + Σ_w window overflow."""
+    """Objective: demand recompute time + Σ_w window overflow + offload copies' exposed time."""
     recompute_s: float
     """All recompute time (demand + window), unscaled by kappa."""
     feasible_inputs: bool
@@ -67,11 +67,18 @@ class ProblemArrays:
         self.ne = np.array([u.need_end for u in us], dtype=np.int64)
         self.needed = np.array([u.first_use is not None for u in us], dtype=bool)
         self.must = np.array([u.must_keep for u in us], dtype=bool)
+        self.can_off = np.array([u.offload_s is not None for u in us], dtype=bool)
+        self.off_s = np.array([u.offload_s or 0.0 for u in us], dtype=np.float64)
+        self.off_exposed = np.array([u.offload_exposed_s for u in us], dtype=np.float64)
+        self.off_fw_end = np.array([max(u.offload_fw_end, u.fw_last) for u in us], dtype=np.int64)
+        self.off_bw_start = np.array([min(u.offload_bw_start, u.need_start) for u in us], dtype=np.int64)
         self.block = np.array([-1 if u.block is None else u.block for u in us], dtype=np.int64)
         for u in us:
             if not (0 <= u.fw_pos <= u.fw_last < max(self.F, 1)) or \
                     not (0 <= u.need_start <= u.need_end < max(self.B, 1)):
                 raise ValueError(f"RematProblem: unit {u.name!r} has events out of range")
+            if u.offload_s is not None and not (u.offload_fw_end < max(self.F, 1) and u.offload_bw_start >= 0):
+                raise ValueError(f"RematProblem: unit {u.name!r} has offload events out of range")
             missing = [b for b in u.inputs if b not in self.index]
             if missing:
                 raise ValueError(f"RematProblem: unit {u.name!r} reads unknown unit ids {missing}")
@@ -129,9 +136,13 @@ class ProblemArrays:
         if self.F:
             d = np.zeros(self.F + 1, dtype=np.int64)
             np.add.at(d, self.fw_last[keep] + 1, self.m[keep])
+            off = state == OFFLOAD        # device copy live until its copy to host is done
+            np.add.at(d, self.fw_last[off] + 1, self.m[off])
+            np.add.at(d, self.off_fw_end[off] + 1, -self.m[off])
             fw += np.cumsum(d)[:self.F]
         live = state != NONE
         start = np.where(state == DEMAND, self.ns, 0)
+        start = np.where(state == OFFLOAD, self.off_bw_start, start)
         if self.W:
             ws = self.win_start[np.maximum(win, 0)]
             start = np.where(state == WINDOW, np.minimum(ws, self.ne), start)
@@ -149,12 +160,15 @@ class ProblemArrays:
         """(exposed_s, recompute_s) of an assignment."""
         dem = float(self.c[state == DEMAND].sum())
         over = float(np.maximum(self.window_load(state, win) - self.win_tau, 0.0).sum()) if self.W else 0.0
-        return dem + over, dem + float(self.c[state == WINDOW].sum())
+        off = float(self.off_exposed[state == OFFLOAD].sum())
+        return dem + over + off, dem + float(self.c[state == WINDOW].sum())
 
     def violations(self, state: np.ndarray, win: np.ndarray) -> list[str]:
         """Every broken rule except the budget, as readable lines."""
         out = [f"{self.names[i]}: must_keep but not kept"
-               for i in np.flatnonzero(self.must & (state != KEEP))]
+               for i in np.flatnonzero(self.must & (state != KEEP) & (state != OFFLOAD))]
+        out += [f"{self.names[i]}: offloaded but not offloadable"
+                for i in np.flatnonzero((state == OFFLOAD) & ~self.can_off)]
         out += [f"{self.names[i]}: read by the backward but neither kept nor recomputed"
                 for i in np.flatnonzero(self.needed & (state == NONE))]
         inw = np.flatnonzero(state == WINDOW)
@@ -168,13 +182,14 @@ class ProblemArrays:
         return out
 
     def to_state(self, assignment: Any) -> tuple[np.ndarray, np.ndarray, list[str]]:
-        """(state, win, parse problems) from a solution, a mapping or a (keep, demand, window)."""
-        keep, demand, window = _parts(assignment)
+        """(state, win, parse problems) from a solution, a mapping or a (keep, demand, window[,
+        offload])."""
+        keep, demand, window, offload = _parts(assignment)
         state = np.zeros(self.n, dtype=np.int8)
         win = np.full(self.n, -1, dtype=np.int64)
         bad: list[str] = []
         pairs = [(u, KEEP, -1) for u in keep] + [(u, DEMAND, -1) for u in demand]
-        pairs += [(u, WINDOW, w) for u, w in window]
+        pairs += [(u, WINDOW, w) for u, w in window] + [(u, OFFLOAD, -1) for u in offload]
         for uid, st, wid in pairs:
             i = self.index.get(uid)
             if i is None or (st == WINDOW and wid not in self.win_index):
@@ -187,7 +202,7 @@ class ProblemArrays:
         return state, win, bad
 
     def to_sets(self, state: np.ndarray, win: np.ndarray):
-        """(keep, demand, window pairs) in unit-id order."""
+        """(keep, demand, window pairs) in unit-id order (``offloaded`` gives the offload set)."""
         ids = self.ids
         keep = tuple(int(x) for x in sorted(ids[state == KEEP]))
         demand = tuple(int(x) for x in sorted(ids[state == DEMAND]))
@@ -195,14 +210,18 @@ class ProblemArrays:
         window = tuple(sorted((int(ids[i]), int(self.win_ids[win[i]])) for i in inw))
         return keep, demand, window
 
+    def offloaded(self, state: np.ndarray) -> tuple[int, ...]:
+        """Offloaded unit ids, sorted."""
+        return tuple(int(x) for x in sorted(self.ids[state == OFFLOAD]))
 
-def _parts(a: Any) -> tuple[Iterable[int], Iterable[int], Iterable[tuple[int, int]]]:
+
+def _parts(a: Any):
     if isinstance(a, dict):
-        return a.get("keep", ()), a.get("demand", ()), a.get("window", ())
+        return a.get("keep", ()), a.get("demand", ()), a.get("window", ()), a.get("offload", ())
     if isinstance(a, (tuple, list)):
         keep, demand, *rest = a
-        return keep, demand, rest[0] if rest else ()
-    return a.keep, a.demand, getattr(a, "window", ())
+        return keep, demand, rest[0] if rest else (), rest[1] if len(rest) > 1 else ()
+    return a.keep, a.demand, getattr(a, "window", ()), getattr(a, "offload", ())
 
 
 _CACHE: dict[int, tuple[weakref.ref, ProblemArrays]] = {}

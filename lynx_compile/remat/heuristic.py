@@ -13,10 +13,12 @@ arrays of ``evaluate.ProblemArrays``):
 3. ``fix_inputs`` / ``cleanup``: make recomputes' inputs available, drop unread intermediates.
 4. ``repair``: while the peak exceeds the budget, switch the candidate with the best
    (bytes freed at the peak event) / (added exposed seconds) from keep (or window) to demand,
-   with the input closure; ties by unit id. Stuck: restart from everything on demand; still
+   with the input closure, or to offload (where offloadable; block-boundary tensors too); ties by unit id. Stuck: restart from everything on demand; still
    over: ``InfeasibleBudget`` naming the lowest peak HEU reached (HEU's bound, not the exact
    minimum, which ``milp.smallest_peak`` computes).
 5. ``hide``: move demanded recomputes into windows with spare capacity where memory allows.
+5b. ``prefer_offload``: demanded units that may be offloaded for less exposed time than their
+   recompute are offloaded where memory allows (largest saving first).
 6. ``refill``: with slack left, switch demanded units back to keep, most seconds saved per byte
    first, while the peak stays within the budget.
 7. ``polish``: in groups of at most 8 blocks, re-solve the boundary blocks of the backward
@@ -32,7 +34,7 @@ from typing import Callable
 
 import numpy as np
 
-from .evaluate import DEMAND, KEEP, NONE, WINDOW, ProblemArrays, evaluate_state, problem_arrays
+from .evaluate import DEMAND, KEEP, NONE, OFFLOAD, WINDOW, ProblemArrays, evaluate_state, problem_arrays
 from .milp_solvers import highs_installed
 from .problem import InfeasibleBudget, RematProblem, RematSolution
 from .representative import solve_positions
@@ -51,7 +53,7 @@ def fix_inputs(arr: ProblemArrays, state: np.ndarray, win: np.ndarray) -> None:
     """In place: an input a demanded unit needs becomes demand when it was none; a window
     recompute whose input is not kept or in a window no later becomes demand. To a fixpoint."""
     a, b = arr.edge_a, arr.edge_b
-    state[arr.must] = KEEP
+    state[arr.must & (state != OFFLOAD)] = KEEP
     state[arr.needed & (state == NONE)] = DEMAND
     while True:
         need_b = (state[a] == DEMAND) & (state[b] == NONE)
@@ -80,9 +82,9 @@ def _peak(arr, state, win):
     return fw, bw, max(fpk, bpk), ("fw", int(fw.argmax())) if fpk >= bpk else ("bw", int(bw.argmax()))
 
 
-def _switch(arr, state, win, i):
+def _switch(arr, state, win, i, to=DEMAND):
     st, wn = state.copy(), win.copy()
-    st[i], wn[i] = DEMAND, -1
+    st[i], wn[i] = to, -1
     fix_inputs(arr, st, wn)
     cleanup(arr, st, wn)
     return st, wn
@@ -102,21 +104,25 @@ def repair(arr: ProblemArrays, budget: int, state: np.ndarray, win: np.ndarray):
             ws = arr.win_start[np.maximum(win, 0)] if arr.W else np.zeros(arr.n, dtype=np.int64)
             freed = m * ((state == KEEP) & (t < arr.ns))
             freed += m * ((state == WINDOW) & (ws <= t) & (t < arr.ns))
-        freed[arr.must] = 0
+        freed[arr.must & ~arr.can_off] = 0
         cand = np.flatnonzero(freed > 0)
         if cand.size == 0:
             return state, win, peak
-        ratio = freed[cand] / np.maximum(arr.c[cand], 1e-15)
+        cheapest = np.where(arr.can_off[cand], np.minimum(arr.c[cand], arr.off_exposed[cand]), arr.c[cand])
+        cheapest = np.where(arr.must[cand], arr.off_exposed[cand], cheapest)
+        ratio = freed[cand] / np.maximum(cheapest, 1e-15)
         order = cand[np.lexsort((arr.ids[cand], -ratio))][:TOP_K]
         best = None
         for i in order:
-            st, wn = _switch(arr, state, win, i)
-            f2, b2 = arr.profile(st, wn)
-            gain = peak - int((f2 if where == "fw" else b2)[t])
-            cost = max(arr.times(st, wn)[0] - exposed, 1e-15)
-            key = (-gain / cost, int(arr.ids[i]))
-            if gain > 0 and (best is None or key < best[0]):
-                best = (key, st, wn)
+            kinds = ([] if arr.must[i] else [DEMAND]) + ([OFFLOAD] if arr.can_off[i] else [])
+            for to in kinds:
+                st, wn = _switch(arr, state, win, i, to)
+                f2, b2 = arr.profile(st, wn)
+                gain = peak - int((f2 if where == "fw" else b2)[t])
+                cost = max(arr.times(st, wn)[0] - exposed, 1e-15)
+                key = (-gain / cost, int(arr.ids[i]), to)
+                if gain > 0 and (best is None or key < best[0]):
+                    best = (key, st, wn)
         if best is None:
             return state, win, peak
         state, win = best[1], best[2]
@@ -155,6 +161,22 @@ def hide(arr: ProblemArrays, budget: int, state: np.ndarray, win: np.ndarray, tr
                     state[i], win[i] = WINDOW, w
                     left[w] -= load
                     break
+
+
+def prefer_offload(arr: ProblemArrays, budget: int, state: np.ndarray, win: np.ndarray) -> None:
+    """In place: demanded units whose offload exposes less time than their recompute become
+    offloaded, largest saving first, where the exact peak stays within the budget (the inputs
+    no recompute reads any more are dropped)."""
+    dem = np.flatnonzero((state == DEMAND) & arr.can_off & (arr.off_exposed < arr.c))
+    for i in dem[np.lexsort((arr.ids[dem], -(arr.c[dem] - arr.off_exposed[dem])))]:
+        if state[i] != DEMAND or any(state[c] == WINDOW for c in arr.consumers[i]):
+            continue                               # a window consumer needs it kept or in a window
+        st, wn = state.copy(), win.copy()
+        st[i] = OFFLOAD
+        cleanup(arr, st, wn)
+        f2, b2 = arr.profile(st, wn)
+        if max(f2.max(initial=0), b2.max(initial=0)) <= budget:
+            state[:], win[:] = st, wn
 
 
 def refill(arr: ProblemArrays, budget: int, state: np.ndarray, win: np.ndarray) -> None:
@@ -293,6 +315,8 @@ def solve_heu(problem: RematProblem, budget_bytes: int, *, progress: Callable[[s
         notes.append("repair from all-kept got stuck; restarted from everything on demand")
     hide(arr, budget_bytes, state, win)
     cleanup(arr, state, win)
+    if arr.can_off.any():
+        prefer_offload(arr, budget_bytes, state, win)
     for _ in range(5):                             # a refill can free inputs: refill again
         before = state.copy()
         refill(arr, budget_bytes, state, win)
@@ -307,6 +331,8 @@ def solve_heu(problem: RematProblem, budget_bytes: int, *, progress: Callable[[s
     if progress:
         progress(f"lynx-heu: {ev.exposed_s * 1e3:.3f} ms exposed, peak {ev.peak_bytes} B "
                  f"in {solve_s * 1e3:.1f} ms ({'; '.join(notes)})")
-    return RematSolution(keep=keep, demand=demand, window=window, exposed_s=ev.exposed_s,
+    return RematSolution(keep=keep, demand=demand, window=window, offload=arr.offloaded(state),
+                         offload_exposed_s=float(arr.off_exposed[state == OFFLOAD].sum()),
+                         exposed_s=ev.exposed_s,
                          recompute_s=ev.recompute_s, peak_bytes=ev.peak_bytes, solver="heu",
                          status="heuristic", solve_s=solve_s, notes=tuple(notes))

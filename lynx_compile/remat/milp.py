@@ -11,10 +11,12 @@ one in ``problem.py``'s docstring, variable for variable; two exact reductions k
 - window variables: only the ``max_windows_per_unit`` eligible windows starting latest (closest
   before ``need_start``; earlier ones hold the tensor longer) get a variable (None: all).
 
-Objective: (Σ c_a·r_a + Σ_w over_w) / T + 1e-6 · (Σ kept bytes) / R, with T the total recompute
-time (keeps the objective O(1) for the solvers' gap tolerances) and R the reference peak: the
-tie-break makes solutions deterministic and prefers the plan keeping fewer bytes among plans
-whose exposed times differ by less than 1e-6·T. ``solve_milp`` reports the exact objective and
+Objective: (Σ c_a·r_a + Σ_w over_w + Σ e_a·f_a) / T + 1e-6 · (Σ kept bytes + 2 Σ offloaded
+bytes) / R, with T the total recompute time (keeps the objective O(1) for the solvers' gap
+tolerances), e_a an offload's exposed copy time and R the reference peak: the tie-break makes
+solutions deterministic, prefers the plan keeping fewer bytes among plans whose exposed times
+differ by less than 1e-6·T, and offloads only what the budget needs (an offload hidden behind
+compute is free in the model, but still moves bytes over the host link). ``solve_milp`` reports the exact objective and
 peak through ``evaluate``.
 """
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Callable, Iterable
 import numpy as np
 import pyomo.environ as pyo
 
-from .evaluate import DEMAND, KEEP, NONE, WINDOW, ProblemArrays, evaluate_state, problem_arrays
+from .evaluate import DEMAND, KEEP, NONE, OFFLOAD, WINDOW, ProblemArrays, evaluate_state, problem_arrays
 from .milp_solvers import Outcome, pick_solver, require_solver, run_solver
 from .problem import InfeasibleBudget, RematProblem, RematSolution
 
@@ -35,9 +37,10 @@ SMALLEST_TIME_LIMIT_S = 60.0
 
 
 def _fixed_state(arr: ProblemArrays, units: Iterable[int] | None) -> tuple[np.ndarray, np.ndarray]:
-    """(free mask, state of the fixed units): must_keep units and units outside ``units`` are
-    fixed kept, except intermediates nothing reads, which are fixed none."""
-    free = ~arr.must
+    """(free mask, state of the fixed units): must_keep units (unless they may be offloaded) and
+    units outside ``units`` are fixed kept, except intermediates nothing reads, which are fixed
+    none."""
+    free = ~arr.must | arr.can_off
     if units is not None:
         chosen = np.zeros(arr.n, dtype=bool)
         chosen[[arr.index[u] for u in units]] = True
@@ -65,6 +68,7 @@ def _rows(arr: ProblemArrays, free: np.ndarray, fixed: np.ndarray, budget: int |
     fw_c, bw_c = arr.profile(fixed, np.full(arr.n, -1))
     mf = arr.m * free
     fw_ends = np.zeros(arr.F, dtype=bool)
+    fw_ends[arr.off_fw_end[free & arr.can_off]] = True   # an offloaded unit's forward tail ends
     bw_ends = np.zeros(arr.B, dtype=bool)
     bw_ends[arr.ne[free]] = True
     fw_keep, bw_keep = _kept_rows(fw_c, fw_ends), _kept_rows(bw_c, bw_ends)
@@ -90,12 +94,18 @@ def build_model(problem: RematProblem, budget_bytes: int | None, *, units: Itera
     free, fixed = _fixed_state(arr, units)
     fe, fc, be, bc, dropped = _rows(arr, free, fixed, budget_bytes)
     F = np.flatnonzero(free).tolist()
-    pairs = [(i, int(w)) for i in F for w in (arr.eligible[i] if windows else ())[:max_windows_per_unit]]
+    pairs = [(i, int(w)) for i in F if not arr.must[i]
+             for w in (arr.eligible[i] if windows else ())[:max_windows_per_unit]]
     M = pyo.ConcreteModel("lynx_opt")
     M.scale = float(max(int(arr.m.max(initial=1)), 1))   # memory rows in units of the largest unit
     M.s = pyo.Var(F, domain=pyo.Binary)          # s[a] = 1: a is kept (saved by the forward)
     M.r = pyo.Var(F, domain=pyo.Binary)          # r[a] = 1: a is recomputed right before its use
     M.o = pyo.Var(pairs, domain=pyo.Binary)      # o[a, w] = 1: a is recomputed inside window w
+    OFF = [i for i in F if arr.can_off[i]]
+    M.f = pyo.Var(OFF, domain=pyo.Binary)        # f[a] = 1: a is saved in host memory (offload)
+    for i in F:
+        if arr.must[i]:
+            M.r[i].fix(0)                        # must be saved: kept or offloaded
     W = sorted({w for _, w in pairs})
     M.over = pyo.Var(W, domain=pyo.NonNegativeReals)   # over[w]: seconds window w overflows by
     by_unit: dict[int, list[int]] = {i: [] for i in F}
@@ -103,7 +113,7 @@ def build_model(problem: RematProblem, budget_bytes: int | None, *, units: Itera
         by_unit[i].append(w)
 
     def assigned(i):
-        return M.s[i] + M.r[i] + sum(M.o[i, w] for w in by_unit[i])
+        return M.s[i] + M.r[i] + sum(M.o[i, w] for w in by_unit[i]) + (M.f[i] if arr.can_off[i] else 0)
 
     # [Constraint] completeness: units read by the backward get exactly one of keep/demand/window
     M.complete = pyo.Constraint(F, rule=lambda _, i: assigned(i) == 1 if arr.needed[i] else assigned(i) <= 1)
@@ -135,8 +145,11 @@ def build_model(problem: RematProblem, budget_bytes: int | None, *, units: Itera
             M.memory.add(base / M.scale + pyo.quicksum(terms) <= limit)
         else:
             M.constant_over |= base > budget_bytes
+    Oa = np.asarray(OFF, dtype=np.int64)
     for t, base in zip(fe.tolist(), fc.tolist()):
-        memory_row(base, [mF[i] * M.s[i] for i in Fa[arr.fw_last[Fa] < t].tolist()])
+        terms = [mF[i] * M.s[i] for i in Fa[arr.fw_last[Fa] < t].tolist()]
+        terms += [mF[i] * M.f[i] for i in Oa[(arr.fw_last[Oa] < t) & (t <= arr.off_fw_end[Oa])].tolist()]
+        memory_row(base, terms)
     for t, base in zip(be.tolist(), bc.tolist()):
         terms = []
         for i in Fa[arr.ne[Fa] >= t].tolist():
@@ -144,6 +157,8 @@ def build_model(problem: RematProblem, budget_bytes: int | None, *, units: Itera
             if arr.ns[i] <= t:
                 terms.append(mF[i] * M.r[i])
             terms += [mF[i] * M.o[i, w] for w in by_unit[i] if arr.win_start[w] <= t]
+            if arr.can_off[i] and arr.off_bw_start[i] <= t:
+                terms.append(mF[i] * M.f[i])
         memory_row(base, terms)
     if budget_bytes is None:
         M.obj = pyo.Objective(expr=M.peak)
@@ -151,11 +166,14 @@ def build_model(problem: RematProblem, budget_bytes: int | None, *, units: Itera
         T = float(arr.c[F].sum()) or 1.0
         R = float(max(arr.reference, int(arr.m.sum()), 1))
         M.obj = pyo.Objective(expr=(pyo.quicksum(float(arr.c[i]) * M.r[i] for i in F)
-                                    + pyo.quicksum(M.over[w] for w in W)) / T
-                              + TIE_BREAK / R * pyo.quicksum(float(arr.m[i]) * M.s[i] for i in F))
+                                    + pyo.quicksum(M.over[w] for w in W)
+                                    + pyo.quicksum(float(arr.off_exposed[i]) * M.f[i] for i in OFF)) / T
+                              + TIE_BREAK / R * (pyo.quicksum(float(arr.m[i]) * M.s[i] for i in F)
+                                                 + pyo.quicksum(2.0 * float(arr.m[i]) * M.f[i] for i in OFF)))
     M.fixed_state, M.free, M.pairs = fixed, free, pairs
     M.fw_events, M.bw_events = fe, be
-    M.info = (f"{2 * len(F) + len(pairs)} binaries ({len(F)} units, {len(pairs)} window pairs), "
+    M.info = (f"{2 * len(F) + len(pairs) + len(OFF)} binaries ({len(F)} units, {len(pairs)} window pairs, "
+              f"{len(OFF)} offloadable), "
               f"{len(W)} overflow vars, {fe.size + be.size} memory rows ({dropped} events dropped)")
     return M
 
@@ -168,6 +186,8 @@ def extract_state(M: pyo.ConcreteModel, arr: ProblemArrays) -> tuple[np.ndarray,
             state[i] = KEEP
         elif (M.r[i].value or 0) > 0.5:
             state[i] = DEMAND
+        elif i in M.f and (M.f[i].value or 0) > 0.5:
+            state[i] = OFFLOAD
     for i, w in M.pairs:
         if (M.o[i, w].value or 0) > 0.5:
             state[i], win[i] = WINDOW, w
@@ -224,7 +244,9 @@ def solve_milp(problem: RematProblem, budget_bytes: int, *, solver: str = "highs
     if progress:
         progress(f"lynx-opt[{name}]: {outcome.status} in {solve_s:.2f} s, exposed "
                  f"{ev.exposed_s * 1e3:.3f} ms, peak {ev.peak_bytes} B")
-    return RematSolution(keep=keep, demand=demand, window=window, exposed_s=ev.exposed_s,
+    return RematSolution(keep=keep, demand=demand, window=window, offload=arr.offloaded(state),
+                         offload_exposed_s=float(arr.off_exposed[state == OFFLOAD].sum()),
+                         exposed_s=ev.exposed_s,
                          recompute_s=ev.recompute_s, peak_bytes=ev.peak_bytes, solver=f"opt-{name}",
                          status=outcome.status, solve_s=solve_s, gap=outcome.gap, notes=tuple(notes))
 

@@ -18,29 +18,48 @@ recomputation), with bytes m_a and recompute time c_a. Per unit exactly one of:
 - window  o_aw: recomputed inside communication window w (a collective in flight, backward
                 events [``start``, ``end``]), only if ``end <= need_start``; live over
                 [``start``, ``need_end``]; costs nothing up to the window's capacity;
+- offload f_a : (only units with ``offload_s`` set, i.e. ``LynxConfig.offload``) saved in host
+                memory: copied device→host right after its producer, host→device before its
+                first backward need. Live on the device in the forward over [``fw_pos``,
+                ``offload_fw_end``] (until the copy is done) and in the backward over
+                [``offload_bw_start``, ``need_end``] (from the prefetching reload); costs
+                ``offload_exposed_s`` on the critical path;
 - none        : only for units that nothing needs (no direct use and no recomputed consumer).
 
-Units with ``first_use`` set are read directly by the backward: s + r + Σ_w o = 1.
+Units with ``first_use`` set are read directly by the backward: s + r + Σ_w o + f = 1.
 Units without it are intermediates: s + r + Σ_w o ≤ 1.
-``must_keep`` units (impure ops, collectives, RNG state) have s = 1.
+``must_keep`` units (impure ops, collectives, RNG state, block-boundary tensors) are saved:
+s + f = 1 (f only when offloadable).
 
-[Inputs available] a recomputed unit needs each input b (``inputs``) kept or recomputed no
-later: demand(a) ≤ s_b + r_b + Σ_w o_bw (``need_start`` of an input is never later than its
-consumers'), and o_aw ≤ s_b + Σ_{w' ≤ w} o_bw' (windows are ordered by ``start``).
+Offload timing (computed at extraction, ``passes/offload.py``; copy time t = bytes / host link
+bytes/s, one way): the device→host copy starts after the producer and overlaps the forward ops
+after it; ``offload_fw_end`` is the first forward event by which their cost sum reaches t (the
+last forward event if never). The host→device copy is issued early enough that the backward
+ops before the first need cover t (``offload_bw_start``; event 0 if they never do). Exposed =
+max(0, t − forward compute after the producer) + max(0, t − backward compute before the need).
+Each copy is priced alone: copies sharing the link (serialized on one copy engine) are not
+modelled, nor is the compute slowed by the copies' memory traffic.
+
+[Inputs available] a recomputed unit needs each input b (``inputs``) kept, offloaded or
+recomputed no later: demand(a) ≤ s_b + r_b + Σ_w o_bw + f_b (``need_start`` of an input is never later than its
+consumers'), and o_aw ≤ s_b + Σ_{w' ≤ w} o_bw' (windows are ordered by ``start``; an offloaded input is
+reloaded at its own need, too late for a window).
 
 [Window capacity] Σ_a κ·c_a·o_aw ≤ τ_w + over_w, over_w ≥ 0 (κ = ``kappa``, the slowdown of
 compute running beside a collective).
 
 [Memory] at every forward event t:
-    fw_base[t] + Σ_a m_a·([fw_pos ≤ t ≤ fw_last] + s_a·[t > fw_last]) ≤ budget
+    fw_base[t] + Σ_a m_a·([fw_pos ≤ t ≤ fw_last] + s_a·[t > fw_last]
+                         + f_a·[fw_last < t ≤ offload_fw_end]) ≤ budget
 (a unit not kept is still live in the forward from fw_pos to its last forward use fw_last),
 and at every backward event t:
     bw_base[t] + Σ_a m_a·(s_a·[t ≤ need_end] + r_a·[need_start ≤ t ≤ need_end]
-                         + Σ_w o_aw·[start_w ≤ t ≤ need_end]) ≤ budget.
+                         + Σ_w o_aw·[start_w ≤ t ≤ need_end]
+                         + f_a·[offload_bw_start ≤ t ≤ need_end]) ≤ budget.
 ``fw_base``/``bw_base`` are the bytes live at each event that belong to no unit (gradients,
 backward temporaries, outputs), from the no-recompute schedule.
 
-[Objective] minimize exposed recompute time Σ_a c_a·r_a + Σ_w over_w.
+[Objective] minimize exposed time Σ_a c_a·r_a + Σ_w over_w + Σ_a offload_exposed_s_a·f_a.
 """
 from __future__ import annotations
 
@@ -72,6 +91,15 @@ class Unit:
     need_end: int = 0
     """Last backward event at which it must exist (direct reads and recomputed consumers)."""
     must_keep: bool = False
+    offload_s: float | None = None
+    """One-way host copy time (bytes / host link bytes/s) when the unit may be offloaded; None:
+    it may not (offload off, not read by the backward, not a device tensor)."""
+    offload_exposed_s: float = 0.0
+    """Copy time not hidden behind compute, forward and backward together (model above)."""
+    offload_fw_end: int = 0
+    """Offloaded: last forward event the device tensor is live (the copy's end, >= fw_last)."""
+    offload_bw_start: int = 0
+    """Offloaded: first backward event the reloaded tensor is live (<= need_start)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,8 +160,13 @@ class RematSolution:
     demand: tuple[int, ...]
     window: tuple[tuple[int, int], ...] = ()
     """(unit id, window id) pairs."""
+    offload: tuple[int, ...] = ()
+    """Unit ids saved in host memory."""
     exposed_s: float = 0.0
-    """Objective: recompute time on the critical path (demand + window overflow)."""
+    """Objective: time on the critical path (demand recompute + window overflow + the offload
+    copies' exposed part)."""
+    offload_exposed_s: float = 0.0
+    """The offload copies' part of ``exposed_s``."""
     recompute_s: float = 0.0
     """All recompute time, hidden or not."""
     peak_bytes: int = 0
@@ -153,6 +186,7 @@ class RematSolution:
         d = dict(d)
         d["keep"], d["demand"] = tuple(d["keep"]), tuple(d["demand"])
         d["window"] = tuple(tuple(p) for p in d.get("window", ()))
+        d["offload"] = tuple(d.get("offload", ()))
         d["notes"] = tuple(d.get("notes", ()))
         return cls(**d)
 

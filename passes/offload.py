@@ -1,0 +1,149 @@
+"""Offload: move the saved tensors of ``Offload()`` units to host memory between fw and bw.
+
+Runs on the partitioned graphs (the partitioner saved those tensors: an offloaded unit is not
+tagged for recompute). Reads ``ctx.decisions`` (its ``offloaded()`` units and their member
+nodes), ``meta.COST``, the host link of ``config.hardware``. Writes ``meta.OFFLOAD`` on the
+inserted nodes, and ``record.decisions["offload"]`` (units, bytes sent to host per step, copy
+seconds one way, exposed seconds by the model below).
+
+``offload_forward_pass``, for each saved output ``x`` of an offloaded unit::
+
+    before:  x = op(...); ...; return (out, x)
+    after:   x = op(...); x_offload = lynx.offload(x); ...ops covering the copy time...
+             lynx.offload_wait(x_offload, x); ...; return (out, x_offload)
+
+``offload_backward_pass``, for each backward input ``x`` of an offloaded unit (renamed
+``x_offload``, the forward's host copy)::
+
+    before:  ...; y = use(x)
+    after:   x_reload = lynx.reload(x_offload, device); ...ops covering the copy time...
+             lynx.reload_wait(x_reload); y = use(x_reload)
+
+Copy model (the same rule prices the optimizer's ``Unit.offload_*``, ``remat_problem``): one
+copy takes t = bytes / ``host_link_bytes_per_s``. The device→host copy overlaps the forward ops
+after the producer; its wait goes after the first run of them whose cost sum reaches t (before
+the output if none does). The reload is issued early enough that the backward ops before the
+first use cost at least t (at the start of the backward if they never do). Exposed time =
+max(0, t − compute it overlaps), forward and backward.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch.fx as fx
+
+from . import meta
+from .context import PassContext
+
+
+def host_link_bytes_per_s(ctx: PassContext) -> float:
+    from lynx_compile.costs import get_profile
+
+    return get_profile(ctx.config.hardware).host_link_bytes_per_s
+
+
+def cover_after(costs: Sequence[float], copy_s: float) -> tuple[int, float]:
+    """(k, exposed): the fewest leading ``costs`` whose sum reaches ``copy_s`` (all of them
+    when none does), and the copy time they leave uncovered."""
+    total = 0.0
+    for k, c in enumerate(costs):
+        if total >= copy_s:
+            return k, 0.0
+        total += c
+    return len(costs), max(0.0, copy_s - total)
+
+
+def _cost(node: fx.Node) -> float:
+    c = node.meta.get(meta.COST)
+    return c.runtime_s if c is not None else 0.0
+
+
+def _offloaded_names(ctx: PassContext) -> set[str]:
+    d = ctx.decisions
+    return {m for u in d.offloaded() for m in d.nodes_of(u)} if d is not None else set()
+
+
+def offload_name(name: str) -> str:
+    return f"{name}_offload"
+
+
+def offload_forward_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    from lynx_compile.memory.simulate import _nbytes
+    from lynx_compile.runtime.offload import OFFLOAD, OFFLOAD_WAIT
+
+    names = _offloaded_names(ctx)
+    if not names:
+        return gm
+    nodes = list(gm.graph.nodes)
+    out = nodes[-1]
+    outs = list(out.args[0])
+    bw_s = host_link_bytes_per_s(ctx)
+    summary = {"units": len(list(ctx.decisions.offloaded())), "tensors": 0, "bytes": 0, "copy_s": 0.0,
+               "exposed_fw_s": 0.0}
+    pos = {n: i for i, n in enumerate(nodes)}
+    for j in range(ctx.num_fwd_outputs, len(outs)):
+        x = outs[j]
+        if not isinstance(x, fx.Node) or x.name not in names or x.op == "placeholder":
+            continue
+        nbytes = _nbytes(x.meta.get("val"))
+        copy_s = nbytes / bw_s
+        with gm.graph.inserting_after(x):
+            host = gm.graph.create_node("call_function", OFFLOAD, (x,), name=offload_name(x.name))
+        if host.name != offload_name(x.name):
+            raise RuntimeError(f"lynx offload: the forward already has a node named {offload_name(x.name)!r}")
+        host.meta.update({"val": x.meta.get("val"), meta.OFFLOAD: "offload"})
+        after = [n for n in nodes[pos[x] + 1:-1]]
+        k, exposed = cover_after([_cost(n) for n in after], copy_s)
+        anchor = after[k - 1] if k else host
+        with gm.graph.inserting_after(anchor):
+            wait = gm.graph.call_function(OFFLOAD_WAIT, (host, x))
+        wait.meta[meta.OFFLOAD] = "offload_wait"
+        outs[j] = host
+        summary["tensors"] += 1
+        summary["bytes"] += nbytes
+        summary["copy_s"] += copy_s
+        summary["exposed_fw_s"] += exposed
+    out.args = (tuple(outs), *out.args[1:])
+    ctx.record.decisions["offload"] = {**ctx.record.decisions.get("offload", {}), **summary}
+    return gm
+
+
+def offload_backward_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    from lynx_compile.memory.simulate import _nbytes
+    from lynx_compile.runtime.offload import RELOAD, RELOAD_WAIT
+
+    names = _offloaded_names(ctx)
+    if not names:
+        return gm
+    bw_s = host_link_bytes_per_s(ctx)
+    exposed_total = 0.0
+    for ph in list(gm.graph.find_nodes(op="placeholder")):
+        if ph.name not in names or not ph.users:
+            continue
+        with gm.graph.inserting_before(ph):
+            host = gm.graph.placeholder(offload_name(ph.name))
+        host.meta.update(ph.meta)
+        host.meta[meta.OFFLOAD] = "host"
+        ph.replace_all_uses_with(host)
+        gm.graph.erase_node(ph)
+        nodes = list(gm.graph.nodes)
+        first = min(host.users, key=nodes.index)
+        i = nodes.index(first)
+        start = next(j for j, n in enumerate(nodes) if n.op != "placeholder")
+        before = nodes[start:i][::-1]                       # ops before the first use, nearest first
+        k, exposed = cover_after([_cost(n) for n in before], _nbytes(ph.meta.get("val")) / bw_s)
+        exposed_total += exposed
+        anchor = before[k - 1] if k else first
+        val = ph.meta.get("val")
+        users = list(host.users)
+        with gm.graph.inserting_before(anchor):
+            reloaded = gm.graph.create_node("call_function", RELOAD, (host, val.device), name=f"{ph.name}_reload")
+        with gm.graph.inserting_before(first):
+            wait = gm.graph.call_function(RELOAD_WAIT, (reloaded,))
+        reloaded.meta.update({"val": val, meta.OFFLOAD: "reload"})
+        wait.meta[meta.OFFLOAD] = "reload_wait"
+        for u in users:
+            u.replace_input_with(host, reloaded)
+    rec = ctx.record.decisions.setdefault("offload", {})
+    rec["exposed_bw_s"] = exposed_total
+    return gm
