@@ -1,0 +1,183 @@
+"""lynx under FSDP2, torchtitan's way of training: ``fully_shard`` on each block and on the root,
+2 gloo ranks on CPU, each rank one half of the same global batch.
+
+Oracle: a single-process eager run of the same model on the whole batch (losses of every step
+and the parameters after the last one, within 1e-5 relative, fp32). Policy ``none`` is the
+control; policy ``lynx`` at budget 0.7 must also recompute inside the blocks' graphs.
+
+Compiled whole, the model is not one graph: torch 2.13 wraps every FSDP2 hook in
+``torch._dynamo.disable`` ("skipping FSDP hooks"), so dynamo splits the forward at each
+``fully_shard`` module (embeddings | block body, shared by all blocks | final norm and head |
+loss); ``aot_eager`` without lynx splits it the same way (checked below). Every
+piece is then a graph without module-list children, planned as one block whose budget bounds
+what it saves (``plan.budget_scope == "saved"``), the same as a block compiled on its own.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lynx_compile
+from _dist import run_ranks
+from lynx_compile.models import build_model
+
+N_LAYERS = 3
+GLOBAL_BATCH = 4
+STEPS = 3
+LR = 0.1
+BUDGET = 0.7
+RTOL = 1e-5
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_model("gpt-tiny", dropout=0.0, n_layers=N_LAYERS)
+
+
+def _batches(model) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, model.config.vocab_size, (GLOBAL_BATCH, model.config.seq_len), generator=g)
+            for _ in range(STEPS)]
+
+
+def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses and final parameters of the single-process eager run on the global batch."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for x in _batches(model):
+        loss = model(x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _fsdp_model() -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def _holds_a_block(gm: torch.fx.GraphModule) -> bool:
+    """The dynamo graph runs a block's attention (its nn_module_stack names one)."""
+    return any(_type_name(v[1]) == "CausalSelfAttention"
+               for n in gm.graph.nodes for v in (n.meta.get("nn_module_stack") or {}).values())
+
+
+def _type_name(t) -> str:
+    return getattr(t, "__name__", str(t)).rsplit(".", 1)[-1]
+
+
+def _train(rank: int, world: int, mode: str, options: dict) -> dict:
+    """STEPS steps of SGD on this rank's half of each global batch; what every graph decided."""
+    torch._dynamo.reset()
+    model = _fsdp_model()
+    backend = lynx_compile.backend(**options)
+    first = len(backend.records)
+    is_block: list[bool] = []
+
+    def seen(gm, example_inputs):  # lynx, noting which graphs are the blocks'
+        is_block.append(_holds_a_block(gm))
+        return backend(gm, example_inputs)
+
+    if mode == "whole":
+        run = torch.compile(model, backend=seen)
+    else:
+        for block in model.blocks:
+            block.compile(backend=seen)
+        run = model
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for x in _batches(model):
+        loss = run(x.chunk(world)[rank]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss)
+        losses.append(global_loss.item() / world)
+    graphs = []
+    for block, r in zip(is_block, backend.records[first:], strict=True):
+        plan = r.plan
+        counts = plan.decisions.counts()
+        graphs.append({"block": block, "scope": plan.budget_scope, "saved": plan.saved_bytes,
+                       "budget": plan.budget_bytes, "recomputed": len(plan.recomputed),
+                       "demand": counts["demand"] + counts["window"],
+                       "fingerprint": r.decisions.get("plan_fingerprint")})
+    params = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+    return {"losses": losses, "params": params if rank == 0 else None, "graphs": graphs}
+
+
+POLICIES = {
+    "none": {"policy": "none"},
+    "lynx": {"policy": "lynx", "memory_budget": BUDGET},
+    # the exact op-by-op path, per block only (compiling is quick, the runtime is not)
+    "lynx-eager": {"policy": "lynx", "memory_budget": BUDGET, "compiler": "eager"},
+}
+
+
+def _train_policies(rank: int, world: int, mode: str) -> dict:
+    names = ["none", "lynx"] + (["lynx-eager"] if mode == "per_block" else [])
+    out = {name: _train(rank, world, mode, {"plan_cache": False, **POLICIES[name]}) for name in names}
+    if mode == "whole":
+        torch._dynamo.reset()
+        out["aot_eager_graphs"] = _count_graphs_aot_eager(rank, world)
+    return out
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", ["whole", "per_block"])
+def test_fsdp2_trains_with_single_process_losses_and_recomputes_in_blocks(mode):
+    ref_losses, ref_params = _reference()
+    results = run_ranks(_train_policies, 2, mode, timeout_s=570)
+    for policy in [p for p in POLICIES if p in results[0]]:
+        runs = [r[policy] for r in results]
+        for step, (got, want) in enumerate(zip(runs[0]["losses"], ref_losses)):
+            assert abs(got - want) <= RTOL * abs(want), (policy, step, got, want)
+        for name, p in runs[0]["params"].items():
+            assert _rel(p, ref_params[name]) <= RTOL, (policy, name)
+        graphs = runs[0]["graphs"]
+        assert any(g["block"] for g in graphs), graphs
+        # every rank ran the same plans (lynx checked it: the fingerprints were all-gathered)
+        assert [g["fingerprint"] for g in graphs] == [g["fingerprint"] for g in runs[1]["graphs"]]
+        assert all(g["fingerprint"] for g in graphs), graphs
+        for g in graphs:
+            # no module-list children in any graph: one block each, the budget bounds saved bytes
+            assert g["scope"] == "saved", g
+            if policy == "none":
+                assert g["demand"] == 0, g
+            else:
+                assert g["saved"] <= g["budget"], g
+                if g["block"]:
+                    assert g["recomputed"] > 0 and g["demand"] > 0, g
+        if mode == "per_block":  # identical blocks share one graph
+            assert len(graphs) == 1 and graphs[0]["block"], graphs
+    none_block = [g["saved"] for g in results[0]["none"]["graphs"] if g["block"]]
+    lynx_block = [g["saved"] for g in results[0]["lynx"]["graphs"] if g["block"]]
+    assert lynx_block[0] < none_block[0], (lynx_block, none_block)
+    if mode == "whole":
+        # the split is torch's: without lynx (aot_eager) the model compiles to as many graphs
+        # (embeddings | block body | norm + head | loss), one between each pair of FSDP hooks
+        assert results[0]["aot_eager_graphs"] == len(results[0]["lynx"]["graphs"]) > 1
+
+
+def _count_graphs_aot_eager(rank: int, world: int) -> int:
+    """How many graphs torch.compile makes of the FSDP2 model without lynx."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model = _fsdp_model()
+    counter = CompileCounterWithBackend("aot_eager")
+    x = _batches(model)[0].chunk(world)[rank]
+    torch.compile(model, backend=counter)(x).loss.backward()
+    return counter.frame_count
