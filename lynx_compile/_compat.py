@@ -164,9 +164,25 @@ def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, 
     # AOTAutograd's cache would return an earlier compile of this graph without calling the
     # partitioner (the partitioner's uuid is part of Inductor's FX-graph key, not of this one),
     # leaving no plan: it is off for lynx graphs. Inductor's kernel caches stay on.
+    # (config_patches, not a patch around the call: the backward may be compiled lazily, at the
+    # first backward, and compile_fx re-applies these to every inner compile.)
     with inductor_config.patch(custom_partitioner_fn=partitioner), \
             _functorch_config.patch(enable_autograd_cache=False):
-        return compile_fx(gm, example_inputs)
+        return compile_fx(gm, example_inputs, config_patches=dict(INDUCTOR_KEEP_PLACEMENT))
+
+
+INDUCTOR_KEEP_PLACEMENT = {
+    # Inductor's scheduler may move a recompute far from where the partition put it: its
+    # peak-memory reordering hoisted block 0's recompute to the start of the backward, and
+    # horizontal fusion of independent kernels that share a tiny read (the causal mask) fused
+    # block 0's recomputed softmax with block 1's. Either keeps both blocks' activations alive at
+    # once: measured on gpt-tiny (batch 1, CPU), policy full peaked at 403 KB, above no
+    # recompute (380 KB), predicted 214 KB; with both off it peaks at the predicted 214 KB.
+    # Vertical (producer-consumer) fusion is untouched; only fusions of unrelated nodes sharing
+    # less than this many bytes are refused.
+    "reorder_for_peak_memory": False,
+    "score_fusion_memory_threshold": 1 << 20,
+}
 
 
 def dynamo_passthrough_error() -> type:
