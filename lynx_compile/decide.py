@@ -105,7 +105,7 @@ def decide_piece(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: int 
             base_bw = mark_recomputed_pass(base_bw, ctx)
         try:
             own = plan_lynx(joint, ctx, base_fw, base_bw, int(frac * ctx.record.reference_peak_bytes), kw)
-            scored.append(("lynx", exposed_s(own.applied.bw, joint), own.applied))
+            scored.append(("lynx", exposed(own.applied, joint), own.applied))
         except BudgetError as e:
             ctx.record.notes.append(f"lynx's optimizer: {e}")
     for policy, torch_budget in candidates:
@@ -113,15 +113,15 @@ def decide_piece(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: int 
         sub = scratch_context(ctx, name)
         decisions = Decisions(policy=name) if policy == "torch" else baseline_decisions(joint, sub, policy)
         applied = realize(joint, sub, decisions, kw, torch_budget=torch_budget)
-        scored.append((name, exposed_s(applied.bw, joint), applied))
+        scored.append((name, exposed(applied, joint), applied))
         if budget is None:
             break  # no budget: recompute nothing beyond what the compiler does on its own
     ctx.record.decisions["candidates"] = {n: {"exposed_s": e, "saved_bytes": a.mem.saved_bytes} for n, e, a in scored}
     fitting = [c for c in scored if budget is None or c[2].mem.saved_bytes <= budget]
     if fitting:
-        name, exposed, applied = min(fitting, key=lambda c: (c[1], c[2].mem.saved_bytes))
+        name, cost, applied = min(fitting, key=lambda c: (c[1], c[2].mem.saved_bytes))
     else:
-        name, exposed, applied = min(scored, key=lambda c: (c[2].mem.saved_bytes, c[1]))
+        name, cost, applied = min(scored, key=lambda c: (c[2].mem.saved_bytes, c[1]))
         msg = (f"graph {ctx.record.graph_id} is one block or a piece of a model (no module-list children; "
                f"a graph break or a per-block compile), where memory_budget={cfg.memory_budget!r} bounds the "
                f"bytes it saves for its backward ({budget} B of {reference_saved} B); no plan saves that "
@@ -136,7 +136,7 @@ def decide_piece(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: int 
     if name == "lynx":
         return own.applied, own
     outcome = LynxOutcome(applied=dataclasses.replace(applied, decisions=applied.decisions.with_source("seed")),
-                          problem=ctx.record.problem, solver=f"baseline:{name}", status="seeded", exposed_s=exposed)
+                          problem=ctx.record.problem, solver=f"baseline:{name}", status="seeded", exposed_s=cost)
     return outcome.applied, outcome
 
 
@@ -146,9 +146,16 @@ def realize_tags(joint: fx.GraphModule, ctx: PassContext, decisions: Decisions) 
     run_passes(joint, sub, APPLY_PIPELINE, "apply")
 
 
+def exposed(applied: Applied, joint: fx.GraphModule) -> float:
+    """Exposed seconds of a candidate: on-demand recompute (``exposed_s``) plus the part of its
+    host copies compute does not hide (offload plans): the one measure candidates compete on."""
+    off = applied.record.decisions.get("offload", {})
+    return exposed_s(applied.bw, joint) + off.get("exposed_fw_s", 0.0) + off.get("exposed_bw_s", 0.0)
+
+
 def exposed_s(bw: fx.GraphModule, joint: fx.GraphModule) -> float:
     """Seconds of recompute the backward runs on demand (not inside a communication window),
-    from the cost model: the one measure every candidate plan is compared on."""
+    from the cost model."""
     joint_nodes = {n.name: n for n in joint.graph.nodes}
     total = 0.0
     for node in bw.graph.nodes:
@@ -176,7 +183,7 @@ def seed_with_baselines(joint, ctx: PassContext, kw: dict, budget: int, referenc
     scores: dict[str, tuple[float, int]] = {}
     best = None
     if outcome is not None:
-        best = ("lynx", exposed_s(outcome.applied.bw, joint), outcome)
+        best = ("lynx", exposed(outcome.applied, joint), outcome)
         scores["lynx"] = (best[1], outcome.applied.mem.peak_bytes)
     candidates = [(p, None) for p in (BASELINES if ctx.record.blocks else ())]
     if _single_process():
@@ -190,13 +197,13 @@ def seed_with_baselines(joint, ctx: PassContext, kw: dict, budget: int, referenc
         sub = scratch_context(ctx, name)
         decisions = Decisions(policy=name) if policy == "torch" else baseline_decisions(joint, sub, policy)
         applied = realize(joint, sub, decisions, kw, torch_budget=torch_budget)
-        exposed = exposed_s(applied.bw, joint)
-        scores[name] = (exposed, applied.mem.peak_bytes)
-        if applied.mem.peak_bytes <= budget and (best is None or exposed < best[1] * (1 - 1e-9)):
-            best = (name, exposed, LynxOutcome(
+        cost = exposed(applied, joint)
+        scores[name] = (cost, applied.mem.peak_bytes)
+        if applied.mem.peak_bytes <= budget and (best is None or cost < best[1] * (1 - 1e-9)):
+            best = (name, cost, LynxOutcome(
                 applied=dataclasses.replace(applied, decisions=applied.decisions.with_source("seed")),
                 problem=outcome.problem if outcome else ctx.record.problem,
-                solver=f"baseline:{name}", status="seeded", exposed_s=exposed,
+                solver=f"baseline:{name}", status="seeded", exposed_s=cost,
                 plan_time_s=outcome.plan_time_s if outcome else 0.0,
                 solve_s=outcome.solve_s if outcome else 0.0))
     ctx.record.decisions["candidates"] = {k: {"exposed_s": e, "peak_bytes": b} for k, (e, b) in scores.items()}

@@ -167,6 +167,7 @@ def build_plan(policy: str, joint: fx.GraphModule, applied: Applied, ctx: PassCo
                                    saved=tuple(d.name for d in s), recomputed=tuple(d.name for d in r),
                                    recompute_s=sum(d.recompute_s for d in r)))
     recompute_s = sum(d.recompute_s for d in recomputed)
+    offload = applied.record.decisions.get("offload", {})
     return RecomputePlan(
         policy=policy, graph_hash=ctx.record.decisions.get("graph_hash") or structural_hash(list(joint.graph.nodes)),
         saved=tuple(saved), recomputed=tuple(recomputed), blocks=tuple(blocks),
@@ -177,6 +178,8 @@ def build_plan(policy: str, joint: fx.GraphModule, applied: Applied, ctx: PassCo
         notes=tuple(ctx.record.notes), decisions=applied.decisions,
         solver=outcome.solver if outcome else "", solver_status=outcome.status if outcome else "",
         exposed_s=outcome.exposed_s if outcome else recompute_s,
+        offload_bytes=offload.get("bytes", 0), offload_copy_s=offload.get("copy_s", 0.0),
+        offload_exposed_s=offload.get("exposed_fw_s", 0.0) + offload.get("exposed_bw_s", 0.0),
         plan_time_s=outcome.plan_time_s if outcome else 0.0, solve_s=outcome.solve_s if outcome else 0.0,
         block_ops=_block_ops(joint, ctx, applied.decisions) if outcome else {})
 

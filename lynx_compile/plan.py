@@ -64,6 +64,11 @@ class RecomputePlan:
     solver_status: str = ""
     exposed_s: float = 0.0
     """Predicted recompute time on the critical path (demand + window overflow)."""
+    offload_bytes: int = 0
+    """Bytes sent to host memory per step (policy lynx with ``offload=True``)."""
+    offload_copy_s: float = 0.0
+    """Their copy time one way on the host link, and the part of it not hidden by compute."""
+    offload_exposed_s: float = 0.0
     plan_time_s: float = 0.0
     """Time spent extracting, solving and checking (0 when reused from a file or the cache)."""
     solve_s: float = 0.0

@@ -95,8 +95,8 @@ def test_gpt_tiny_offload_trains_like_eager(monkeypatch, solver):
     plan = record.plan
     assert plan.decisions.counts()["offload"] > 0 and plan.peak_bytes <= plan.budget_bytes
     assert record.decisions["offload"]["bytes"] > 0
-    if hasattr(plan, "offload_bytes") and plan.offload_bytes:  # needs the build_plan hook (report)
-        assert plan.offload_bytes == record.decisions["offload"]["bytes"]
+    assert plan.offload_bytes == record.decisions["offload"]["bytes"]
+    assert plan.offload_copy_s > 0 and plan.offload_exposed_s >= 0
 
 
 def test_simulated_peak_of_an_offload_plan_is_within_the_model(monkeypatch):
