@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-from lynx_compile.config import BUDGET_FORMS, parse_budget
+from lynx_compile.config import BUDGET_FORMS, budget_argument
 
 
 _DESCRIPTION = """lynx: plan activation recomputation (plan), compare policies on a small GPT (demo),
@@ -27,13 +27,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
-def _budget_arg(text: str) -> float | int:
-    try:
-        return parse_budget(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 _BUDGET_HELP = f"peak activation memory allowed: {BUDGET_FORMS}"
 
 
@@ -46,7 +39,7 @@ def _add_options(p: argparse.ArgumentParser) -> None:
                    help="policy lynx: MILP solver (Lynx-OPT) or the block heuristic (heu)")
     p.add_argument("--time-limit", type=float, default=60.0, help="MILP time limit in seconds")
     p.add_argument("--mip-gap", type=float, default=1e-4, help="relative MIP gap")
-    p.add_argument("--memory-budget", type=_budget_arg, default=None, metavar="BUDGET", help=_BUDGET_HELP)
+    p.add_argument("--memory-budget", type=budget_argument, default=None, metavar="BUDGET", help=_BUDGET_HELP)
     p.add_argument("--cost-source", default="analytic", choices=["analytic", "measured"],
                    help="per-node runtimes: roofline over --hardware (analytic) or run on this machine "
                         "(measured; not on --device meta)")
@@ -207,9 +200,6 @@ def build_parser() -> argparse.ArgumentParser:
     from lynx_compile.train import add_train_arguments
 
     add_train_arguments(t)
-    for action in t._actions:  # budgets read as by `lynx plan` (train.py's own parser: a bare int is bytes)
-        if "--memory-budget" in action.option_strings:
-            action.type, action.metavar, action.help = _budget_arg, "BUDGET", _BUDGET_HELP
     t.set_defaults(func=cmd_train)
     return parser
 

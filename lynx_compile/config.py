@@ -340,3 +340,13 @@ def _check_budget(budget: Any) -> float | int | None:
     if budget <= 0:
         raise ValueError(f"memory_budget={budget} bytes must be positive")
     return int(budget)
+
+
+def budget_argument(text: str) -> float | int:
+    """``parse_budget`` as an argparse ``type=``: a bad budget is argparse's one-line error."""
+    import argparse
+
+    try:
+        return parse_budget(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

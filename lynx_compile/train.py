@@ -30,6 +30,7 @@ from typing import Callable
 
 import torch
 
+from lynx_compile.config import BUDGET_FORMS, budget_argument
 from lynx_compile.train_setup import backend_options, batches_from_args, local_device, model_from_args
 
 
@@ -37,31 +38,34 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gpt-small", help="zoo preset (gpt-*/llama-*)")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: world size)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (Megatron) with --tp-impl megatron")
-    p.add_argument("--tp-impl", default="megatron", choices=["megatron", "dtensor"])
+    p.add_argument("--tp-impl", default="megatron", choices=["megatron", "dtensor"],
+                   help="tensor parallelism: lynx's Megatron-style layers, or torch's DTensor parallelize_module")
     p.add_argument("--policy", default="lynx", choices=["lynx", "none", "full", "selective", "torch", "eager"],
                    help="'eager' trains without torch.compile (the reference)")
-    p.add_argument("--memory-budget", type=lambda s: int(s) if s.isdigit() else float(s), default=None)
-    p.add_argument("--solver", default="auto", choices=["auto", "glpk", "highs", "heu"])
+    p.add_argument("--memory-budget", type=budget_argument, default=None, metavar="BUDGET",
+                   help=f"activation memory budget: {BUDGET_FORMS} (see LynxConfig.memory_budget)")
+    p.add_argument("--solver", default="auto", choices=["auto", "glpk", "highs", "heu"],
+                   help="policy lynx: MILP solver (auto: HiGHS, else GLPK) or the heuristic (heu)")
     p.add_argument("--compiler", default=None, choices=["inductor", "eager"],
                    help="what compiles the step around lynx's partition (default inductor; eager "
                         "when --trace, --side-stream or pipeline recompute-in-wait need it)")
-    p.add_argument("--time-limit", type=float, default=60.0)
+    p.add_argument("--time-limit", type=float, default=60.0, help="MILP time limit, seconds (best plan found is used)")
     p.add_argument("--no-windows", action="store_true",
                    help="policy lynx: ignore communication windows (recompute on demand only)")
     p.add_argument("--link", default="auto", help="link that prices collectives (LynxConfig.link)")
-    p.add_argument("--hardware", default="auto")
+    p.add_argument("--hardware", default="auto", help="hardware profile for costs (auto: this device; e.g. h100-sxm)")
     p.add_argument("--cost-source", default="analytic", choices=["analytic", "measured"],
                    help="per-node costs for planning (measured: run on this device; rank 0's are used)")
     p.add_argument("--emulate-link", default=None,
                    help="CPU: delay collectives to this link's time (name in LINKS or 'alpha_s,bytes_per_s')")
     p.add_argument("--fuse-kernels", action="store_true", help="fused Triton recompute kernels (LynxConfig.fuse_kernels)")
     p.add_argument("--side-stream", action="store_true", help="recompute on a secondary CUDA stream (LynxConfig.side_stream)")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--steps", type=int, default=10, help="training steps (the first compiles)")
+    p.add_argument("--batch-size", type=int, default=4, help="global batch size (sequences per step)")
+    p.add_argument("--seq-len", type=int, default=None, help="override the preset's sequence length")
     p.add_argument("--dropout", type=float, default=None, help="override the preset's dropout")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--seed", type=int, default=1234, help="seed for the weights and the batches")
     p.add_argument("--check", action="store_true", help="also train unsharded in one process; print both losses")
     p.add_argument("--trace", default=None, metavar="DIR", help="per-rank Chrome trace + overlap figure")
     p.add_argument("--trace-steps", type=int, default=2,
@@ -165,8 +169,6 @@ def train(args: argparse.Namespace, *, on_step: Callable[[int], None] | None = N
           say: Callable[[str], None] = print) -> TrainResult:
     """Run ``args.steps`` training steps on this rank (torch.distributed already initialized
     for more than one rank). ``on_step(i)`` runs before step i (tests inject failures)."""
-    import torch.distributed as dist
-
     import lynx_compile
     from lynx_compile.distributed.failures import Heartbeat
 

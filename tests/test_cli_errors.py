@@ -206,3 +206,20 @@ def test_stderr_handler_follows_sys_stderr(lynx_logging, monkeypatch):
     monkeypatch.setattr(sys, "stderr", later)
     logging.getLogger("lynx_compile").info("lynx: hello")
     assert later.getvalue() == "lynx: hello\n"
+
+
+def test_train_parser_reads_budgets_as_lynx_plan_does_and_documents_every_flag():
+    """``python -m lynx_compile.train`` (what torchrun runs) parses ``--memory-budget`` like
+    ``lynx plan``: ``2`` is refused (bytes need a unit), ``48MiB`` is bytes, ``0.5`` a fraction."""
+    import argparse
+
+    from lynx_compile.train import add_train_arguments
+
+    p = argparse.ArgumentParser(prog="lynx train")
+    add_train_arguments(p)  # (includes the pipeline flags)
+    assert p.parse_args(["--memory-budget", "0.5"]).memory_budget == 0.5
+    assert p.parse_args(["--memory-budget", "48MiB"]).memory_budget == 48 * 2**20
+    with pytest.raises(SystemExit):
+        p.parse_args(["--memory-budget", "2"])
+    undocumented = [a.option_strings for a in p._actions if a.option_strings and not a.help]
+    assert not undocumented, undocumented

@@ -19,7 +19,8 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
                    "of --pp with --schedule Interleaved1F1B)")
     p.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default: the most, "
                    "up to 2 x stages, that split --batch-size evenly)")
-    p.add_argument("--schedule", default="1F1B", choices=["GPipe", "1F1B", "Interleaved1F1B"])
+    p.add_argument("--schedule", default="1F1B", choices=["GPipe", "1F1B", "Interleaved1F1B"],
+                   help="pipeline schedule (torch.distributed.pipelining)")
     p.add_argument("--memory-per-device", type=_bytes, default=None,
                    help="bytes per device for the stage plan, e.g. 30000000, 48MiB, 2GiB (default: no limit)")
     p.add_argument("--split", default="lynx", choices=["lynx", "compute", "uniform"],
