@@ -99,7 +99,8 @@ class LynxBackend:
 
             partitioner = LynxPartitioner(self.config, record, plan_only=self.plan_only)
             with planning_group(self.planning_group):
-                return _compat.inductor_compile_with_partitioner(gm, example_inputs, partitioner)
+                return _compat.inductor_compile_with_partitioner(
+                    gm, example_inputs, partitioner, keep_placement=self.config.policy not in ("none", "torch"))
         partition_fn = functools.partial(lynx_partition, config=self.config, record=record)
         compiler = fw_compiler = self._compiler
         bw_compiler = self._bw_compiler
