@@ -51,18 +51,10 @@ def decide(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: int | None
         return realize(joint, ctx, Decisions(policy="torch"), kw, torch_budget=frac), None
     if policy != "lynx":
         return realize(joint, ctx, baseline_decisions(joint, ctx, policy), kw), None
-    # The problem's units are what the untagged partition of this compiler saves. Under
-    # Inductor that is torch.compile's own min-cut partition (plus what recomputing them needs):
-    # the pointwise chains min-cut recomputes fuse under Inductor and never materialize, so they
-    # are not units to decide on.
-    clear_decision_tags(joint)
-    base_fw, base_bw = partition_joint(joint, ctx.joint_inputs, kw, inductor=cfg.compiler == "inductor")
-    if cfg.compiler == "inductor":
-        base_bw = mark_recomputed_pass(base_bw, ctx)  # copies renamed: no name clash with units
     from lynx_compile.optimize import plan_lynx
 
     try:
-        outcome, failure = plan_lynx(joint, ctx, base_fw, base_bw, budget, kw), None
+        outcome, failure = plan_lynx(joint, ctx, *_problem_base(joint, ctx, kw), budget, kw), None
     except BudgetError as e:
         if budget is None or cfg.plan:
             raise
@@ -90,32 +82,22 @@ def decide_piece(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: int 
     if cfg.policy != "lynx":
         return decide(joint, ctx, kw, None, reference_saved)
     frac = min(1.0, budget / reference_saved) if budget is not None and reference_saved else 1.0
-    candidates = [("none", None), *((p, None) for p in BASELINES)]
-    if budget is not None and _single_process():  # (see seed_with_baselines)
-        candidates += [("torch", b) for b in sorted({round(frac * m, 3) for m in TORCH_BUDGET_LADDER}, reverse=True)]
     scored, own = [], None
     if budget is not None and ctx.record.reference_peak_bytes:
         # lynx's optimizer too (it places recompute in communication windows): solved for the
         # same fraction of the peak, a candidate like the others when what it saves fits
         from lynx_compile.optimize import plan_lynx
 
-        clear_decision_tags(joint)
-        base_fw, base_bw = partition_joint(joint, ctx.joint_inputs, kw, inductor=cfg.compiler == "inductor")
-        if cfg.compiler == "inductor":
-            base_bw = mark_recomputed_pass(base_bw, ctx)
         try:
-            own = plan_lynx(joint, ctx, base_fw, base_bw, int(frac * ctx.record.reference_peak_bytes), kw)
+            own = plan_lynx(joint, ctx, *_problem_base(joint, ctx, kw),
+                            int(frac * ctx.record.reference_peak_bytes), kw)
             scored.append(("lynx", exposed(own.applied, joint), own.applied))
         except BudgetError as e:
             ctx.record.notes.append(f"lynx's optimizer: {e}")
-    for policy, torch_budget in candidates:
-        name = f"torch@{torch_budget:g}" if policy == "torch" else policy
-        sub = scratch_context(ctx, name)
-        decisions = Decisions(policy=name) if policy == "torch" else baseline_decisions(joint, sub, policy)
-        applied = realize(joint, sub, decisions, kw, torch_budget=torch_budget)
+    # no budget: only none (recompute nothing beyond what the compiler does on its own)
+    policies = ("none", *BASELINES) if budget is not None else ("none",)
+    for name, applied in _baseline_candidates(joint, ctx, kw, policies, frac if budget is not None else None):
         scored.append((name, exposed(applied, joint), applied))
-        if budget is None:
-            break  # no budget: recompute nothing beyond what the compiler does on its own
     ctx.record.decisions["candidates"] = {n: {"exposed_s": e, "saved_bytes": a.mem.saved_bytes} for n, e, a in scored}
     fitting = [c for c in scored if budget is None or c[2].mem.saved_bytes <= budget]
     if fitting:
@@ -135,7 +117,7 @@ def decide_piece(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: int 
     ctx.record.notes.append(note)
     if name == "lynx":
         return own.applied, own
-    outcome = LynxOutcome(applied=dataclasses.replace(applied, decisions=applied.decisions.with_source("seed")),
+    outcome = LynxOutcome(applied=_as_seed(applied),
                           problem=ctx.record.problem, solver=f"baseline:{name}", status="seeded", exposed_s=cost)
     return outcome.applied, outcome
 
@@ -185,23 +167,12 @@ def seed_with_baselines(joint, ctx: PassContext, kw: dict, budget: int, referenc
     if outcome is not None:
         best = ("lynx", exposed(outcome.applied, joint), outcome)
         scores["lynx"] = (best[1], outcome.applied.mem.peak_bytes)
-    candidates = [(p, None) for p in (BASELINES if ctx.record.blocks else ())]
-    if _single_process():
-        # torch's min-cut breaks ties in set order, which differs between processes (seen on 2
-        # gloo ranks: the same graph, different recomputed getitems): with several ranks its
-        # partition could differ per rank and deadlock the collectives, so it seeds only here.
-        candidates += [("torch", b) for b in sorted({round(frac * m, 3) for m in TORCH_BUDGET_LADDER},
-                                                    reverse=True)]
-    for policy, torch_budget in candidates:
-        name = f"torch@{torch_budget:g}" if policy == "torch" else policy
-        sub = scratch_context(ctx, name)
-        decisions = Decisions(policy=name) if policy == "torch" else baseline_decisions(joint, sub, policy)
-        applied = realize(joint, sub, decisions, kw, torch_budget=torch_budget)
+    for name, applied in _baseline_candidates(joint, ctx, kw, BASELINES if ctx.record.blocks else (), frac):
         cost = exposed(applied, joint)
         scores[name] = (cost, applied.mem.peak_bytes)
         if applied.mem.peak_bytes <= budget and (best is None or cost < best[1] * (1 - 1e-9)):
             best = (name, cost, LynxOutcome(
-                applied=dataclasses.replace(applied, decisions=applied.decisions.with_source("seed")),
+                applied=_as_seed(applied),
                 problem=outcome.problem if outcome else ctx.record.problem,
                 solver=f"baseline:{name}", status="seeded", exposed_s=cost,
                 plan_time_s=outcome.plan_time_s if outcome else 0.0,
@@ -219,6 +190,41 @@ def seed_with_baselines(joint, ctx: PassContext, kw: dict, budget: int, referenc
         ctx.record.notes.append(note)
         log.info("lynx: %s", note)
     return best[2]
+
+
+def _problem_base(joint: fx.GraphModule, ctx: PassContext, kw: dict):
+    """(fw, bw) whose saved tensors are lynx's units: the untagged partition of this compiler.
+    Under Inductor that is torch.compile's own min-cut partition (plus what recomputing them
+    needs): the pointwise chains min-cut recomputes fuse under Inductor and never materialize,
+    so they are not units to decide on."""
+    clear_decision_tags(joint)
+    inductor = ctx.config.compiler == "inductor"
+    base_fw, base_bw = partition_joint(joint, ctx.joint_inputs, kw, inductor=inductor)
+    if inductor:
+        base_bw = mark_recomputed_pass(base_bw, ctx)  # copies renamed: no name clash with units
+    return base_fw, base_bw
+
+
+def _baseline_candidates(joint: fx.GraphModule, ctx: PassContext, kw: dict, policies: tuple[str, ...],
+                         frac: float | None):
+    """(name, Applied) of each baseline in ``policies``, then torch's min-cut at ``frac`` times
+    ``TORCH_BUDGET_LADDER`` (not with several ranks, nor with ``frac`` None), each applied on a
+    scratch record. torch's min-cut breaks ties in set order, which differs between processes
+    (seen on 2 gloo ranks: the same graph, different recomputed getitems): with several ranks
+    its partition could differ per rank and deadlock the collectives, so it is a candidate only
+    in a single process."""
+    candidates = [(p, None) for p in policies]
+    if frac is not None and _single_process():
+        candidates += [("torch", b) for b in sorted({round(frac * m, 3) for m in TORCH_BUDGET_LADDER}, reverse=True)]
+    for policy, torch_budget in candidates:
+        name = f"torch@{torch_budget:g}" if policy == "torch" else policy
+        sub = scratch_context(ctx, name)
+        decisions = Decisions(policy=name) if policy == "torch" else baseline_decisions(joint, sub, policy)
+        yield name, realize(joint, sub, decisions, kw, torch_budget=torch_budget)
+
+
+def _as_seed(applied: Applied) -> Applied:
+    return dataclasses.replace(applied, decisions=applied.decisions.with_source("seed"))
 
 
 def _single_process() -> bool:

@@ -63,6 +63,9 @@ def _prefixes(path: str) -> list[str]:
 
 def find_blocks_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Tag nodes with their block; record blocks in execution order with structural hashes."""
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.triu.default):
+        if is_causal_mask(node):
+            node.meta[meta.CAUSAL_MASK] = True
     by_path: dict[str, list[fx.Node]] = defaultdict(list)
     for node in gm.graph.nodes:
         custom = node.meta.get("custom") or {}
@@ -86,9 +89,6 @@ def find_blocks_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             node.meta[meta.BLOCK] = index
             node.meta[meta.BLOCK_PATH] = path
     sourced = _adopt_sources(gm)
-    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.triu.default):
-        if is_causal_mask(node):
-            node.meta[meta.CAUSAL_MASK] = True
     ctx.record.blocks = paths
     # Constants and masks (computed from no activation) are left out of the hash: merged by CSE,
     # one block's causal mask serves every block, and the blocks are still the same layer.
