@@ -64,31 +64,35 @@ def extract_remat_problem(joint: fx.GraphModule, fw_ref: fx.GraphModule, bw_ref:
     # Forward reads, and the unit inputs of each unit's recomputation.
     fw_last: dict[fx.Node, int] = {op: pos_fw[op] for op in unit_ops}
     inputs: dict[fx.Node, set[fx.Node]] = defaultdict(set)
+    readers: dict[str, set[fx.Node]] = defaultdict(set)  # storage key → units whose op reads it
     for n in fw_nodes[:-1]:
         for a in n.all_input_nodes:
             src = owner.get(fw_keys[a])
-            if src is None:
-                continue
+            if src is None or fw_keys[n] == fw_keys[a]:
+                continue  # a view of the storage reads nothing: its own readers do (the views
+                # min-cut makes at the forward's end to save are no forward read)
             fw_last[src] = max(fw_last[src], pos_fw[n])
             user_unit = owner.get(fw_keys[n]) if n.op == "call_function" else None
             if user_unit is not None and user_unit is not src:
                 inputs[user_unit].add(src)
+                readers[fw_keys[a]].add(user_unit)
 
     # Direct backward reads of each unit's storage.
     input_keys, _ = backward_inputs(fw_ref, bw_ref)
     bw_keys = storage_keys(bw_ref, input_keys)
     uses: dict[fx.Node, list[int]] = defaultdict(list)
+    bw_read: set[str] = set()
     for p, n in enumerate(bw_nodes[:-1]):
         for a in n.all_input_nodes:
             src = owner.get(bw_keys[a])
             if src is not None:
                 uses[src].append(p)
+                bw_read.add(bw_keys[a])
 
     region = {op: joint_by_name[op.name].meta.get(meta.BLOCK) if op.name in joint_by_name else None
               for op in unit_ops}
-    extra_cost: dict[fx.Node, float] = defaultdict(float)
     if ctx.config.compiler == "inductor":
-        unit_ops = _fold_fused(unit_ops, inputs, uses, region, members, extra_cost, joint_by_name)
+        unit_ops = _fold_fused(unit_ops, inputs, uses, region, members, joint_by_name)
     # A tensor that crosses a block boundary (the residual stream into the next block) stays
     # saved, as every block-wise checkpointing scheme does: it keeps each block's recompute
     # local, so need intervals are closed over consumers of the same block only.
@@ -97,29 +101,33 @@ def extract_remat_problem(joint: fx.GraphModule, fw_ref: fx.GraphModule, bw_ref:
     need = _need_intervals(unit_ops, local_inputs, uses)
     kept = [op for op in unit_ops if op in need]
     ids = {op: i for i, op in enumerate(kept)}
+    must = {op: op in boundary or not _recomputable(joint_by_name.get(op.name), ctx) for op in kept}
+    parts = {op: _output_bytes(op, fw_keys, fw_nodes, bw_read, readers, must, joint_by_name, ctx) for op in kept}
     units = []
     for op in kept:
         joint_node = joint_by_name.get(op.name)
         start, end = need[op]
         units.append(Unit(
             id=ids[op], name=op.name,
-            nbytes=sum(b for k, b in allocations(op) if _taken(k, op, fw_keys, fw_nodes)),
-            compute_s=sum(_cost(joint_by_name.get(m)) for m in members[op]) + extra_cost[op],
+            nbytes=sum(parts[op]),
+            compute_s=sum(_cost(joint_by_name.get(m)) for m in dict.fromkeys(members[op])),
             inputs=tuple(sorted(ids[i] for i in inputs[op] if i in ids)),
             block=region[op], fw_pos=pos_fw[op], fw_last=fw_last[op],
             first_use=min(uses[op]) if uses[op] else None, need_start=start, need_end=end,
-            must_keep=op in boundary or not _recomputable(joint_node, ctx)))
+            must_keep=must[op]))
     if ctx.config.offload:
         units = _price_offload(units, kept, fw_nodes, bw_nodes, joint_by_name, host_link_bytes_per_s(ctx))
 
     fused = ctx.config.compiler == "inductor"  # bytes outside the units: as Inductor runs them
+    # the reference saves what the backward reads directly (to the forward's end); the other
+    # outputs a recompute may read are freed after their last forward read, there
     fw_base = _base(simulate_graph(fw_ref, live_inputs={}, input_keys={}, fused=fused).timeline,
-                    [(u.fw_pos, len(fw_nodes) - 1 if u.first_use is not None else u.fw_last, u.nbytes)
-                     for u in units])
+                    [iv for op, u in zip(kept, units) for iv in (
+                        (u.fw_pos, len(fw_nodes) - 1, parts[op][0]), (u.fw_pos, u.fw_last, parts[op][1]))])
     _, live = backward_inputs(fw_ref, bw_ref)
     bw_mem = simulate_graph(bw_ref, live_inputs=live, input_keys=input_keys, count_outputs=False, fused=fused,
                             held_inputs=held_tangents(live))
-    bw_base = _base(bw_mem.timeline, [(0, max(uses[op]), u.nbytes) for op, u in zip(kept, units) if uses[op]])
+    bw_base = _base(bw_mem.timeline, [(0, max(uses[op]), parts[op][0]) for op in kept if uses[op]])
     problem = RematProblem(
         units=tuple(units), num_fw_events=len(fw_nodes), num_bw_events=len(bw_nodes),
         fw_base=fw_base, bw_base=bw_base,
@@ -127,6 +135,25 @@ def extract_remat_problem(joint: fx.GraphModule, fw_ref: fx.GraphModule, bw_ref:
         block_groups=_block_groups(ctx.record.block_hashes), reference_peak=ctx.record.reference_peak_bytes or 0,
         graph_hash=structural_hash(list(joint.graph.nodes)))
     return problem, UnitIndex(nodes=tuple(tuple(members[op]) for op in kept))
+
+
+def _output_bytes(op, fw_keys, fw_nodes, bw_read, readers, must, joint_by_name, ctx) -> tuple[int, int]:
+    """(bytes the backward reads directly, bytes only a recompute may read) of a unit's outputs.
+
+    A single-output op's storage is both what the backward reads and its unit. An output of a
+    multi-output op that neither the backward reads nor any recomputable op does (dropout's
+    output feeding the block's last residual add: only its mask is saved) is freed after its
+    last forward read under every plan: it is not the unit's, so no plan keeps it."""
+    taken = [(k, b) for k, b in allocations(op) if _taken(k, op, fw_keys, fw_nodes)]
+    if len(taken) <= 1:
+        total = sum(b for _, b in taken)
+        return (total, 0) if any(k in bw_read for k, _ in taken) else (0, total)
+    direct = sum(b for k, b in taken if k in bw_read)
+
+    def recomputable(reader) -> bool:
+        return not must[reader] if reader in must else _recomputable(joint_by_name.get(reader.name), ctx)
+    via = sum(b for k, b in taken if k not in bw_read and any(recomputable(r) for r in readers.get(k, ())))
+    return direct, via
 
 
 def _price_offload(units, ops, fw_nodes, bw_nodes, joint_by_name, link_bytes_per_s: float) -> list[Unit]:
@@ -154,15 +181,15 @@ def _price_offload(units, ops, fw_nodes, bw_nodes, joint_by_name, link_bytes_per
     return out
 
 
-def _fold_fused(unit_ops, inputs, uses, region, members, extra_cost, joint_by_name) -> list[fx.Node]:
+def _fold_fused(unit_ops, inputs, uses, region, members, joint_by_name) -> list[fx.Node]:
     """Under Inductor, fold pointwise intermediates into the units that consume them.
 
-    A pointwise op (or a constant: an op with no inputs, e.g. ``full``) whose output the backward never reads directly, and whose consumers all lie
-    in its block, is recomputed (if at all) inside its consumer's fused kernel: it never
-    materializes, so it is no unit of its own (as a unit, the memory model would count it live
-    beside its consumer). Its nodes join each consumer's (tagged with it), its inputs become
-    the consumer's inputs, its cost is added to the consumer's. Forward order, so chains fold
-    whole. Mutates ``inputs``, ``members`` and ``extra_cost``; returns the remaining unit ops."""
+    A pointwise op (or a constant: an op with no inputs, e.g. ``full``) whose output the
+    backward never reads directly, and whose consumers all lie in its block, is recomputed (if
+    at all) inside its consumer's fused kernel: it never materializes, so it is no unit of its
+    own (as a unit, the memory model would count it live beside its consumer). Its nodes join
+    each consumer's members (tagged with it; the unit's cost is its members' costs, each node
+    once), its inputs become the consumer's inputs. Forward order, so chains fold whole. Mutates ``inputs`` and ``members``; returns the remaining unit ops."""
     consumers: dict[fx.Node, list[fx.Node]] = defaultdict(list)
     for op, ins in inputs.items():
         for i in ins:
@@ -179,7 +206,6 @@ def _fold_fused(unit_ops, inputs, uses, region, members, extra_cost, joint_by_na
             inputs[c].discard(op)
             inputs[c].update(inputs.get(op, ()))
             members[c].extend(members[op])
-            extra_cost[c] += sum(_cost(joint_by_name.get(m)) for m in members[op]) + extra_cost[op]
             for i in inputs.get(op, ()):
                 consumers[i].append(c)
     for op in folded:

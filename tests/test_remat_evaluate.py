@@ -39,6 +39,28 @@ def test_memory_profile_by_hand():
     assert ev.feasible_inputs and ev.violations == ()
 
 
+def test_recompute_chain_holds_two_links_at_once_not_all():
+    # backward event 1 reads z, whose recompute chain is x -> y -> z (x, y: intermediates
+    # nothing else reads); l (need [1, 2]) is recomputed at the chain's start and lives on.
+    # Recomputed in forward order, freed after their last reader: computing y holds x and y,
+    # computing z holds y and z, the op at 1 holds z: 60 B at most, not 10 + 20 + 40 = 70 B.
+    x = Unit(id=0, name="x", nbytes=10, compute_s=MS, fw_pos=0, fw_last=1, need_start=1, need_end=1)
+    y = Unit(id=1, name="y", nbytes=20, compute_s=MS, inputs=(0,), fw_pos=1, fw_last=2,
+             need_start=1, need_end=1)
+    z = Unit(id=2, name="z", nbytes=40, compute_s=MS, inputs=(1,), fw_pos=2, fw_last=2, first_use=1,
+             need_start=1, need_end=1)
+    l_ = Unit(id=3, name="l", nbytes=5, compute_s=MS, fw_pos=3, fw_last=3, first_use=1, need_start=1,
+              need_end=2)
+    p = RematProblem(units=(x, y, z, l_), num_fw_events=4, num_bw_events=3, fw_base=(0,) * 4,
+                     bw_base=(0, 1, 0), reference_peak=75)
+    ev = evaluate(p, {"demand": (0, 1, 2, 3)})
+    assert ev.bw_memory == (0, 1 + 5 + 60, 5) and ev.violations == ()
+    # z kept: x and y are no longer needed (none), nothing of the chain is live but l
+    assert evaluate(p, {"keep": (2,), "demand": (3,)}).bw_memory == (40, 1 + 40 + 5, 5)
+    # a kept z and a y recomputed anyway (useless, but the model prices it): y alone
+    assert evaluate(p, {"keep": (0, 2), "demand": (1, 3)}).bw_memory == (50, 1 + 50 + 5 + 20, 5)
+
+
 def test_window_memory_and_overflow():
     p = small()
     # b in window 7 (events 0..1, 1 ms, kappa 2): live from 0; load 2 * 2 ms = 4 ms -> 3 ms over
@@ -80,6 +102,29 @@ def test_malformed_problem_is_a_value_error():
         evaluate(RematProblem(units=(u,), num_fw_events=1, num_bw_events=1, fw_base=(0,), bw_base=(0,)), ((), ()))
 
 
+def _transient(u: Unit) -> bool:
+    return u.need_start == u.need_end and not u.must_keep
+
+
+def _naive_chain(p: RematProblem, demand, t: int) -> int:
+    """Largest bytes of demanded one-event units live at once while event t's recompute chain
+    runs: the chain computes every unit needing t in forward order; a one-event unit lives from
+    its computation to its last consumer in the chain (to the op at t if the backward reads it)."""
+    chain = sorted((u for u in p.units if u.need_start == t), key=lambda u: u.fw_pos)
+    steps = [u.id for u in chain] + ["op"]
+    best = 0
+    for k, step in enumerate(steps):
+        live = 0
+        for j, u in enumerate(chain):
+            if u.id not in demand or not _transient(u) or j > k:
+                continue
+            readers = [i for i, c in enumerate(chain) if u.id in c.inputs]
+            last = len(chain) if u.first_use is not None else max(readers + [j])
+            live += u.nbytes * (k <= last)
+        best = max(best, live)
+    return best
+
+
 def _naive(p: RematProblem, keep, demand, window):
     """Per-event sums straight from the model's formulas (the oracle of the oracle)."""
     wins = {w.id: w for w in p.windows}
@@ -90,10 +135,10 @@ def _naive(p: RematProblem, keep, demand, window):
                                      for u in p.units))
     bw = []
     for t in range(p.num_bw_events):
-        tot = p.bw_base[t]
+        tot = p.bw_base[t] + _naive_chain(p, demand, t)
         for u in p.units:
             tot += u.nbytes * ((u.id in keep) * (t <= u.need_end)
-                               + (u.id in demand) * (u.need_start <= t <= u.need_end)
+                               + (u.id in demand and not _transient(u)) * (u.need_start <= t <= u.need_end)
                                + (u.id in inw) * (u.id in inw and wins[inw[u.id]].start <= t <= u.need_end))
         bw.append(tot)
     load = {w: 0.0 for w in wins}

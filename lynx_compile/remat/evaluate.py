@@ -97,6 +97,7 @@ class ProblemArrays:
         np.add.at(fw, self.fw_last + 1, -self.m)
         self.fw_const = np.asarray(p.fw_base, dtype=np.int64) + np.cumsum(fw)[:self.F]
         self.bw_base = np.asarray(p.bw_base, dtype=np.int64)
+        self._chains()
         self.cache: dict[str, Any] = {}
         """Other modules' per-problem results (e.g. ``smallest_peak``)."""
 
@@ -129,6 +130,55 @@ class ProblemArrays:
         # eligible[i]: window orders with end <= need_start, latest start first
         self.eligible = tuple(np.flatnonzero(self.win_end <= ns)[::-1] for ns in self.ns)
 
+    def _chains(self) -> None:
+        """The recompute chains' rows (see ``problem.py``, [Memory], chains).
+
+        ``transient[i]``: unit i, when demanded, is live at its one event only (need_start ==
+        need_end, not must_keep), and counts through its chain's rows instead of the event sum.
+        Row r (at event ``row_event[r]``) holds the transients live while the chain computes
+        one unit: entries (``entry_row``, ``entry_unit``). Chain order is forward order."""
+        self.transient = (self.ns == self.ne) & ~self.must
+        rows_event: list[int] = []
+        entry_row: list[int] = []
+        entry_unit: list[int] = []
+        chain: dict[int, list[int]] = {}
+        for i in np.argsort(self.fw_pos, kind="stable").tolist():
+            chain.setdefault(int(self.ns[i]), []).append(i)
+        for t, units in sorted(chain.items()):
+            trans = [i for i in units if self.transient[i]]
+            if not trans:
+                continue
+            at = {i: k for k, i in enumerate(units)}
+            # a transient is live from its own position to its last consumer's in the chain;
+            # one read directly by the backward op at t stays to the end of the chain
+            last = {i: max([at[c] for c in self.consumers[i] if c in at] + [at[i]]) for i in trans}
+            last.update({i: len(units) for i in trans if self.needed[i]})
+            seen: set[tuple[int, ...]] = set()
+            for k in range(len(units) + 1):
+                live = tuple(i for i in trans if at[i] <= k <= last[i])
+                if live and live not in seen:
+                    seen.add(live)
+                    entry_row += [len(rows_event)] * len(live)
+                    entry_unit += live
+                    rows_event.append(t)
+        self.row_event = np.array(rows_event, dtype=np.int64)
+        self.entry_row = np.array(entry_row, dtype=np.int64)
+        self.entry_unit = np.array(entry_unit, dtype=np.int64)
+        cuts = np.flatnonzero(np.diff(self.entry_row)) + 1
+        self.chain_rows = tuple(zip(self.row_event.tolist(), np.split(self.entry_unit, cuts))) \
+            if self.row_event.size else ()
+        """(event, unit indices) per chain row."""
+
+    def chain_bytes(self, state: np.ndarray) -> np.ndarray:
+        """Per backward event: the largest chain row's bytes of the demanded transients."""
+        out = np.zeros(self.B, dtype=np.int64)
+        if self.row_event.size:
+            dem = (state == DEMAND) & self.transient
+            rows = np.bincount(self.entry_row, weights=(self.m * dem)[self.entry_unit],
+                               minlength=self.row_event.size).astype(np.int64)
+            np.maximum.at(out, self.row_event, rows)
+        return out
+
     def profile(self, state: np.ndarray, win: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Memory at every forward and backward event (int64 arrays) of an assignment."""
         keep = state == KEEP
@@ -140,7 +190,7 @@ class ProblemArrays:
             np.add.at(d, self.fw_last[off] + 1, self.m[off])
             np.add.at(d, self.off_fw_end[off] + 1, -self.m[off])
             fw += np.cumsum(d)[:self.F]
-        live = state != NONE
+        live = (state != NONE) & ~((state == DEMAND) & self.transient)   # chains: chain_bytes
         start = np.where(state == DEMAND, self.ns, 0)
         start = np.where(state == OFFLOAD, self.off_bw_start, start)
         if self.W:
@@ -149,7 +199,7 @@ class ProblemArrays:
         d = np.zeros(self.B + 1, dtype=np.int64)
         np.add.at(d, start[live], self.m[live])
         np.add.at(d, self.ne[live] + 1, -self.m[live])
-        return fw, self.bw_base + np.cumsum(d)[:self.B]
+        return fw, self.bw_base + np.cumsum(d)[:self.B] + self.chain_bytes(state)
 
     def window_load(self, state: np.ndarray, win: np.ndarray) -> np.ndarray:
         """κ·Σ c_a per window order."""

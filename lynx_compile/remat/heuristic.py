@@ -147,7 +147,9 @@ def hide(arr: ProblemArrays, budget: int, state: np.ndarray, win: np.ndarray, tr
             if any(state[c] == WINDOW for c in arr.consumers[i]):
                 continue                           # they rely on its current state
             for w in arr.eligible[i][:tries]:
-                s, e = int(arr.win_start[w]), int(arr.ns[i])
+                # demand was live from need_start on (a one-event unit: in its chain's rows,
+                # maybe not the largest one): the window adds it from the window's start
+                s, e = int(arr.win_start[w]), int(arr.ns[i]) + int(arr.transient[i])
                 # a demanded unit gains from any capacity left beyond (kappa - 1) * c (what
                 # overflows is exposed, kappa times slower than on demand); a kept unit moves
                 # only where it fits whole (else it adds time)
@@ -189,7 +191,7 @@ def refill(arr: ProblemArrays, budget: int, state: np.ndarray, win: np.ndarray) 
     for i in dem[np.lexsort((arr.ids[dem], -dens))]:
         if state[i] != DEMAND or any(state[c] == WINDOW for c in arr.consumers[i]):
             continue                               # keeping is fine for them too, but stay simple
-        m, e, f = int(arr.m[i]), int(arr.ns[i]), int(arr.fw_last[i]) + 1
+        m, e, f = int(arr.m[i]), int(arr.ns[i]) + int(arr.transient[i]), int(arr.fw_last[i]) + 1
         if not ((e and bw[:e].max() + m > budget) or (f < arr.F and fw[f:].max() + m > budget)):
             state[i] = KEEP
             bw[:e] += m

@@ -84,6 +84,23 @@ def _rows(arr: ProblemArrays, free: np.ndarray, fixed: np.ndarray, budget: int |
     return fe, fw_c[fe], be, bw_c[be], arr.F + arr.B - fe.size - be.size
 
 
+def _chain_rows(arr: ProblemArrays, free: np.ndarray, events: set[int]) -> dict[int, list[list[int]]]:
+    """Per memory-row event: the chain rows over free transient units (fixed units are never
+    demanded), rows that are subsets of another row of the same event dropped."""
+    out: dict[int, list[list[int]]] = {}
+    for t, units in arr.chain_rows:
+        if t not in events:
+            continue
+        row = [int(i) for i in units if free[i]]
+        if row:
+            out.setdefault(t, []).append(row)
+    for t, rows in out.items():
+        sets = [set(r) for r in rows]
+        out[t] = [r for k, r in enumerate(rows)
+                  if not any(k != j and sets[k] <= sets[j] and (sets[k] != sets[j] or j < k) for j in range(len(rows)))]
+    return out
+
+
 def build_model(problem: RematProblem, budget_bytes: int | None, *, units: Iterable[int] | None = None,
                 max_windows_per_unit: int | None = 4, windows: bool = True) -> pyo.ConcreteModel:
     """The Pyomo model. ``budget_bytes=None`` builds the smallest-peak model instead: memory
@@ -150,11 +167,17 @@ def build_model(problem: RematProblem, budget_bytes: int | None, *, units: Itera
         terms = [mF[i] * M.s[i] for i in Fa[arr.fw_last[Fa] < t].tolist()]
         terms += [mF[i] * M.f[i] for i in Oa[(arr.fw_last[Oa] < t) & (t <= arr.off_fw_end[Oa])].tolist()]
         memory_row(base, terms)
+    chain_rows = _chain_rows(arr, free, set(be.tolist()))
+    M.chain = pyo.Var(sorted(chain_rows), domain=pyo.NonNegativeReals)  # chain[t]: largest chain row at t
+    M.chains = pyo.ConstraintList()
+    for t, rows in sorted(chain_rows.items()):
+        for row in rows:
+            M.chains.add(M.chain[t] >= pyo.quicksum(mF[i] * M.r[i] for i in row))
     for t, base in zip(be.tolist(), bc.tolist()):
-        terms = []
+        terms = [M.chain[t]] if t in chain_rows else []
         for i in Fa[arr.ne[Fa] >= t].tolist():
             terms.append(mF[i] * M.s[i])
-            if arr.ns[i] <= t:
+            if arr.ns[i] <= t and not arr.transient[i]:
                 terms.append(mF[i] * M.r[i])
             terms += [mF[i] * M.o[i, w] for w in by_unit[i] if arr.win_start[w] <= t]
             if arr.can_off[i] and arr.off_bw_start[i] <= t:

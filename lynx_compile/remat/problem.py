@@ -59,6 +59,21 @@ and at every backward event t:
 ``fw_base``/``bw_base`` are the bytes live at each event that belong to no unit (gradients,
 backward temporaries, outputs), from the no-recompute schedule.
 
+[Memory, recompute chains] A *one-event* unit (need_start == need_end == t, not must_keep)
+that is demanded lives only inside event t's recompute chain: the chain computes, in forward
+order, every unit whose need_start is t, and frees each one-event unit after its last reader
+in the chain (one the backward reads directly stays to the op at t). Its bytes are not in the
+sum above; instead event t adds the largest *chain row*: for each step k of the chain (each
+unit, then the op at t), Σ m_a·r_a over the one-event units live at step k. In the MILP,
+chain_t ≥ each row of t (continuous), and chain_t joins event t's memory row. (Counting the
+whole chain at once overstated full recompute's peak by 0.12 of the no-recompute peak on
+gpt-small.) Longer-lived units recomputed at t count from the chain's start: an upper bound.
+
+Unit bytes: an op with several outputs (``native_dropout``: output and mask) counts the
+outputs the backward reads directly plus those a recomputable op reads; an output only read
+by ops that are never recomputed is freed after its last forward read under every plan, so it
+is in the base.
+
 [Objective] minimize exposed time Σ_a c_a·r_a + Σ_w over_w + Σ_a offload_exposed_s_a·f_a.
 """
 from __future__ import annotations

@@ -7,9 +7,12 @@ of identical blocks are listed in the same order), plus one per unit outside the
 polish step makes one position per unit of a single block. Every unit not in a position keeps
 its given state (constants). Since a decision is replicated onto all units of its position, the
 memory at every event is linear in the position decisions: the "keep k" column sums the live
-intervals of each block's k-th unit. The MILP is therefore the exact model of ``problem.py``
-restricted to replicated decisions, at every event of the timeline (other blocks' kept bytes
-are live in each block's backward; the peak is wherever it is):
+intervals of each block's k-th unit; a demanded one-event unit counts in its event's chain
+rows instead (one extra memory row per chain row, ``_chain_matrix``). The MILP is therefore
+the exact model of ``problem.py`` restricted to replicated decisions, at every event of the
+timeline (other blocks' kept bytes are live in each block's backward; the peak is wherever it
+is), except that fixed units' chain bytes add to every chain row of their event (an upper
+bound):
 
     columns per position p:  s_p (keep), r_p (demand), o_p,rho (window of rank rho: the rho-th
     latest eligible window of each unit; a unit without one recomputes on demand, paying c_a)
@@ -66,9 +69,30 @@ def _matrix(arr: ProblemArrays, positions, cols):
                 loads[j, w] = loads.get((j, w), 0.0) + arr.kappa * arr.c[a]
             else:
                 cost[j] += arr.c[a]
+        if kind == "r":
+            m = m * ~arr.transient[units]     # a demanded one-event unit counts in chain rows
         np.add.at(d[:, j], F + start, m)
         np.add.at(d[:, j], F + arr.ne[units] + 1, -m)
     return np.cumsum(d, axis=0)[:-1], cost, kept, loads
+
+
+def _chain_matrix(arr: ProblemArrays, positions, cols, A: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, events): per chain row of ``arr`` that holds a position's unit, its event's row of
+    ``A`` plus the demand columns of the transients in it (``evaluate``'s chain model)."""
+    pos_of = {int(a): p for p, units in enumerate(positions) for a in units}
+    rcol = {p: j for j, (kind, p, _) in enumerate(cols) if kind == "r"}
+    rows, events = [], []
+    for t, units in arr.chain_rows:
+        add = [(rcol[pos_of[a]], float(arr.m[a])) for a in units.tolist()
+               if a in pos_of and pos_of[a] in rcol]
+        if not add:
+            continue
+        row = A[arr.F + t].copy()
+        for j, m in add:
+            row[j] += m
+        rows.append(row)
+        events.append(t)
+    return (np.array(rows).reshape(len(rows), A.shape[1]), np.array(events, dtype=np.int64))
 
 
 def _allowed(arr, cols, pcols, b, w):
@@ -187,8 +211,9 @@ def solve_positions(arr: ProblemArrays, positions: list[np.ndarray], budget: int
     fw, bw = arr.profile(base, win)
     scale = float(max(arr.m.max(initial=1), 1))          # memory rows in units of the largest unit
     A, cost, kept, loads = _matrix(arr, positions, cols)
-    A /= scale
-    rhs = (budget - np.concatenate([fw, bw])) / scale
+    chain, chain_events = _chain_matrix(arr, positions, cols, A)
+    A = np.vstack([A, chain]) / scale
+    rhs = (budget - np.concatenate([fw, bw, bw[chain_events]])) / scale
     maxlhs = np.zeros(A.shape[0])
     for p in sorted({c[1] for c in cols}):
         maxlhs += A[:, [j for j, c in enumerate(cols) if c[1] == p]].max(axis=1)
