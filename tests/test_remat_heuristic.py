@@ -42,11 +42,15 @@ def test_f_identical_blocks_heu_equals_opt():
     assert heu.status == "heuristic" and "replicated" in " ".join(heu.notes)
 
 
-def test_i_48_blocks_replicates_one_block():
-    # 48 identical blocks: HEU solves one representative block exactly and replicates it, so
-    # every interior block gets the same keep / demand / window decision (the boundary blocks
-    # 0 and 47 are polished separately), and the plan fits. Tests assert behaviour, not time:
-    # HEU's search time is reported by benchmarks/bench_remat.py (plan search table, 48 layers).
+def test_i_48_blocks_replicates_representative_runs(monkeypatch):
+    # 48 identical blocks: HEU solves representative blocks exactly and replicates them: once
+    # every block alike, once per ``CHUNKS`` entry in that many runs of consecutive blocks (the
+    # k-th unit of every block of a run shares one decision), then repairs, hides and refills
+    # unit by unit. The plan fits, decides every block, and exposes no more than the all-alike
+    # replication alone. Tests assert behaviour, not time: HEU's search time is reported by
+    # benchmarks/bench_remat.py (plan search table).
+    from lynx_compile.remat import heuristic
+
     p = synthetic_problem(48, 40, 2, 0)               # 1924 units, 3848 events, 97 windows
     budget = int(0.6 * p.reference_peak)
     sol = solve_heu(p, budget)
@@ -62,8 +66,9 @@ def test_i_48_blocks_replicates_one_block():
             decisions.setdefault(u.block, []).append(
                 "keep" if u.id in keep else "demand" if u.id in demand else "window" if u.id in window else "unused")
     assert sorted(decisions) == list(range(48))
-    interior = {tuple(decisions[b]) for b in range(1, 47)}
-    assert len(interior) == 1, f"{len(interior)} different interior decisions"
+    monkeypatch.setattr(heuristic, "CHUNKS", (1,))
+    alike = solve_heu(p, budget)
+    assert sol.exposed_s <= alike.exposed_s * (1 + 1e-9)
 
 
 def test_i_4_blocks_close_to_opt():
