@@ -62,6 +62,7 @@ class LynxBackend:
         self.records: list[GraphRecord] = []
         self.runtimes: list = []  # GraphRuntime per graph when config.recompute_in_wait
         self.side_stream_runners: list = []  # SideStreamRunner per backward when config.side_stream
+        self.weight_deferrals: list = []  # WeightDeferral per graph (compiler="eager", no side stream)
         from lynx_compile.distributed.agreement import WORLD
 
         self.planning_group = WORLD
@@ -103,14 +104,21 @@ class LynxBackend:
                     gm, example_inputs, partitioner, keep_placement=self.config.policy not in ("none", "torch"))
         partition_fn = functools.partial(lynx_partition, config=self.config, record=record)
         compiler = fw_compiler = self._compiler
-        bw_compiler = self._bw_compiler
+        deferral = None
+        if not self.config.side_stream and not self.plan_only:
+            from lynx_compile.runtime.weight_split import WeightDeferral
+
+            # dynamo hands a module's parameters to the backend as graph inputs
+            deferral = WeightDeferral([t if isinstance(t, torch.nn.Parameter) else None for t in example_inputs])
+            self.weight_deferrals.append(deferral)
+        bw_compiler = functools.partial(self._bw_compiler, deferral=deferral)
         if self.config.recompute_in_wait and not self.plan_only:
             from lynx_compile.runtime.prefetch import GraphRuntime
 
             runtime = GraphRuntime()
             self.runtimes.append(runtime)
             fw_compiler = functools.partial(self._fw_compiler_early, runtime=runtime, record=record)
-            bw_compiler = functools.partial(self._bw_compiler, runtime=runtime)
+            bw_compiler = functools.partial(self._bw_compiler, runtime=runtime, deferral=deferral)
         from lynx_compile.distributed.agreement import planning_group
 
         with planning_group(self.planning_group):
@@ -123,12 +131,18 @@ class LynxBackend:
         ``lynx_compile.runtime.prefetch``); returns how many graphs ran one."""
         return sum(rt.run_early(key) for rt in self.runtimes)
 
+    def run_weights(self, key: Any) -> int:
+        """Run the weight gradients that micro-batch ``key``'s backward deferred (inside
+        ``runtime.weight_split.defer_weights(key)``) in every graph now; returns how many ran."""
+        return sum(d.run_weights(key) for d in self.weight_deferrals)
+
     def _fw_compiler_early(self, gm: fx.GraphModule, example_inputs: list, *, runtime, record) -> Callable:
         runtime.saved_names = record.saved_names
         return runtime.wrap_forward(gm, self._compiler(gm, example_inputs))
 
-    def _bw_compiler(self, gm: fx.GraphModule, example_inputs: list, runtime=None) -> Callable:
-        """The backward, reporting its outputs (gradients) to a running memory measurement."""
+    def _bw_compiler(self, gm: fx.GraphModule, example_inputs: list, runtime=None, deferral=None) -> Callable:
+        """The backward, reporting its outputs (gradients) to a running memory measurement.
+        ``deferral``: can leave the weight gradients for later (``runtime.weight_split``)."""
         from lynx_compile.memory.measure import record_backward_outputs
 
         def compile_one(g: fx.GraphModule) -> Callable:
@@ -138,12 +152,13 @@ class LynxBackend:
                 trace_ranges_pass(g)
             return self._compiler(g, example_inputs)
 
+        compile_bw = compile_one if deferral is None else functools.partial(deferral.wrap, compile_fn=compile_one)
         if runtime is not None:
-            inner = runtime.wrap_backward(gm, compile_one, self.config.recompute_in_wait_bytes)
+            inner = runtime.wrap_backward(gm, compile_bw, self.config.recompute_in_wait_bytes)
         elif self.config.side_stream:
             inner = self._side_stream_runner(gm, compile_one)
         else:
-            inner = compile_one(gm)
+            inner = compile_bw(gm)
 
         def run(args: list) -> Any:
             out = inner(args)

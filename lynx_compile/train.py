@@ -361,9 +361,9 @@ def _train_pipeline(args: argparse.Namespace, rank: int, world: int, say) -> Tra
                          timed_steps=list(range(1, len(times))) or [0])
     result.plans = [pl.plan.to_dict()]
     if args.check and rank == 0:
-        from lynx_compile.pipeline.train_pp import default_microbatches
+        from lynx_compile.pipeline.train_pp import default_microbatches, pipeline_stages
 
-        micro = args.microbatches or default_microbatches(args.batch_size, args.stages or args.pp)
+        micro = args.microbatches or default_microbatches(args.batch_size, pipeline_stages(args))
         result.reference_losses = _reference_losses(args, microbatches=micro)
         worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(result.losses, result.reference_losses))
         say("check: step  pipeline loss    single-process loss")

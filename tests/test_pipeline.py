@@ -80,7 +80,8 @@ def _pipeline_matches(rank, world, stages, schedule, options, memory, export=Fal
     got_losses = [float(x) for x in losses]
     return {"worst": worst, "losses": got_losses, "want": [float(w) for w in want] if pl.is_last else [],
             "stages": sorted(pl.modules), "early": pl.early_recomputes, "layers": pl.plan.layers_per_stage,
-            "pinned": pl.plan.pinned_cuts}
+            "pinned": pl.plan.pinned_cuts, "graphs": [len(pl.backends[i].records) for i in sorted(pl.backends)],
+            "deferred": sum(s.deferred_weights for s in pl.stages)}
 
 
 def _check(results, stages):

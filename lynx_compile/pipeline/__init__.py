@@ -8,8 +8,10 @@
              │ local stage(s)
              ▼
       torch.compile(stage, backend=lynx(memory_budget=stage allowance, recompute_in_wait))
+             │ (in place, stage.compile(...), for the zero-bubble schedules)
              ▼
-      LynxPipelineStage ──▶ torch schedule (GPipe / 1F1B / Interleaved1F1B)
+      LynxPipelineStage ──▶ torch schedule (GPipe / 1F1B / Interleaved1F1B /
+                            ZBVZeroBubble / InterleavedZeroBubble: lynx splits each backward into B and W)
 
 Every rank traces and plans the whole model (deterministically, from the same costs: rank 0's
 when measured) and builds only its own stages.
@@ -28,7 +30,8 @@ from .plan_stages import (
     METHODS, SCHEDULES, PipelineCosts, StagePlan, StagePlanError, plan_stages)
 
 from .costs import profile_pipeline
-from .stages import LynxPipelineStage, split_model, sync_tied_grads
+from .placement import MULTI_STAGE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, check_placement, local_stages, schedule_class
+from .stages import LynxPipelineStage, compile_stage, split_model, sync_tied_grads
 
 log = logging.getLogger("lynx_compile")
 
@@ -53,14 +56,15 @@ class LocalPipeline:
     """What ``pipeline`` returns on one rank."""
 
     stages: list[LynxPipelineStage]
-    """This rank's stages (one, or v for interleaved schedules)."""
+    """This rank's stages (one, v for interleaved schedules, two for ZBVZeroBubble)."""
     schedule: Any
     """A torch.distributed.pipelining schedule over ``stages``: ``schedule.step(x, target=y,
     losses=[])`` on the first / last stage ranks; ``schedule.step()`` in between."""
     plan: StagePlan
     costs: PipelineCosts
     modules: dict[int, nn.Module]
-    """Stage index -> the uncompiled stage module (its parameters are the trained ones)."""
+    """Stage index -> the stage module (its parameters are the trained ones; uncompiled, except under
+    the zero-bubble schedules, which need it compiled in place: ``stages.compile_stage``)."""
     backends: dict[int, Any]
     tied: dict[str, tuple[int, ...]] = field(default_factory=dict)
     shapes: dict[str, Any] = field(default_factory=dict)
@@ -172,14 +176,16 @@ def _stage_modules(model: nn.Module, wrapped: nn.Module, plan: StagePlan, mb: tu
 def plan_pipeline(model: nn.Module, example_microbatch: Sequence[Any], *, num_stages: int, num_microbatches: int,
                   memory_per_device: int | None = None, schedule: str = "1F1B", method: str = "lynx",
                   forward: Callable | None = None, options: dict[str, Any] | None = None,
-                  pinned_cuts: Sequence[int] | None = None) -> tuple[StagePlan, PipelineCosts, list[str]]:
-    """Trace, profile and plan (nothing runs distributed); returns (plan, costs, block paths)."""
+                  pinned_cuts: Sequence[int] | None = None,
+                  ranks: int | None = None) -> tuple[StagePlan, PipelineCosts, list[str]]:
+    """Trace, profile and plan (nothing runs distributed); returns (plan, costs, block paths).
+    ``ranks``: the pipeline group size (see :func:`plan_stages`)."""
     wrapped = _Forward(model, forward if forward is not None else getattr(model, "logits", None))
     # pipeline() stages run eager unless told otherwise (recompute in the gradient wait)
     options = {"compiler": "eager", **(options or {})}
     costs, paths = profile_pipeline(wrapped, example_microbatch, options)
     plan = plan_stages(costs, num_stages, num_microbatches, memory_per_device, schedule, method=method,
-                       pinned_cuts=pinned_cuts)
+                       pinned_cuts=pinned_cuts, ranks=ranks)
     return plan, costs, paths
 
 
@@ -195,15 +201,17 @@ def pipeline(model: nn.Module, example_inputs: Sequence[Any], *, num_stages: int
     ``loss_fn(output, target)``: the loss of the last stage's output. ``forward``: what the
     pipeline runs (default ``model.logits`` when the model has it, else ``model``); its output
     must be the tensor ``loss_fn`` takes. ``memory_per_device``: bytes per device (None: no
-    limit, nothing recomputed). ``schedule``: ``GPipe``, ``1F1B`` or ``Interleaved1F1B``
-    (``num_stages`` a multiple of the group size). ``method``: ``lynx`` (recompute-aware),
-    ``compute`` or ``uniform`` (baselines). ``options``: lynx backend options for every stage
+    limit, nothing recomputed). ``schedule``: ``GPipe``, ``1F1B``, ``Interleaved1F1B`` or
+    ``InterleavedZeroBubble`` (``num_stages`` a multiple of the group size), ``ZBVZeroBubble``
+    (``num_stages`` twice the group size; rank r holds stages r and 2 x size - 1 - r). Under the
+    zero-bubble schedules lynx splits each stage's compiled backward into B (input gradients) and
+    W (weight gradients) with the eager compiler (the default with ``recompute_in_wait``); under
+    Inductor B runs the whole backward and W is a no-op (see ``lynx_compile.pipeline.stages``).
+    ``method``: ``lynx`` (recompute-aware), ``compute`` or ``uniform`` (baselines). ``options``: lynx backend options for every stage
     (``memory_budget`` is set per stage). Needs torch.distributed initialized; ``group``
     (default: world) holds one rank per stage (or per ``num_stages / size`` stages).
     ``planning_group``: the ranks that compile the same stage (the tensor-parallel group under
     TP x PP); None: each rank plans its stages alone."""
-    from torch.distributed.pipelining import ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B
-
     import lynx_compile
     from lynx_compile.distributed.agreement import SOLO
 
@@ -215,12 +223,9 @@ def pipeline(model: nn.Module, example_inputs: Sequence[Any], *, num_stages: int
         raise RuntimeError("lynx_compile.pipeline needs torch.distributed initialized (launch with torchrun "
                            "and call torch.distributed.init_process_group)")
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    if num_stages % size:
-        raise StagePlanError(f"num_stages={num_stages} is not a multiple of the pipeline group size {size}")
-    per_rank = num_stages // size
-    if per_rank > 1 and schedule != "Interleaved1F1B":
-        raise StagePlanError(f"{num_stages} stages on {size} ranks needs schedule='Interleaved1F1B'; "
-                             f"{schedule} runs one stage per rank (use num_stages={size})")
+    why = check_placement(schedule, num_stages, size)
+    if why:
+        raise StagePlanError(why)
     batch = example_inputs[0].shape[0]
     if batch % num_microbatches:
         raise StagePlanError(f"batch size {batch} does not split into num_microbatches={num_microbatches} "
@@ -233,7 +238,8 @@ def pipeline(model: nn.Module, example_inputs: Sequence[Any], *, num_stages: int
     if plan is None:
         plan, costs, paths = plan_pipeline(model, mb, num_stages=num_stages, num_microbatches=num_microbatches,
                                            memory_per_device=memory_per_device, schedule=schedule, method=method,
-                                           forward=forward, options=options, pinned_cuts=pinned_cuts)
+                                           forward=forward, options=options, pinned_cuts=pinned_cuts,
+                                           ranks=size)
     else:
         costs = None
     # measured costs differ per rank: every rank runs rank 0's plan, or the stages would not match
@@ -245,8 +251,9 @@ def pipeline(model: nn.Module, example_inputs: Sequence[Any], *, num_stages: int
     all_modules, prefix = _stage_modules(model, wrapped, plan, mb)
     tied, shapes = _tied_parameters(model, all_modules, prefix)
     dev = torch.device(device) if device is not None else next(model.parameters()).device
-    local = [rank + k * size for k in range(per_rank)]
+    local = local_stages(schedule, rank, num_stages, size)
     stages, modules, backends = [], {}, {}
+    held: set[int] = set()  # parameters of this rank's earlier stages (a tied embedding on both ends)
     for i in local:
         info = plan.stages[i]
         mod = all_modules[i].to(dev)
@@ -260,12 +267,14 @@ def pipeline(model: nn.Module, example_inputs: Sequence[Any], *, num_stages: int
                 stage_opts["recompute_in_wait_bytes"] = max(0, memory_per_device - info.peak_bytes)
         backend = lynx_compile.LynxBackend(lynx_compile.make_config(stage_opts))
         backend.planning_group = planning_group if planning_group is not None else SOLO
-        compiled = torch.compile(mod, backend=backend)
+        compiled = compile_stage(mod, backend, in_place=schedule in ZERO_BUBBLE_SCHEDULES)
+        ids = {id(p) for p in mod.parameters()}
         stages.append(LynxPipelineStage(submodule=compiled, stage_index=i, num_stages=num_stages, device=dev,
-                                        group=group, lynx_backend=backend, recompute_in_wait=wait))
+                                        group=group, lynx_backend=backend, recompute_in_wait=wait,
+                                        scaled_elsewhere=frozenset(ids & held)))
+        held |= ids
         modules[i], backends[i] = mod, backend
-    cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}[schedule]
-    sched = cls(stages if per_rank > 1 or schedule == "Interleaved1F1B" else stages[0],
-                n_microbatches=num_microbatches, loss_fn=loss_fn)
+    sched = schedule_class(schedule)(stages if schedule in MULTI_STAGE_SCHEDULES else stages[0],
+                                     n_microbatches=num_microbatches, loss_fn=loss_fn)
     return LocalPipeline(stages=stages, schedule=sched, plan=plan, costs=costs, modules=modules, backends=backends,
                          tied=tied, shapes=shapes, group=group, prefix=prefix)

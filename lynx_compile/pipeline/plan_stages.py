@@ -4,7 +4,11 @@ A pure planner (no torch, no graphs): :class:`PipelineCosts` in, a frozen :class
 
 Why recompute-aware: under 1F1B, stage i keeps ``k_i = min(p - i, m)`` micro-batches' activations
 in flight (GPipe: all m), so with the same memory per device early stages must drop more
-activations and recompute them. Balancing on compute alone leaves those stages slowest.
+activations and recompute them. Balancing on compute alone leaves those stages slowest. The
+zero-bubble schedules' counts are derived from torch's schedule definitions in :func:`in_flight`
+(ZBV: as 1F1B over all 2P stages; InterleavedZeroBubble: torch's order replayed); like the
+interleaved schedule, each stage is priced as if it had the device to itself (the stages a rank
+holds are not summed).
 
 The model (per stage i holding blocks S_i, pre-block work on stage 0, post-block work on the last):
 
@@ -44,8 +48,8 @@ from typing import Any, Literal, Sequence
 
 from lynx_compile.report import human_bytes
 
-Schedule = Literal["GPipe", "1F1B", "Interleaved1F1B"]
-SCHEDULES: frozenset[str] = frozenset({"GPipe", "1F1B", "Interleaved1F1B"})
+Schedule = Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"]
+SCHEDULES: frozenset[str] = frozenset({"GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"})
 Method = Literal["lynx", "compute", "uniform"]
 METHODS: frozenset[str] = frozenset({"lynx", "compute", "uniform"})
 
@@ -241,19 +245,62 @@ class StagePlan:
         return "\n".join(lines)
 
 
-def in_flight(schedule: str, num_stages: int, num_microbatches: int, stage: int) -> int:
-    """Micro-batches whose activations stage ``stage`` holds at its peak. Interleaved1F1B is
-    priced as 1F1B over all its (virtual) stages: an approximation; its exact per-rank warm-up
-    (which holds more chunks on early ranks) is not modelled."""
+def in_flight(schedule: str, num_stages: int, num_microbatches: int, stage: int, ranks: int | None = None) -> int:
+    """Micro-batches whose activations stage ``stage`` holds at its peak (between a micro-batch's
+    forward and its backward, B under the zero-bubble schedules; what a deferred W keeps from B,
+    ``runtime.weight_split``'s carry, is not counted).
+
+    ``ranks``: the pipeline group size (None: one stage per rank; two for ``ZBVZeroBubble``).
+    - GPipe: all m. 1F1B: ``min(p - i, m)``.
+    - Interleaved1F1B: priced as 1F1B over all its (virtual) stages, an approximation; its exact
+      per-rank warm-up (which holds more chunks on early ranks) is not modelled.
+    - ZBVZeroBubble (torch's ``_calculate_single_rank_operations``, rank r holds stages r and
+      2P-1-r): rank r runs 2(P-r)-1 + r forwards of stage r before its first B there, then one
+      more F before each B, so stage r holds 2P-r; stage 2P-1-r runs r forwards, then F, I, W in
+      turn, so it holds r+1 = 2P-(2P-1-r). Both are ``min(num_stages - i, m)``, as 1F1B over the
+      2P stages.
+    - InterleavedZeroBubble: exact, by replaying torch's order of forwards and B's on the stage's
+      rank (``interleaved_in_flight`` with warm-up factor 1)."""
     if schedule == "GPipe":
         return num_microbatches
+    if schedule == "InterleavedZeroBubble":
+        ranks = ranks or num_stages
+        per_rank = interleaved_in_flight(ranks, num_stages // ranks, num_microbatches, stage % ranks, 1)
+        return per_rank[stage // ranks]
     return min(num_stages - stage, num_microbatches)
 
 
-def check_inputs(costs: PipelineCosts, num_stages: int, num_microbatches: int, schedule: str) -> None:
+def interleaved_in_flight(ranks: int, local: int, num_microbatches: int, rank: int, warmup_factor: int) -> list[int]:
+    """Peak micro-batches in flight (forward done, backward not) on each of ``rank``'s ``local``
+    stages under torch's interleaved schedules (``_get_warmup_ops`` / ``_get_1f1b_rank_ops``):
+    ``warmup`` forwards, then one forward and one backward per step, then the remaining
+    backwards; forwards walk the local stages in rounds of ``mpr`` micro-batches from the first,
+    backwards from the last. ``warmup_factor``: 2 for Interleaved1F1B, 1 for InterleavedZeroBubble."""
+    m, v = num_microbatches, local
+    mpr = m // max(1, m // ranks)  # micro-batches per round
+    warmup = min((v - 1) * mpr + warmup_factor * (ranks - 1 - rank), m * v)
+    held, peak = [0] * v, [0] * v
+    for op in range(m * v + warmup):
+        if op < m * v:  # a forward
+            chunk = (op // mpr) % v
+            held[chunk] += 1
+            peak[chunk] = max(peak[chunk], held[chunk])
+        if op >= warmup:  # a backward
+            held[v - 1 - ((op - warmup) // mpr) % v] -= 1
+    return peak
+
+
+def check_inputs(costs: PipelineCosts, num_stages: int, num_microbatches: int, schedule: str,
+                 ranks: int | None = None) -> None:
     n = len(costs.blocks)
     if schedule not in SCHEDULES:
         raise StagePlanError(f"schedule={schedule!r} is not valid; choose one of {sorted(SCHEDULES)}")
+    if ranks is not None or schedule == "ZBVZeroBubble":
+        from .placement import check_placement
+
+        why = check_placement(schedule, num_stages, default_ranks(schedule, num_stages, ranks))
+        if why:
+            raise StagePlanError(why)
     if num_stages < 1:
         raise StagePlanError(f"num_stages={num_stages} must be >= 1")
     if num_stages > n:
@@ -265,13 +312,26 @@ def check_inputs(costs: PipelineCosts, num_stages: int, num_microbatches: int, s
                              f"use num_microbatches >= {num_stages}")
     if num_microbatches < 1:
         raise StagePlanError(f"num_microbatches={num_microbatches} must be >= 1")
+    rounds = max(1, num_microbatches // default_ranks(schedule, num_stages, ranks))
+    if ranks is not None and schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and num_microbatches % rounds:
+        raise StagePlanError(f"{schedule} runs micro-batches in rounds of the pipeline group size: "
+                             f"num_microbatches={num_microbatches} must be a multiple of {rounds}")
+
+
+def default_ranks(schedule: str, num_stages: int, ranks: int | None) -> int:
+    """The pipeline group size: ``ranks`` when given, else one stage per rank (ZBV: two)."""
+    if ranks is not None:
+        return ranks
+    return max(1, num_stages // 2) if schedule == "ZBVZeroBubble" else num_stages
 
 
 class _Pricer:
     """Prices a candidate stage [s, e) at position i; memoized."""
 
-    def __init__(self, costs: PipelineCosts, p: int, m: int, memory: int | None, schedule: str):
+    def __init__(self, costs: PipelineCosts, p: int, m: int, memory: int | None, schedule: str,
+                 ranks: int | None = None):
         self.c, self.p, self.m, self.memory, self.schedule = costs, p, m, memory, schedule
+        self.ranks = default_ranks(schedule, p, ranks)
         self.n = len(costs.blocks)
         self.price = lru_cache(maxsize=None)(self._price)
 
@@ -288,7 +348,7 @@ class _Pricer:
 
     def _price(self, i: int, s: int, e: int) -> StageInfo:
         segs = self.segments(i, s, e)
-        k = in_flight(self.schedule, self.p, self.m, i)
+        k = in_flight(self.schedule, self.p, self.m, i, self.ranks)
         static = int(self.c.state_bytes_per_param_byte * sum(g.param_bytes for g in segs))
         fixed = sum(g.activation_bytes for g in segs if g.curve is None)
         curves = [g.curve for g in segs if g.curve is not None]
@@ -307,7 +367,7 @@ class _Pricer:
     def min_memory(self, i: int, s: int, e: int) -> int:
         """Least memory per device under which stage i = [s, e) fits (full recompute)."""
         segs = self.segments(i, s, e)
-        k = in_flight(self.schedule, self.p, self.m, i)
+        k = in_flight(self.schedule, self.p, self.m, i, self.ranks)
         static = int(self.c.state_bytes_per_param_byte * sum(g.param_bytes for g in segs))
         least = sum(g.curve.min_bytes if g.curve else g.activation_bytes for g in segs)
         curves = [g.curve for g in segs if g.curve]
@@ -410,18 +470,20 @@ def uniform_cuts(n: int, p: int) -> list[int]:
 
 def plan_stages(costs: PipelineCosts, num_stages: int, num_microbatches: int,
                 memory_per_device: int | None = None, schedule: str = "1F1B", *,
-                method: str = "lynx", pinned_cuts: Sequence[int] | None = None) -> StagePlan:
+                method: str = "lynx", pinned_cuts: Sequence[int] | None = None,
+                ranks: int | None = None) -> StagePlan:
     """Cut ``costs.blocks`` into ``num_stages`` stages (see the module docstring).
 
     ``pinned_cuts``: block indices where stages must begin (user pins; ``costs.pinned_cuts``,
     from ``pipe_split()`` markers, are added); with p - 1 of them the split is fixed and only
-    priced. Raises :class:`StagePlanError` on bad input and, for
+    priced. ``ranks``: the pipeline group size, for the schedules that put several stages on a
+    rank (None: one stage per rank; ``ZBVZeroBubble``: two). Raises :class:`StagePlanError` on bad input and, for
     ``method="lynx"``, when no split fits ``memory_per_device`` (naming the least that fits)."""
-    check_inputs(costs, num_stages, num_microbatches, schedule)
+    check_inputs(costs, num_stages, num_microbatches, schedule, ranks)
     if method not in METHODS:
         raise StagePlanError(f"method={method!r} is not valid; choose one of {sorted(METHODS)}")
     n, p, m = len(costs.blocks), num_stages, num_microbatches
-    pr = _Pricer(costs, p, m, memory_per_device, schedule)
+    pr = _Pricer(costs, p, m, memory_per_device, schedule, ranks)
     pins = sorted(set(pinned_cuts or ()) | set(costs.pinned_cuts))
     if pins and (pins[0] < 1 or pins[-1] >= n or len(pins) > p - 1):
         raise StagePlanError(f"pinned cuts {pins} must be block indices in 1..{n - 1}, at most {p - 1} of them")

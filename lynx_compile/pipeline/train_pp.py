@@ -1,7 +1,8 @@
 """``lynx train --pp N`` / ``torchrun --nproc-per-node N -m lynx_compile.train --pp N``: train a zoo
 model with lynx's recompute-aware pipeline on N ranks (one stage per rank, or more with
-``--schedule Interleaved1F1B --stages``). Rank 0 prints the stage plan; the last stage's rank
-reports the loss (mean over micro-batches), which rank 0 prints each step."""
+``--schedule Interleaved1F1B|InterleavedZeroBubble --stages``; two per rank, in V order, with
+``--schedule ZBVZeroBubble``). Rank 0 prints the stage plan; the last stage's rank reports the
+loss (mean over micro-batches), which rank 0 prints each step."""
 from __future__ import annotations
 
 import argparse
@@ -12,21 +13,34 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from .placement import stage_rank
+from .plan_stages import SCHEDULES
+
 
 def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (ranks in the pipeline)")
-    p.add_argument("--stages", type=int, default=None, help="pipeline stages (default --pp; a multiple "
-                   "of --pp with --schedule Interleaved1F1B)")
+    p.add_argument("--stages", type=int, default=None, help="pipeline stages (default --pp, 2 x --pp with "
+                   "--schedule ZBVZeroBubble; a multiple of --pp with Interleaved1F1B or InterleavedZeroBubble)")
     p.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default: the most, "
                    "up to 2 x stages, that split --batch-size evenly)")
-    p.add_argument("--schedule", default="1F1B", choices=["GPipe", "1F1B", "Interleaved1F1B"],
-                   help="pipeline schedule (torch.distributed.pipelining)")
+    p.add_argument("--schedule", default="1F1B", choices=sorted(SCHEDULES),
+                   help="pipeline schedule (torch.distributed.pipelining). ZBVZeroBubble (two stages per rank, "
+                   "V order) and InterleavedZeroBubble run each stage's backward as B (input gradients) then W "
+                   "(weight gradients), split by lynx; with --no-recompute-in-wait (Inductor) B runs the whole "
+                   "backward and W nothing")
     p.add_argument("--memory-per-device", type=_bytes, default=None,
                    help="bytes per device for the stage plan, e.g. 30000000, 48MiB, 2GiB (default: no limit)")
     p.add_argument("--split", default="lynx", choices=["lynx", "compute", "uniform"],
                    help="stage split: recompute-aware (lynx), compute-only balance, or equal layers")
     p.add_argument("--no-recompute-in-wait", action="store_true",
                    help="run recompute only after the gradient arrives")
+
+
+def pipeline_stages(args: argparse.Namespace) -> int:
+    """``--stages``, or its default: ``--pp`` (``ZBVZeroBubble``: 2 x ``--pp``)."""
+    if args.stages:
+        return args.stages
+    return 2 * args.pp if getattr(args, "schedule", None) == "ZBVZeroBubble" else args.pp
 
 
 def default_microbatches(batch_size: int, stages: int) -> int:
@@ -64,7 +78,7 @@ def train_pipeline(args: argparse.Namespace, rank: int, world: int, say: Callabl
     tp_groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(args.pp)]
     pp_groups = [dist.new_group([s * tp + t for s in range(args.pp)]) for t in range(tp)]
     tp_group, pp_group = tp_groups[rank // tp], pp_groups[rank % tp]
-    stages = args.stages or args.pp
+    stages = pipeline_stages(args)
     micro = args.microbatches or default_microbatches(args.batch_size, stages)
     device = local_device()
     model = model_from_args(args, device)
@@ -84,7 +98,7 @@ def train_pipeline(args: argparse.Namespace, rank: int, world: int, say: Callabl
     if rank == 0:
         say(pl.plan.table())
     opt = torch.optim.AdamW(list(pl.parameters()), lr=args.lr)
-    last_rank = ((stages - 1) % args.pp) * tp
+    last_rank = stage_rank(args.schedule, stages - 1, stages, args.pp) * tp
     losses, times = [], []
     for i, idx in enumerate(batches):
         dist.barrier()

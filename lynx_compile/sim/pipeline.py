@@ -12,8 +12,9 @@ gradient, so it starts as soon as the rank is free and the gradient wait overlap
     rank i:   ... F | wait for grad j ......... | R j | B j |        (on demand)
     rank i:   ... F | R j | wait for grad j ... | B j |              (recompute in the wait)
 
-Interleaved schedules are priced as 1F1B over all their stages (one stage per rank); the
-simulation of their virtual-stage order is not built.
+Interleaved and zero-bubble schedules (InterleavedZeroBubble, ZBVZeroBubble) are priced as 1F1B
+over all their stages (one stage per rank, the backward whole); the simulation of their
+virtual-stage order, and of the W actions that fill a zero-bubble schedule's bubbles, is not built.
 """
 from __future__ import annotations
 

@@ -1,0 +1,162 @@
+"""Defer a backward's weight gradients: B (input gradients) now, W (weight gradients) later.
+
+Zero-bubble pipeline schedules run each micro-batch's backward in two steps: B, which the
+previous stage waits for, and W, which the schedule places in a bubble. A compiled stage's
+backward is one graph with one output per forward input; ``split_weight_grads`` cuts it::
+
+    bw(saved..., tangents...) -> (dx, dW1, db1, ...)        (a gradient per forward input)
+  ==>
+    B(saved..., tangents...)  -> (dx, None, None, ..., carry...)   the ops dx needs
+    W(carry...)               -> (dW1, db1, ...)                   every other op
+
+``carry`` is what W reads that B holds: saved tensors, tangents, values B computed. An op only
+the weight gradients need (a recompute included) runs in W. Graphs whose weight side holds a
+collective are not cut (a collective must run where every rank expects it).
+
+``WeightDeferral`` wraps one backward graph: inside ``defer_weights(key)`` it runs B, returns
+its gradients (None for the weights: autograd accumulates nothing there) and keeps W's carry
+under ``key``; ``run_weights(key)`` later runs W and accumulates into each parameter's
+``.grad`` as autograd would. Outside ``defer_weights`` the whole backward runs as before. The
+carry stays alive from B to W: memory the stage's plan did not budget for.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.fx as fx
+
+from lynx_compile.costs.comm import is_collective_node, is_wait_node
+
+_DEFER: contextvars.ContextVar[Any] = contextvars.ContextVar("lynx_defer_weights", default=None)
+
+
+@contextlib.contextmanager
+def defer_weights(key: Any) -> Iterator[None]:
+    """Backwards run inside leave their weight gradients for ``run_weights(key)``."""
+    token = _DEFER.set(key)
+    try:
+        yield
+    finally:
+        _DEFER.reset(token)
+
+
+@dataclass(frozen=True)
+class WeightSplit:
+    b: fx.GraphModule
+    """The backward's inputs -> its outputs with None at ``weight_outputs``, then the carry."""
+    w: fx.GraphModule
+    """The carry -> the gradients at ``weight_outputs``, in that order."""
+    weight_outputs: tuple[int, ...]
+    carry: int
+    """How many trailing outputs of ``b`` are W's inputs."""
+
+
+def _ancestors(roots: Sequence[fx.Node], stop: set[fx.Node] | None = None) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    todo = [r for r in roots if not stop or r not in stop]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        todo.extend(a for a in n.all_input_nodes if a not in seen and (not stop or a not in stop))
+    return seen
+
+
+def split_weight_grads(bw: fx.GraphModule, weight_outputs: Sequence[int]) -> WeightSplit | None:
+    """Cut ``bw`` into B and W (module docstring); None when W would be empty or hold a collective."""
+    outs = list(bw.graph.output_node().args[0])
+    weight = tuple(i for i in weight_outputs if i < len(outs) and isinstance(outs[i], fx.Node))
+    if not weight:
+        return None
+    b_set = _ancestors([o for i, o in enumerate(outs) if i not in weight and isinstance(o, fx.Node)])
+    # the backward's inputs and what B computes reach W as the carry
+    w_set = _ancestors([outs[i] for i in weight], stop=b_set | set(bw.graph.find_nodes(op="placeholder")))
+    if not w_set or any(is_collective_node(n) or is_wait_node(n) for n in w_set):
+        return None
+    order = {n: k for k, n in enumerate(bw.graph.nodes)}
+    carry = sorted({a for n in w_set for a in n.all_input_nodes if a not in w_set}
+                   | {outs[i] for i in weight if outs[i] not in w_set}, key=order.__getitem__)
+
+    b_graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in bw.graph.nodes:
+        if n.op == "placeholder" or n in b_set:
+            env[n] = b_graph.node_copy(n, env.__getitem__)
+    b_out = [env[o] if isinstance(o, fx.Node) and i not in weight else None for i, o in enumerate(outs)]
+    b_graph.output(tuple(b_out + [env[c] for c in carry]))
+
+    w_graph = fx.Graph()
+    wenv: dict[fx.Node, fx.Node] = {}
+    for c in carry:
+        wenv[c] = w_graph.placeholder(f"{c.name}_carried")
+        wenv[c].meta = dict(c.meta)
+    for n in bw.graph.nodes:
+        if n in w_set:
+            wenv[n] = w_graph.node_copy(n, wenv.__getitem__)
+    w_graph.output(tuple(wenv[outs[i]] for i in weight))
+    b, w = fx.GraphModule(bw, b_graph, "lynx_backward_input"), fx.GraphModule(bw, w_graph, "lynx_backward_weight")
+    b.graph.lint()
+    w.graph.lint()
+    return WeightSplit(b=b, w=w, weight_outputs=weight, carry=len(carry))
+
+
+class WeightDeferral:
+    """One backward graph's deferred weight gradients (module docstring).
+
+    ``params``: per forward input, the parameter it is (None for activations): dynamo passes a
+    module's parameters to the backend as graph inputs, in the order of the backward's outputs."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter | None]):
+        self.params = [weakref.ref(p) if p is not None else None for p in params]
+        self.pending: dict[Any, tuple[Callable, tuple[int, ...], list]] = {}
+        self.deferred = 0
+        """Backwards whose weight gradients ran in W."""
+
+    def wrap(self, bw: fx.GraphModule, compile_fn: Callable) -> Callable:
+        """The compiled ``bw`` (by ``compile_fn``), deferring its weight gradients when asked."""
+        full = compile_fn(bw)
+        weight = tuple(i for i, p in enumerate(self.params) if p is not None)
+        n_out = len(bw.graph.output_node().args[0])
+        pieces: list = []  # [] until the first deferred call, then [None] or [(split, b, w)]
+
+        def run(args: list) -> Any:
+            key = _DEFER.get()
+            if key is None or not weight or n_out != len(self.params):
+                return full(args)
+            if not pieces:
+                split = split_weight_grads(bw, weight)
+                pieces.append(split and (split, compile_fn(split.b), compile_fn(split.w)))
+            if pieces[0] is None:
+                return full(args)
+            split, b, w = pieces[0]
+            out = list(b(args))
+            self.pending[key] = (w, split.weight_outputs, out[n_out:])
+            return out[:n_out]
+
+        run._boxed_call = True  # type: ignore[attr-defined]
+        return run
+
+    def run_weights(self, key: Any) -> bool:
+        """Run W of ``key``'s deferred backward and accumulate into ``.grad``; False if none."""
+        entry = self.pending.pop(key, None)
+        if entry is None:
+            return False
+        w, positions, carry = entry
+        with torch.no_grad():
+            grads = w(carry)
+        for i, g in zip(positions, grads):
+            p = self.params[i]()
+            if p is None or g is None:
+                continue
+            if p.grad is None:
+                p.grad = g.detach()
+            else:
+                p.grad += g
+        self.deferred += 1
+        return True
