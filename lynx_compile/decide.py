@@ -23,7 +23,7 @@ from lynx_compile.apply import Applied, partition_joint, realize, scratch_contex
 from lynx_compile.decisions import BudgetError, Decisions, Window
 from lynx_compile.passes import APPLY_PIPELINE, PassContext, meta, run_passes
 from lynx_compile.passes.apply_decisions import clear_decision_tags
-from lynx_compile.passes.mark_recomputed import mark_recomputed_pass
+from lynx_compile.passes.mark_recomputed import mark_recomputed_pass, recomputed_source
 from lynx_compile.passes.policies import baseline_decisions
 
 log = logging.getLogger("lynx_compile")
@@ -143,8 +143,7 @@ def exposed_s(bw: fx.GraphModule, joint: fx.GraphModule) -> float:
     for node in bw.graph.nodes:
         if not node.meta.get(meta.RECOMPUTED) or isinstance(node.meta.get(meta.DECISION), Window):
             continue
-        src = joint_nodes.get(node.meta.get(meta.RECOMPUTED_FROM, ""))
-        cost = (src or node).meta.get(meta.COST)
+        cost = (recomputed_source(node, joint_nodes) or node).meta.get(meta.COST)
         total += cost.runtime_s if cost else 0.0
     return total
 

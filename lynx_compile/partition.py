@@ -26,6 +26,7 @@ from lynx_compile.distributed.agreement import check_plan_agreement
 from lynx_compile.memory.simulate import _nbytes, backward_inputs
 from lynx_compile.passes import JOINT_PIPELINE, GraphRecord, PassContext, meta, run_passes
 from lynx_compile.passes.find_blocks import WHOLE_GRAPH, structural_hash
+from lynx_compile.passes.mark_recomputed import recomputed_source
 from lynx_compile.plan import BlockSummary, RecomputePlan, TensorDecision
 
 log = logging.getLogger("lynx_compile")
@@ -154,10 +155,10 @@ def build_plan(policy: str, joint: fx.GraphModule, applied: Applied, ctx: PassCo
     for node in bw.graph.nodes:
         if not node.meta.get(meta.RECOMPUTED):
             continue
-        src = joint_nodes.get(node.meta.get(meta.RECOMPUTED_FROM, ""))
+        src = recomputed_source(node, joint_nodes)
         cost = (src or node).meta.get(meta.COST)
         recomputed.append(TensorDecision(
-            name=node.meta[meta.RECOMPUTED_FROM], block=node.meta.get(meta.BLOCK),
+            name=src.name if src is not None else node.meta[meta.RECOMPUTED_FROM], block=node.meta.get(meta.BLOCK),
             nbytes=_nbytes(node.meta.get("val")), recompute_s=cost.runtime_s if cost else 0.0))
     blocks = []
     for i, path in enumerate(ctx.record.blocks):

@@ -7,7 +7,10 @@ Reads ``ctx.forward_names``. Writes, on every backward node that re-runs a forwa
     before:  addmm = aten.addmm(primals_2, getitem, t)         # copy of a forward node
     after:   addmm_recomputed = aten.addmm(primals_2, getitem, t)
 
-RNG ops replayed from a saved state (``run_with_rng_state``) are tagged the same way.
+RNG ops replayed from a saved state (``run_with_rng_state``) are tagged the same way, with the
+op's name (``native_dropout.default``) as ``RECOMPUTED_FROM``: the partitioner made them, not
+copied them. ``recomputed_source`` finds the joint node any recompute node re-runs (for an RNG
+replay: the producer of the forward getitems its own getitems copy).
 """
 from __future__ import annotations
 
@@ -34,3 +37,15 @@ def mark_recomputed_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
             op = node.args[1]
             node.meta[meta.RECOMPUTED_FROM] = getattr(op, "__name__", str(op))
     return gm
+
+
+def recomputed_source(node: fx.Node, joint_nodes: dict[str, fx.Node]) -> fx.Node | None:
+    """The joint-graph node a recompute node of the backward re-runs, or None."""
+    src = joint_nodes.get(node.meta.get(meta.RECOMPUTED_FROM, ""))
+    if src is not None or not _compat.is_rng_replay(node):
+        return src
+    for user in node.users:  # getitem(run_with_rng_state(...), i), a copy of a forward getitem
+        g = joint_nodes.get(user.meta.get(meta.RECOMPUTED_FROM, ""))
+        if g is not None and g.args and isinstance(g.args[0], fx.Node):
+            return g.args[0]
+    return None

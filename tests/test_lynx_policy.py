@@ -113,3 +113,19 @@ def test_plan_for_another_graph_is_rejected(tmp_path):
     compiled = torch.compile(model, backend="lynx", options={"policy": "lynx", "plan": str(out)})
     with pytest.raises(Exception, match="made for a different graph"):
         compiled(example_batch(model, 2))
+
+
+def test_plan_names_replayed_dropouts_by_their_forward_op():
+    """A recomputed dropout is re-run from its saved RNG state by a node the partitioner makes
+    (``run_with_rng_state``); the plan lists it under the forward op it replays and prices it
+    with that op's cost (it was listed as ``native_dropout.default`` at zero cost)."""
+    torch.manual_seed(0)
+    model = build_model("gpt-tiny", dropout=0.1)
+    backend = lynx_compile.backend(policy="full", compiler="eager", cost_source="analytic")
+    compiled = torch.compile(model, backend=backend)
+    compiled(example_batch(model, 1)).loss.backward()
+    plan = backend.plans[-1]
+    names = {d.name for d in plan.recomputed}
+    assert not any(n.endswith(".default") for n in names), sorted(names)
+    dropouts = [d for d in plan.recomputed if d.name.startswith("native_dropout")]
+    assert dropouts and all(d.recompute_s > 0 for d in dropouts)
