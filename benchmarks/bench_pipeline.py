@@ -14,6 +14,14 @@ recompute in the gradient wait. Not a test: it measures and writes
    ranks barrier-aligned). Memory per stage is *predicted* (CPU has no allocator peak): the
    planner's device peak and the compiled stage's (static + (k-1) x saved + one micro-batch's
    peak, from lynx's exact simulation of the stage graph).
+
+With ``--schedules 1F1B,ZBVZeroBubble,InterleavedZeroBubble`` it compares pipeline schedules
+instead and writes ``benchmarks/results/pipeline_schedules.{csv,md}``: per memory level of
+``--levels`` and per schedule, the lynx split (one stage per rank for GPipe / 1F1B, two per rank
+for the interleaved and zero-bubble schedules), lynx per stage, recompute in the gradient wait
+(the eager compiler, which the zero-bubble B/W split needs too), the same measurements, how many
+backward graphs per step deferred their weight gradients to W, and the largest relative loss
+difference to the same steps trained in one process.
 """
 from __future__ import annotations
 
@@ -22,6 +30,7 @@ import csv
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -52,23 +61,27 @@ def worker(args) -> None:
 
     with open(args.plan) as f:  # the parent's plan: every launch of a configuration runs the same split
         plan = StagePlan.from_dict(json.load(f))
-    pl = lynx_compile.pipeline(model, (batches[0],), num_stages=2, num_microbatches=args.microbatches,
+    pl = lynx_compile.pipeline(model, (batches[0],), num_stages=plan.num_stages, num_microbatches=args.microbatches,
                                loss_fn=lambda lg, t: lm_loss(lg, t, None), memory_per_device=args.memory,
-                               method=args.method, recompute_in_wait=args.wait, plan=plan,
+                               schedule=plan.schedule, method=args.method, recompute_in_wait=args.wait, plan=plan,
                                options={"solver": "heu", "cost_source": args.cost_source})
     opt = torch.optim.AdamW(list(pl.parameters()), lr=1e-3)
-    times = []
+    times, losses = [], []
     for step, idx in enumerate(batches):
         if step == 1:  # count early recompute / gradient waits over the steady steps only
             for st in pl.stages:
                 st.early_s = st.grad_wait_s = 0.0
+                st.deferred_weights = 0
         dist.barrier()
         t0 = time.perf_counter()
-        pl.step(idx, target=idx, losses=[])
+        mb_losses: list = []
+        pl.step(idx, target=idx, losses=mb_losses)
         opt.step()
         opt.zero_grad(set_to_none=True)
         dist.barrier()
         times.append(time.perf_counter() - t0)
+        if mb_losses:  # the rank holding the last stage: the step's loss, mean over micro-batches
+            losses.append(float(sum(x.detach() for x in mb_losses) / len(mb_losses)))
     mine = {}
     for i, backend in pl.backends.items():
         plan = backend.records[0].plan
@@ -78,13 +91,16 @@ def worker(args) -> None:
                    "early": pl.early_recomputes,
                    "early_ms": sum(st.early_s for st in pl.stages if st.stage_index == i) * 1e3 / (args.steps - 1),
                    "grad_wait_ms": sum(st.grad_wait_s for st in pl.stages if st.stage_index == i) * 1e3
-                   / (args.steps - 1)}
+                   / (args.steps - 1),
+                   "deferred": sum(st.deferred_weights for st in pl.stages if st.stage_index == i)
+                   / (args.steps - 1), "rank": rank}
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    dist.all_gather_object(everyone, (mine, losses))
     if rank == 0:
-        stages = {k: v for d in everyone for k, v in d.items()}
+        stages = {k: v for d, _ in everyone for k, v in d.items()}
+        step_losses = next((ls for _, ls in everyone if ls), [])
         with open(args.out, "w") as f:
-            json.dump({"times": times, "plan": pl.plan.to_dict(), "stages": stages}, f)
+            json.dump({"times": times, "plan": pl.plan.to_dict(), "stages": stages, "losses": step_losses}, f)
     dist.destroy_process_group()
 
 
@@ -128,6 +144,9 @@ def main() -> None:
     p.add_argument("--levels", default="0.6,0.54,0.53", help="memory per device as fractions of the largest "
                    "unconstrained stage peak")
     p.add_argument("--cost-source", default="measured", choices=["analytic", "measured"])
+    p.add_argument("--schedules", default=None, help="comma list of pipeline schedules (e.g. "
+                   "1F1B,ZBVZeroBubble,InterleavedZeroBubble): compare them instead (lynx split, recompute in the "
+                   "gradient wait) and write results/pipeline_schedules.{csv,md}")
     p.add_argument("--port", type=int, default=29631)
     p.add_argument("--timeout", type=float, default=600)
     args = p.parse_args()
@@ -145,6 +164,8 @@ def main() -> None:
     free, costs, _ = plan_pipeline(model, (mb,), num_stages=2, num_microbatches=args.microbatches,
                                    method="compute", options=opts)
     top = max(s.peak_bytes for s in free.stages)
+    if args.schedules:
+        return _compare_schedules(args, costs, top)
     rows, runs = [], []
     for level in [float(x) for x in args.levels.split(",")]:
         memory = int(level * top)
@@ -178,6 +199,132 @@ def main() -> None:
     for row in rows:
         row.setdefault("launch_medians_ms", "-")
     _write(args, top, rows)
+
+
+def _compare_schedules(args, costs, top: int) -> None:
+    """``--schedules``: one row per memory level and schedule (lynx split, recompute in the wait)."""
+    from lynx_compile.pipeline import StagePlanError, plan_stages
+    from lynx_compile.pipeline.placement import MULTI_STAGE_SCHEDULES
+
+    schedules = [x.strip() for x in args.schedules.split(",") if x.strip()]
+    reference = _reference_losses(args)
+    rows, runs = [], []
+    for level in [float(x) for x in args.levels.split(",")]:
+        memory = int(level * top)
+        for schedule in schedules:
+            stages = 4 if schedule in MULTI_STAGE_SCHEDULES else 2  # two per rank, or one
+            try:
+                plan = plan_stages(costs, stages, args.microbatches, memory, schedule, method="lynx", ranks=2)
+            except StagePlanError as e:  # keep what it would need (the message's end)
+                need = re.search(r"needs \d+ B \(([^)]*)\)", str(e))
+                why = f"does not fit even with full recompute: needs {need.group(1)}" if need else str(e)[:160]
+                rows.append(_schedule_row(level, memory, schedule, stages, None, error=why))
+                continue
+            if not plan.fits:
+                rows.append(_schedule_row(level, memory, schedule, stages, plan, error="does not fit: stages "
+                                          f"{[s.index for s in plan.stages if not s.fits]} over the memory even "
+                                          "with full recompute"))
+                continue
+            runs.append((level, memory, schedule, stages, plan, len(rows)))
+            rows.append(None)
+    results: dict[int, list[dict]] = {}
+    for r in range(args.repeats):  # interleaved: a slow spell of the machine hits every schedule
+        for level, memory, schedule, stages, plan, slot in runs:
+            tag = f"{schedule}_{level}_{r}"
+            res = launch(args, "lynx", True, memory, tag, plan)
+            print(tag, res.get("error") or round(statistics.median(res["times"][1:]) * 1e3, 1), flush=True)
+            results.setdefault(slot, []).append(res)
+    for level, memory, schedule, stages, plan, slot in runs:
+        ok = [x for x in results[slot] if "times" in x]
+        best = min(ok, key=lambda x: statistics.median(x["times"][1:])) if ok else results[slot][0]
+        row = _schedule_row(level, memory, schedule, stages, plan, best)
+        row["launch_medians_ms"] = "/".join(f"{statistics.median(x['times'][1:]) * 1e3:.0f}" for x in ok) or "-"
+        if ok:  # every launch trains the same steps: the worst loss difference over all of them
+            row["max_rel_loss_diff"] = f"{max(_loss_diff(x['losses'], reference) for x in ok):.1e}"
+        rows[slot] = row
+    _write_schedules(args, top, rows)
+
+
+def _reference_losses(args) -> list[float]:
+    """The launches' steps in this process: one model, eager, the step's loss = mean of the
+    micro-batch losses (as a pipeline step), AdamW as the workers run it."""
+    from lynx_compile.models import build_model, example_batch
+
+    torch.manual_seed(0)
+    model = build_model(args.model, n_layers=args.layers, dropout=0.0)
+    g = torch.Generator().manual_seed(1)
+    batches = [example_batch(model, args.batch_size, generator=g) for _ in range(args.steps)]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for idx in batches:
+        loss = sum(model(chunk).loss for chunk in idx.chunk(args.microbatches)) / args.microbatches
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _loss_diff(got: list[float], want: list[float]) -> float:
+    if len(got) != len(want):
+        return float("inf")
+    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got, want))
+
+
+def _schedule_row(level, memory, schedule, stages, plan, res=None, error="") -> dict:
+    base = _row(level, memory, "lynx", True, plan, res, error=error)
+    row = {"memory_level": level, "memory_MiB": base["memory_MiB"], "schedule": schedule,
+           "stages_per_rank": stages // 2, "layers": base["layers"], "pred_step_ms": base["pred_step_ms"],
+           "step_ms": base["step_ms"], "fastest_step_ms": base["fastest_step_ms"], "launch_medians_ms": "-",
+           "pred_peak_MiB": base["pred_peak_MiB"], "compiled_peak_MiB": base["compiled_peak_MiB"],
+           "rank_compiled_peak_sum_MiB": "-", "recomputed_ops": base["recomputed_ops"],
+           "early_ms": base["early_ms"], "grad_wait_ms": base["grad_wait_ms"], "deferred_W_per_step": "-",
+           "max_rel_loss_diff": "-", "error": base["error"]}
+    if res and "times" in res:
+        st = res["stages"]
+        keys = sorted(st, key=int)
+        row["deferred_W_per_step"] = "/".join(f"{st[k]['deferred']:g}" for k in keys)
+        ranks = sorted({st[k]["rank"] for k in keys})
+        row["rank_compiled_peak_sum_MiB"] = "/".join(
+            f"{sum(st[k]['compiled_peak'] for k in keys if st[k]['rank'] == r) / 2**20:.1f}" for r in ranks)
+    return row
+
+
+def _write_schedules(args, top: int, rows: list[dict]) -> None:
+    os.makedirs(RESULTS, exist_ok=True)
+    cols = list(rows[0])
+    with open(os.path.join(RESULTS, "pipeline_schedules.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        w.writerows(rows)
+    head = (f"{time.strftime('%Y-%m-%d')}; {platform.machine()}, {os.cpu_count()} cores; python "
+            f"{platform.python_version()}, torch {torch.__version__}. 2 processes (gloo, CPU), {args.model} with "
+            f"{args.layers} layers, batch {args.batch_size} in {args.microbatches} micro-batches; per schedule the "
+            f"lynx split (1F1B / GPipe: one stage per rank; interleaved and zero-bubble schedules: two per rank, "
+            f"ZBVZeroBubble in V order, rank 0 holding the first and the last stage), lynx per stage (Lynx-HEU, "
+            f"{args.cost_source} costs, one profile for every row), recompute in the gradient wait on (eager "
+            f"compiler: the zero-bubble B/W split needs it too), {args.steps} steps per launch, step_ms = median "
+            f"of the steps after the compile step, best of {args.repeats} interleaved launches (all launches' "
+            f"medians listed). Memory per device = level x the largest unconstrained 1F1B stage peak the planner "
+            f"predicts ({top / 2**20:.1f} MiB); the planner prices each stage as if it had the device to itself. "
+            f"Peaks are PREDICTED (CPU has no allocator peak), per stage: planner, and compiled = static + "
+            f"(in-flight - 1) x saved + one micro-batch's exact simulated peak; rank_compiled_peak_sum_MiB sums "
+            f"a rank's stages' compiled peaks (the memory W's deferred inputs hold between B and W is in none of "
+            f"them). deferred_W_per_step: per stage, backward graphs per step whose weight gradients ran in W "
+            f"(LynxPipelineStage.deferred_weights). max_rel_loss_diff: the largest relative difference of a "
+            f"step's loss to the same {args.steps} AdamW steps in one process (eager, unsplit), over all launches."
+            f"\n\nCPU step times on a 2-core machine are noisy (two processes share the two cores; launches of one "
+            f"configuration differ by several ms); gloo transfers on one machine are cheap, so there are few "
+            f"communication bubbles to fill. The zero-bubble schedules' benefit (W filling the bubbles) is "
+            f"expected on GPUs with real communication; where it does not appear below, it is not shown here.")
+    cmd = (f"python benchmarks/bench_pipeline.py --model {args.model} --layers {args.layers} --levels {args.levels} "
+           f"--schedules {args.schedules} --steps {args.steps} --repeats {args.repeats} "
+           f"--cost-source {args.cost_source}")
+    lines = [head, "", f"Command: `{cmd}`", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    with open(os.path.join(RESULTS, "pipeline_schedules.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def _row(level, memory, method, wait, plan, res=None, error="") -> dict:

@@ -249,3 +249,20 @@ def test_json_round_trips():
     assert PipelineCosts.from_dict(costs.to_dict()) == costs
     assert PipelineCosts.from_dict(json.loads(json.dumps(costs.to_dict()))) == costs
     assert "stage 0" in plan.table()
+
+
+def test_param_bytes_follow_blocks_traced_through_a_bound_forward():
+    """The pipeline traces ``model.logits`` through a wrapper, so dynamo names the blocks
+    ``_fn.__self__.blocks.N`` while the wrapper's modules are ``model.blocks.N``: each block
+    still gets its own parameters (it once charged every weight to the stage before the blocks)."""
+    from lynx_compile.models import build_model, example_batch
+    from lynx_compile.pipeline import _Forward
+    from lynx_compile.pipeline.costs import _param_bytes
+
+    model = build_model("gpt-tiny")
+    paths = [f"_fn.__self__.blocks.{i}" for i in range(len(model.blocks))]
+    got = _param_bytes(_Forward(model, model.logits), (example_batch(model, 1),), paths)
+    for i, path in enumerate(paths):
+        assert got[path] == sum(p.numel() * p.element_size() for p in model.blocks[i].parameters())
+    outside = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("blocks."))
+    assert 0 < got["<pre>"] <= outside and got["<post>"] <= outside

@@ -119,8 +119,12 @@ def _param_bytes(module: nn.Module, example_inputs: Sequence[Any], block_paths: 
     finally:
         handle.remove()
 
+    # the traced paths (``_fn.__self__.blocks.3`` when the forward is a bound method of the
+    # model) name the block modules as dynamo reached them; match them by module
+    named = {b: names.get(_resolve(module, b), b) for b in block_paths}
+
     def block_of(path: str) -> str | None:
-        return next((b for b in block_paths if path == b or path.startswith(b + ".")), None)
+        return next((b for b, m in named.items() if path == m or path.startswith(m + ".")), None)
 
     first = next((i for i, p in enumerate(order) if block_of(p)), 0)
     last = max((i for i, p in enumerate(order) if block_of(p)), default=len(order))
@@ -138,6 +142,16 @@ def _param_bytes(module: nn.Module, example_inputs: Sequence[Any], block_paths: 
         for side in where:
             out[side] += p.numel() * p.element_size()
     return out
+
+
+def _resolve(module: nn.Module, path: str) -> Any:
+    """The object at dotted ``path`` from ``module`` (attributes and module-list indices), or None."""
+    obj: Any = module
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
 
 
 def _p2p_bandwidth(options: dict[str, Any]) -> float:
