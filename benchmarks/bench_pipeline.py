@@ -183,22 +183,38 @@ def main() -> None:
             for wait in (False, True):
                 runs.append((level, memory, method, wait, plan, len(rows)))
                 rows.append(None)
-    results: dict[int, list[dict]] = {}
-    for r in range(args.repeats):  # interleaved: a slow spell of the machine hits every config
-        for level, memory, method, wait, plan, slot in runs:
-            tag = f"{method}_{level}_{int(wait)}_{r}"
-            res = launch(args, method, wait, memory, tag, plan)
-            print(tag, res.get("error") or round(statistics.median(res["times"][1:]) * 1e3, 1), flush=True)
-            results.setdefault(slot, []).append(res)
+    launched = _launch_interleaved(args, [(f"{method}_{level}_{int(wait)}", method, wait, memory, plan, slot)
+                                          for level, memory, method, wait, plan, slot in runs])
     for level, memory, method, wait, plan, slot in runs:
-        ok = [x for x in results[slot] if "times" in x]
-        best = min(ok, key=lambda x: statistics.median(x["times"][1:])) if ok else results[slot][0]
+        best, ok = launched[slot]
         row = _row(level, memory, method, wait, plan, best)
-        row["launch_medians_ms"] = "/".join(f"{statistics.median(x['times'][1:]) * 1e3:.0f}" for x in ok)
+        row["launch_medians_ms"] = _medians(ok)
         rows[slot] = row
     for row in rows:
         row.setdefault("launch_medians_ms", "-")
     _write(args, top, rows)
+
+
+def _launch_interleaved(args, runs) -> dict[int, tuple[dict, list[dict]]]:
+    """Launch every (tag, method, recompute_in_wait, memory, plan, slot) ``args.repeats`` times,
+    interleaved (a slow spell of the machine hits every configuration); per slot: the launch with
+    the fastest median step (the first launch when none succeeded) and the launches that did."""
+    results: dict[int, list[dict]] = {}
+    for r in range(args.repeats):
+        for tag, method, wait, memory, plan, slot in runs:
+            res = launch(args, method, wait, memory, f"{tag}_{r}", plan)
+            print(f"{tag}_{r}", res.get("error") or round(statistics.median(res["times"][1:]) * 1e3, 1), flush=True)
+            results.setdefault(slot, []).append(res)
+    out = {}
+    for slot, got in results.items():
+        ok = [x for x in got if "times" in x]
+        out[slot] = (min(ok, key=lambda x: statistics.median(x["times"][1:])) if ok else got[0], ok)
+    return out
+
+
+def _medians(launches: list[dict]) -> str:
+    """Each launch's median step time (ms), joined by '/'."""
+    return "/".join(f"{statistics.median(x['times'][1:]) * 1e3:.0f}" for x in launches)
 
 
 def _compare_schedules(args, costs, top: int) -> None:
@@ -227,18 +243,12 @@ def _compare_schedules(args, costs, top: int) -> None:
                 continue
             runs.append((level, memory, schedule, stages, plan, len(rows)))
             rows.append(None)
-    results: dict[int, list[dict]] = {}
-    for r in range(args.repeats):  # interleaved: a slow spell of the machine hits every schedule
-        for level, memory, schedule, stages, plan, slot in runs:
-            tag = f"{schedule}_{level}_{r}"
-            res = launch(args, "lynx", True, memory, tag, plan)
-            print(tag, res.get("error") or round(statistics.median(res["times"][1:]) * 1e3, 1), flush=True)
-            results.setdefault(slot, []).append(res)
+    launched = _launch_interleaved(args, [(f"{schedule}_{level}", "lynx", True, memory, plan, slot)
+                                          for level, memory, schedule, stages, plan, slot in runs])
     for level, memory, schedule, stages, plan, slot in runs:
-        ok = [x for x in results[slot] if "times" in x]
-        best = min(ok, key=lambda x: statistics.median(x["times"][1:])) if ok else results[slot][0]
+        best, ok = launched[slot]
         row = _schedule_row(level, memory, schedule, stages, plan, best)
-        row["launch_medians_ms"] = "/".join(f"{statistics.median(x['times'][1:]) * 1e3:.0f}" for x in ok) or "-"
+        row["launch_medians_ms"] = _medians(ok) or "-"
         if ok:  # every launch trains the same steps: the worst loss difference over all of them
             row["max_rel_loss_diff"] = f"{max(_loss_diff(x['losses'], reference) for x in ok):.1e}"
         rows[slot] = row
