@@ -33,6 +33,12 @@ of the heads as key/value heads, GELU MLP, tied embeddings; loss inside forward)
 GPT preset; ``hf-llama:<preset>``: HF ``transformers`` ``LlamaForCausalLM`` sized the same way
 (skipped, with a note, when ``transformers`` is not installed).
 
+``--interleave ROUNDS``: step times from one process. After the per-variant processes, one
+more process prepares every variant that ran (each on its own copy of the model), warms each
+up, then runs ROUNDS rounds of one step per variant, rotating the order every round; ``step_ms``
+becomes that median and ``step_ms_own_process`` keeps the per-process one. Drift on a shared
+machine then falls on every variant alike, which per-process medians minutes apart cannot give.
+
 Measurement, per variant (``lynx_compile.variants.run_variant``, as ``lynx demo``): an eager
 reference step (fp32 only) from the same seeds; then ``--warmup`` steps (the first compiles;
 its wall time is ``first_step_s``, loss ``loss``), then ``--steps`` timed steps, median
@@ -86,7 +92,7 @@ QUICK_TORCH_BUDGETS = (0.5, 0.0)  # "inductor" is budget 1.0 (torch's default)
 QUICK_LYNX_BUDGETS = (0.7, 0.5)
 QUICK_SHAPE = {"model": "gpt-tiny", "layers": 4, "seq": 64}  # 2 layers: the LM head dominates the peak
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
-COLUMNS = ["model", "variant", "result", "step_ms", "peak_MiB", "peak_vs_eager", "first_step_s",
+COLUMNS = ["model", "variant", "result", "step_ms", "step_ms_own_process", "peak_MiB", "peak_vs_eager", "first_step_s",
            "predicted_peak_MiB", "loss", "loss_equals_eager", "grad_rel_diff", "grads_equal_eager",
            "grad_rel_diff_vs_inductor"]
 MD_COLUMNS = [c for c in COLUMNS if c != "result"] + ["status"]
@@ -218,6 +224,63 @@ def run_variant(variant: str, s: Settings, ref_grads_path: Optional[str] = None)
     return row
 
 
+def time_interleaved(names: Sequence[str], s: Settings, rounds: int) -> dict[str, float]:
+    """Median step ms of every variant in ``names``, all prepared in this process (each on its own
+    copy of the model) and timed in ``rounds`` rounds of one step each, the order rotated every
+    round: the machine's drift (other processes, clocks) falls on all variants alike. Variants
+    that fail are left out."""
+    import statistics
+    import time
+
+    if s.device == "cpu":
+        torch.set_num_threads(s.threads or 1)
+    # one compiled entry per model copy of the same forward: dynamo's per-code cache must hold all
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * len(names))
+    torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit,
+                                                            8 * len(names))
+    steps: dict[str, Callable[[], None]] = {}
+    for name in names:
+        model, loss_of = build(s)
+        try:
+            fn = variants.prepare(name, model, solver=s.solver, compiler=s.lynx_compiler)
+
+            def step(fn=fn, loss_of=loss_of) -> None:
+                loss_of(fn).backward()
+
+            for _ in range(max(2, s.warmup)):
+                step()
+        except Exception as exc:  # noqa: BLE001 - reported by its own-process row already
+            print(f"interleaved timing: {name} left out: {describe_failure(exc)}", file=sys.stderr)
+            continue
+        steps[name] = step
+    times: dict[str, list[float]] = {n: [] for n in steps}
+    order = list(steps)
+    for r in range(rounds):
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            variants._sync(s.device)
+            t0 = time.perf_counter()
+            steps[name]()
+            variants._sync(s.device)
+            times[name].append(time.perf_counter() - t0)
+    return {n: statistics.median(t) * 1e3 for n, t in times.items()}
+
+
+def run_interleaved_in_subprocess(names: Sequence[str], s: Settings, rounds: int, *, timeout_s: float) -> dict:
+    """``time_interleaved`` in a fresh process (torch's usual compile caches)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--interleave-timing", ",".join(names),
+           "--rounds", str(rounds), *s.argv()]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        print(f"interleaved timing timed out after {timeout_s:g} s", file=sys.stderr)
+        return {}
+    for line in reversed(proc.stdout.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    print(f"interleaved timing failed: {proc.stderr.strip().splitlines()[-1:] }", file=sys.stderr)
+    return {}
+
+
 # ------------------------------------------------------------------------ one process per run
 
 def run_in_subprocess(variant: str, s: Settings, *, timeout_s: float = 1800,
@@ -258,7 +321,7 @@ def finish_rows(rows: list[dict]) -> list[dict]:
         base = eager_peak.get(r["model"])
         if r.get("peak_MiB") is not None and base:
             r["peak_vs_eager"] = r["peak_MiB"] / base
-        for k in ("step_ms", "peak_MiB", "predicted_peak_MiB", "first_step_s", "peak_vs_eager"):
+        for k in ("step_ms", "step_ms_own_process", "peak_MiB", "predicted_peak_MiB", "first_step_s", "peak_vs_eager"):
             if isinstance(r.get(k), float):
                 r[k] = float(f"{r[k]:.4g}")
         r["status"] = r["result"].split(":")[0]
@@ -319,7 +382,11 @@ def write_results(out: str, stem: str, rows: list[dict], settings: Sequence[Sett
              f"layers {s.layers or 'preset'}, seq {s.seq or 'preset'}, threads {s.threads or ('1' if device == 'cpu' else 'default')}; "
              f"{s.warmup} warm-up steps (the first compiles: first_step_s), median of {s.steps} timed steps; "
              f"lynx solver {s.solver}, lynx compiler {s.lynx_compiler}. Step = forward + loss + backward, "
-             "no optimizer; each variant in its own process. peak = activation memory: "
+             "no optimizer; each variant in its own process"
+             + ("; step_ms: the median of all variants timed in one more process, one step each in "
+                "rotated rounds (step_ms_own_process: the variant's own process)" if any(
+                    r.get("step_ms_own_process") is not None for r in rows) else "")
+             + ". peak = activation memory: "
              + "`lynx_compile.memory.measure_step` over one step, gradients excluded ("
              + ("`max_memory_allocated` above the start)." if device == "cuda" else "CPU allocator events).")
              + f" grads_equal_eager: max relative difference <= {GRAD_RTOL:g} after the first step (fp32 only).",
@@ -367,7 +434,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "(default: a cold one per variant, so first_step_s is a cold compile); on with --quick")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per variant process")
     p.add_argument("--out", default=RESULTS)
+    p.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                   help="also time every variant of a model in one process, ROUNDS rounds of one step "
+                        "each in rotated order; step_ms is then that median (step_ms_own_process: the "
+                        "variant's own process). Peaks and gradients stay per process.")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--interleave-timing", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--rounds", type=int, default=20, help=argparse.SUPPRESS)
     p.add_argument("--ref-grads", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -392,6 +465,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     if args.one:
         print(json.dumps(run_variant(args.one, settings_from(args, args.model), args.ref_grads)))
+        return 0
+    if args.interleave_timing:
+        print(json.dumps(time_interleaved(args.interleave_timing.split(","), settings_from(args, args.model),
+                                          args.rounds)))
         return 0
     from foreign_models import hf_available
 
@@ -420,6 +497,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 rows.append(row)
                 print(row["result"] if row["result"] != "ok" else
                       f"{row['step_ms']:.4g} ms, {row['peak_MiB']:.4g} MiB", file=sys.stderr, flush=True)
+            if args.interleave:
+                ok = [r["variant"] for r in rows if r["model"] == model and r["result"] == "ok"]
+                print(f"{model}: timing {len(ok)} variants in one process, {args.interleave} rounds ...",
+                      file=sys.stderr, flush=True)
+                medians = run_interleaved_in_subprocess(ok, s, args.interleave, timeout_s=args.timeout)
+                for r in rows:
+                    if r["model"] == model and r["variant"] in medians:
+                        r["step_ms_own_process"], r["step_ms"] = r["step_ms"], medians[r["variant"]]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if not rows:

@@ -155,13 +155,33 @@ def inductor_partitioner_base() -> type:
 
 
 def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, partitioner: Any,
-                                      keep_placement: bool = True) -> Callable:
+                                      keep_placement: bool = True, post_grad: Callable | None = None,
+                                      post_fusion: Callable | None = None) -> Callable:
     """Compile a dynamo graph with Inductor end to end (``compile_fx``: decompositions, joint
     passes, then ``partitioner`` instead of min-cut, post-grad passes, fused codegen) —
-    ``torch.compile``'s own pipeline with only the partition replaced."""
+    ``torch.compile``'s own pipeline with only the partition replaced.
+
+    ``keep_placement``: the settings of ``INDUCTOR_KEEP_PLACEMENT``. ``post_grad(graph)``: run
+    on every post-grad graph after Inductor's own passes and the user's
+    ``post_grad_custom_post_pass``, if any (``CustomGraphPass``, 2.11 and 2.13; its cache key is
+    the hash of the file defining it). ``post_fusion``: called
+    with the scheduler's fused nodes of every graph this compile schedules (forward, backward),
+    in run order (``config._post_fusion_custom_pass``, 2.11 and 2.13); it must return them.
+    Inductor's FX-graph cache stays on where torch keys it on the pass (2.13: a
+    ``CustomSchedulerPass`` whose ``uuid`` is the hash of the file defining ``post_fusion``'s
+    class); a cache hit skips the scheduler, so ``post_fusion`` is not called. 2.11 has no such
+    key: the cache is off there for these graphs."""
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
+    patches: dict[str, Any] = {}
+    if keep_placement:
+        patches.update(INDUCTOR_KEEP_PLACEMENT)
+    if post_grad is not None:
+        patches["post_grad_custom_post_pass"] = _chained_post_grad_pass(inductor_config.post_grad_custom_post_pass,
+                                                                        post_grad)
+    if post_fusion is not None:
+        patches.update(_scheduler_pass(post_fusion))
     # AOTAutograd's cache would return an earlier compile of this graph without calling the
     # partitioner (the partitioner's uuid is part of Inductor's FX-graph key, not of this one),
     # leaving no plan: it is off for lynx graphs. Inductor's kernel caches stay on.
@@ -169,7 +189,119 @@ def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, 
     # first backward, and compile_fx re-applies these to every inner compile.)
     with inductor_config.patch(custom_partitioner_fn=partitioner), \
             _functorch_config.patch(enable_autograd_cache=False):
-        return compile_fx(gm, example_inputs, config_patches=dict(INDUCTOR_KEEP_PLACEMENT) if keep_placement else None)
+        return compile_fx(gm, example_inputs, config_patches=patches or None)
+
+
+def _scheduler_pass(fn: Callable[[list], list]) -> dict[str, Any]:
+    """Inductor config patches installing ``fn`` as the post-fusion scheduler pass."""
+    from torch._inductor import custom_graph_pass
+
+    if getattr(custom_graph_pass, "CustomSchedulerPass", None) is None:  # 2.11: no cache key for it
+        return {"_post_fusion_custom_pass": fn, "fx_graph_cache": False}
+    return {"_post_fusion_custom_pass": _scheduled_pass_class()(fn)}
+
+
+@functools.lru_cache(maxsize=None)
+def _scheduled_pass_class() -> type:
+    """A ``CustomSchedulerPass`` (2.13) calling a function; its ``uuid`` (the hash of the file
+    defining the function's class) is what Inductor's FX-graph cache key holds, and what it
+    pickles of the config (the function itself may hold anything)."""
+    from torch._inductor import custom_graph_pass
+
+    class ScheduledPass(custom_graph_pass.CustomSchedulerPass):
+        def __init__(self, fn: Callable[[list], list] | None, uuid: Any = None):
+            self.fn = fn
+            self._uuid = uuid if fn is None else custom_graph_pass.get_hash_for_files(
+                (inspect.getfile(type(fn)),), type(fn).__qualname__)
+
+        def __call__(self, nodes: list) -> list:
+            return self.fn(nodes) if self.fn is not None else nodes
+
+        def uuid(self) -> Any:
+            return self._uuid
+
+        def __reduce__(self) -> tuple:
+            return (_unpickled_scheduled_pass, (self._uuid,))
+
+    ScheduledPass.__qualname__ = ScheduledPass.__name__ = "ScheduledPass"
+    return ScheduledPass
+
+
+def _unpickled_scheduled_pass(uuid: Any) -> Any:
+    """What a pickled ``ScheduledPass`` (in a cache key) loads as: one that does nothing."""
+    return _scheduled_pass_class()(None, uuid)
+
+
+def _chained_post_grad_pass(user_pass: Any, fn: Callable[[fx.Graph], None]) -> Any:
+    """A ``CustomGraphPass`` running the user's own post-grad pass(es), if any, then ``fn``."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    users = [p for p in (user_pass if isinstance(user_pass, (list, tuple)) else [user_pass]) if p is not None]
+
+    class Chained(CustomGraphPass):
+        def __call__(self, graph: fx.Graph) -> None:
+            for p in users:
+                p(graph)
+            fn(graph)
+
+        def uuid(self) -> Any:
+            own = get_hash_for_files((inspect.getfile(fn),), getattr(fn, "__qualname__", ""))
+            return (own, *(p.uuid() if hasattr(p, "uuid") else repr(p) for p in users))
+
+    return Chained()
+
+
+def inductor_schedule_memory(nodes: list, *, count_input: Callable[[str], bool],
+                             count_output: bool) -> tuple[int, dict[str, int]]:
+    """Inductor's own memory estimate of the graph it is scheduling now (call it from a
+    ``post_fusion`` callback; ``torch._inductor.memory``, the model behind Inductor's
+    ``reorder_for_peak_memory``, 2.11 and 2.13): buffers are allocated at their fused node and
+    freed after their last reader; graph inputs Inductor can free (read by the graph) count from
+    the start until their last reader.
+
+    ``count_input(name)``: whether graph input ``name`` counts (parameters and the user's inputs
+    do not: they are alive regardless). ``count_output``: whether the graph's outputs count (a
+    forward's saved activations do; a backward's gradients are not activation memory). Returns
+    (peak bytes, {counted input: bytes}); the peak is computed here from Inductor's buffer
+    lifetimes (2.11's ``estimate_peak_memory`` mis-frees graph outputs)."""
+    from torch._inductor import memory
+    from torch._inductor.virtualized import V
+    from torch.utils._ordered_set import OrderedSet
+
+    graph_inputs = OrderedSet(V.graph.graph_inputs.keys())
+    outputs = OrderedSet(V.graph.get_output_names())
+    name_to_buf = {b.get_name(): b for n in nodes for b in n.get_outputs()}
+    name_to_fused = {sn.get_name(): n for n in nodes for sn in n.get_nodes()}
+    # prepare_planning_info stores its analysis on the nodes and buffers (mpi_node, mpi_buffer),
+    # which the scheduler reads later (its topological sorts): put back what was there, so that
+    # measuring the schedule does not change the code generated (it did: +12% peak on gpt-tiny).
+    missing = object()
+    saved = [(n, "mpi_node", getattr(n, "mpi_node", missing)) for n in nodes]
+    saved += [(b, "mpi_buffer", getattr(b, "mpi_buffer", missing)) for b in name_to_buf.values()]
+    try:
+        _, freeable = memory.prepare_planning_info(nodes, name_to_buf, name_to_fused, graph_inputs, outputs)
+        freeable = {k: v for k, v in freeable.items() if count_input(k)}
+        infos, _, _ = memory.compute_memory_timeline(nodes, freeable, outputs)
+    finally:
+        for obj, attr, value in saved:
+            if value is missing:
+                with contextlib.suppress(AttributeError):
+                    delattr(obj, attr)
+            else:
+                setattr(obj, attr, value)
+    delta = [0] * (len(nodes) + 2)
+    for b in infos:
+        name = b.buffer.get_name()
+        if b.end_step == -1 and name in outputs and name not in freeable and not count_output:
+            continue
+        delta[b.start_step] += b.size_alloc
+        if b.end_step != -1:
+            delta[b.end_step + 1] -= b.size_free
+    live = peak = 0
+    for d in delta:
+        live += d
+        peak = max(peak, live)
+    return peak, {k: v.mpi_buffer.size_free for k, v in freeable.items()}
 
 
 INDUCTOR_KEEP_PLACEMENT = {
@@ -394,3 +526,40 @@ def functional_reduce_scatter(x: torch.Tensor, op: str, scatter_dim: int, group:
     fc = _functional_collectives()
     fn = getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor
     return fn(x, op, scatter_dim, group)
+
+
+# --- torch.distributed.pipelining (private parts) ----------------------------------------------
+
+def pipeline_schedule_actions(schedule_class: type, ranks: int, stages_per_rank: int,
+                              num_microbatches: int) -> list[list[tuple[str, int, int]]]:
+    """Per rank, the compute actions of a ``torch.distributed.pipelining`` schedule class in the
+    order it runs them: ``(type, stage, micro-batch)`` with torch's type letters (``"F"``
+    forward, ``"I"`` input-gradient backward, ``"W"`` weight-gradient backward, ``"B"`` whole
+    backward); its bubbles (``None``) and non-compute actions dropped.
+
+    torch builds the order (``schedule.pipeline_order``: rank -> list of ``_Action`` or None) in
+    the schedule's constructor from the stages' ``group_size`` / ``num_stages`` alone, for every
+    rank, so mock stages stand in for a process group. This is the construction of torch's own
+    ``pipelining._schedule_visualizer.get_schedule_ops`` (2.11 and 2.13), which lynx does not call
+    because it refuses one stage per rank for the multi-stage classes. Checked on torch 2.11 and
+    2.13 for ``ScheduleZBVZeroBubble`` and ``ScheduleInterleavedZeroBubble``."""
+    from unittest import mock
+
+    from torch.distributed.pipelining import PipelineStage
+
+    stage = mock.create_autospec(PipelineStage, instance=True)
+    stage.group_rank, stage.group_size, stage.submod = 0, ranks, None
+    stage.num_stages = ranks * stages_per_rank
+    schedule = schedule_class([stage] * stages_per_rank, num_microbatches)
+    return [[(a.computation_type.value, a.stage_index, a.microbatch_index)
+             for a in schedule.pipeline_order[rank]
+             if a is not None and a.computation_type.value in ("F", "I", "W", "B")]
+            for rank in range(ranks)]
+
+
+def dispatch_mode_base() -> type:
+    """``torch.utils._python_dispatch.TorchDispatchMode``, the base class of a mode that sees
+    every aten op a forward runs (same module and interface on 2.11 and 2.13)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode

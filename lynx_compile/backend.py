@@ -95,13 +95,7 @@ class LynxBackend:
         if self.config.compiler == "inductor" and not on_meta:
             # (Meta-device models — paper-scale planning — take the aot_autograd path below: the
             # same min-cut base, without Inductor's joint passes, which reject meta tensors.)
-            from lynx_compile.inductor import LynxPartitioner
-            from lynx_compile.distributed.agreement import planning_group
-
-            partitioner = LynxPartitioner(self.config, record, plan_only=self.plan_only)
-            with planning_group(self.planning_group):
-                return _compat.inductor_compile_with_partitioner(
-                    gm, example_inputs, partitioner, keep_placement=self.config.policy not in ("none", "torch"))
+            return self._compile_inductor(gm, example_inputs, record)
         partition_fn = functools.partial(lynx_partition, config=self.config, record=record)
         compiler = fw_compiler = self._compiler
         deferral = None
@@ -125,6 +119,20 @@ class LynxBackend:
             return _compat.aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler,
                                         inference_compiler=compiler,
                                         partition_fn=partition_fn)(gm, example_inputs)
+
+    def _compile_inductor(self, gm: fx.GraphModule, example_inputs: list, record: GraphRecord) -> Callable:
+        """Inductor's pipeline with lynx's partition (``lynx_compile.inductor``); Inductor's own
+        estimate of the compiled step's peak goes on the plan once the backward is compiled."""
+        from lynx_compile.distributed.agreement import planning_group
+        from lynx_compile.inductor import CompiledPeak, LynxPartitioner, split_late_addmm
+
+        own_placement = self.config.policy not in ("none", "torch")
+        peak = None if self.plan_only else CompiledPeak(record=record)
+        partitioner = LynxPartitioner(self.config, record, plan_only=self.plan_only, peak=peak)
+        with planning_group(self.planning_group):
+            return _compat.inductor_compile_with_partitioner(
+                gm, example_inputs, partitioner, keep_placement=own_placement,
+                post_grad=split_late_addmm if own_placement else None, post_fusion=peak)
 
     def run_early(self, key: Any) -> int:
         """Run the recompute prefix of micro-batch ``key``'s backward in every graph now (see

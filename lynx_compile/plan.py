@@ -56,6 +56,11 @@ class RecomputePlan:
     """What ``budget_bytes`` bounds: ``"peak"`` (the step's activation peak; a graph holding the
     model's blocks) or ``"saved"`` (the activations the graph saves for its backward; a graph
     that is one block or a piece of a model, whose savings add up across graphs)."""
+    compiled_peak_bytes: int | None = None
+    """``compiler="inductor"``: the step's activation peak as Inductor compiled it, from its own
+    memory estimate of the fused schedules (``lynx_compile.inductor.CompiledPeak``; not what the
+    budget is checked on); None for the eager compiler, for ``lynx plan`` (nothing compiles), and
+    until the backward is compiled (at the first backward)."""
     notes: tuple[str, ...] = field(default_factory=tuple)
     decisions: Decisions = field(default_factory=lambda: Decisions(policy="none"))
     """Per unit (forward op): ``Keep()`` / ``Demand()`` / ``Window(collective)``, as the policy
