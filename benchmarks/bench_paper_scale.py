@@ -7,12 +7,19 @@ trace (meta device, fake tensor-parallel group, analytic costs of the cluster's 
 
     python benchmarks/bench_paper_scale.py            # profiles cached in results/paper_scale_profiles.json
     python benchmarks/bench_paper_scale.py --reprofile --models gpt-1.3b,gpt-13b
+    python benchmarks/bench_paper_scale.py --schedules 1F1B,ZBVZeroBubble --models gpt-23b --clusters a100-nvlink-32
 
 Per (model, cluster) the layout is fixed as a user would choose it (``LAYOUTS``), the global batch
 is 128 sequences of 2048 tokens, and each strategy gets the micro-batch (1, 2 or 4) with the best
 simulated throughput among those that fit; a strategy that fits at none is OOM, with the memory
 its best attempt needs. Writes ``results/paper_scale.{csv,md}``, ``results/paper_scale_search.md``,
 ``results/paper_scale_throughput.png`` and a timeline (Chrome trace + Gantt) of one configuration.
+
+``--schedules`` compares pipeline schedules instead (``schedule_table``): per pipelined
+configuration and micro-batch, lynx's recompute-aware stage plan (``plan_stages``, Lynx-OPT's
+per-layer recompute curve) under each schedule and its predicted step (``sim.pipeline``: the
+zero-bubble schedules replay torch's own order with each backward split into B and W). Writes
+``results/paper_scale_schedules.{csv,md}``.
 """
 from __future__ import annotations
 
@@ -249,6 +256,96 @@ def timeline(cache: dict, args) -> str:
     return base
 
 
+STAGES_PER_RANK = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2, "InterleavedZeroBubble": 2, "ZBVZeroBubble": 2}
+
+
+def pipeline_costs(prof: LayerProfile, cluster, layout: Layout):
+    """The per-layer ``PipelineCosts`` ``sim.scale`` plans lynx's cuts with (Lynx-OPT's recompute
+    curve, tensor-parallel collectives on the compute stream), plus what a zero-bubble schedule
+    needs: each layer's weight-gradient seconds, 3h / (6h + s) of its backward compute (the
+    linears' dW matmuls; ``pipeline.step_time.WEIGHT_SHARE``; the collectives carry dx, so they stay in
+    B), half the LM head's backward (its dx and dW matmuls), none of the embedding's, and the
+    point-to-point link between stages (``sim.scale``'s choice)."""
+    from lynx_compile.costs.comm import LINKS
+    from lynx_compile.pipeline.plan_stages import PipelineCosts, RecomputeCurve, SegmentCost
+    from lynx_compile.sim.scale import STATE_BYTES_PER_PARAM_BYTE, _candidates, _exposed, _logits_bytes
+
+    pts = _candidates(prof, "lynx-opt")
+    curve = RecomputeCurve(kept_bytes=tuple(q.kept_bytes for q in pts),
+                           exposed_s=tuple(_exposed(q, prof, cluster) for q in pts))
+    comm = sum(prof.comm_s)
+    share = 3 * prof.hidden / (6 * prof.hidden + prof.seq_len)
+    block = SegmentCost(name="layer", forward_s=prof.forward_s + comm, backward_s=prof.backward_s + comm,
+                        weight_backward_s=share * prof.backward_s, param_bytes=prof.layer_param_bytes,
+                        activation_bytes=prof.points["none"][0].kept_bytes, curve=curve,
+                        output_bytes=layout.microbatch * prof.seq_len * prof.hidden * 2)
+    link = LINKS[cluster.inter_link if layout.tp * layout.pp > cluster.devices_per_node else cluster.intra_link]
+    return PipelineCosts(
+        blocks=(block,) * prof.n_layers,
+        pre=SegmentCost(name="<pre>", forward_s=prof.pre_s[0], backward_s=prof.pre_s[1], weight_backward_s=0.0,
+                        param_bytes=prof.pre_param_bytes, activation_bytes=prof.pre_bytes),
+        post=SegmentCost(name="<post>", forward_s=prof.post_s[0], backward_s=prof.post_s[1],
+                         weight_backward_s=0.5 * prof.post_s[1], param_bytes=prof.post_param_bytes,
+                         activation_bytes=prof.post_bytes),
+        working_bytes=_logits_bytes(prof, layout), state_bytes_per_param_byte=STATE_BYTES_PER_PARAM_BYTE,
+        p2p_bytes_per_s=link.bandwidth_bytes_per_s, p2p_latency_s=link.alpha_s, microbatch_size=layout.microbatch)
+
+
+def schedule_rows(cache: dict, args) -> list[dict]:
+    """``--schedules``: one row per pipelined configuration, micro-batch and schedule
+    (``SCHEDULE_ASSUMPTIONS``). A rank holding two stages plans each under half its memory:
+    ``plan_stages`` prices a stage as if it had the device alone."""
+    from lynx_compile.pipeline.placement import stage_rank
+    from lynx_compile.pipeline.plan_stages import StagePlanError, plan_stages
+
+    rows = []
+    for model, cluster, tp, pp, dp in configs(args.models, args.clusters):
+        if pp < 2:
+            continue
+        c = CLUSTERS[cluster]
+        for mb in MICROBATCHES:
+            prof = get_profile(cache, model, cluster, tp, mb, args.reprofile)
+            layout = Layout(tp=tp, pp=pp, dp=dp, microbatch=mb, global_batch=GLOBAL_BATCH)
+            m, costs = layout.num_microbatches, pipeline_costs(prof, c, layout)
+            for schedule in args.schedules:
+                v = STAGES_PER_RANK[schedule]
+                row = {"config": f"{model} ({tp}/{pp}/{dp})", "cluster": cluster, "microbatch": mb,
+                       "microbatches": m, "schedule": schedule, "stages": v * pp}
+                try:
+                    plan = plan_stages(costs, v * pp, m, c.memory_bytes // v, schedule, method="lynx", ranks=pp)
+                except StagePlanError as e:
+                    rows.append({**row, "error": str(e).split(":")[0][:80]})
+                    continue
+                work = [0.0] * pp
+                for st in plan.stages:
+                    work[stage_rank(schedule, st.index, v * pp, pp)] += m * st.time_s
+                rows.append({**row, "layers_per_stage": "/".join(map(str, plan.layers_per_stage)), "fits": plan.fits,
+                             "recompute_ms_per_mb": round(sum(s.recompute_s for s in plan.stages) * 1e3, 2),
+                             "step_s": plan.predicted_step_s, "step_in_wait_s": plan.predicted_step_in_wait_s,
+                             "bubble": 1 - max(work) / plan.predicted_step_s,
+                             "tokens_per_s": GLOBAL_BATCH * prof.seq_len / plan.predicted_step_s})
+    return rows
+
+
+def schedule_table(cache: dict, args) -> int:
+    rows = schedule_rows(cache, args)
+    keys = ["config", "cluster", "microbatch", "microbatches", "schedule", "stages", "layers_per_stage", "fits",
+            "recompute_ms_per_mb", "step_s", "step_in_wait_s", "bubble", "tokens_per_s", "error"]
+    with open(os.path.join(RESULTS, "paper_scale_schedules.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    env = (f"{time.strftime('%Y-%m-%d')}; simulated on {platform.machine()}, {os.cpu_count()} cores; python "
+           f"{platform.python_version()}, torch {torch.__version__}")
+    lines = [env, "", "Command: `python benchmarks/bench_paper_scale.py --schedules " + ",".join(args.schedules) +
+             (" --models " + ",".join(args.models)) + (" --clusters " + ",".join(args.clusters)) + "`", "",
+             "**Simulated, not measured.** " + SCHEDULE_ASSUMPTIONS + " " + ASSUMPTIONS, ""] + md_table(rows, keys)
+    with open(os.path.join(RESULTS, "paper_scale_schedules.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", type=lambda s: s.split(","), default=list(MODELS))
@@ -256,10 +353,17 @@ def main(argv=None) -> int:
     p.add_argument("--reprofile", action="store_true", help="profile again instead of reading the cache")
     p.add_argument("--no-full-search", action="store_true",
                    help="skip planning each whole model with each solver (~1 min per MILP at its time limit)")
+    p.add_argument("--schedules", type=lambda s: s.split(","), default=None,
+                   help="compare pipeline schedules (e.g. 1F1B,ZBVZeroBubble) on the pipelined configurations "
+                        "instead; writes results/paper_scale_schedules.{csv,md}")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
     logging.getLogger("lynx_compile").setLevel(logging.ERROR)
     os.makedirs(RESULTS, exist_ok=True)
+    if args.schedules:
+        cache_path = os.path.join(RESULTS, "paper_scale_profiles.json")
+        cache = json.load(open(cache_path)) if os.path.exists(cache_path) else {}
+        return schedule_table(cache, args)
     rows, cache = run(args)
     if not args.no_full_search:
         full_search(cache, args.models, args.reprofile)
@@ -304,6 +408,15 @@ ASSUMPTIONS = (
     "backward, fp32 logits on the last stage. kappa = 1.1 (recompute inside a collective runs 10% slower). "
     "Data-parallel all-reduce of the gradients after the last backward, not overlapped. Strategies: "
     "lynx_compile.sim.scale. MFU = Megatron's 72BsLh^2(1+s/6h+V/12hL) / (time x devices x bf16 peak).")
+
+
+SCHEDULE_ASSUMPTIONS = (
+    "Per schedule, lynx's recompute-aware stage cuts (plan_stages, method lynx, Lynx-OPT's per-layer recompute "
+    "curve) and the step sim.pipeline replays: 1F1B one stage per rank; ZBVZeroBubble two per rank in a V, torch's "
+    "own action order, each backward split into B (input gradients, with the tensor-parallel collectives) and W = "
+    "3h/(6h+s) of a layer's backward compute (half the LM head's). A rank holding two stages plans each under half "
+    "its memory. recompute_ms_per_mb: exposed recompute summed over the stages. Bubble: 1 - the busiest rank's work "
+    "/ the step. step_s and tokens_per_s: the pipeline alone (no data-parallel all-reduce, no optimizer step).")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ Pure (no torch): the planner and ``lynx train`` use it before anything is built.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 MULTI_STAGE_SCHEDULES: frozenset[str] = frozenset({"Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"})
 """Schedules that take a list of stages per rank (torch's ``PipelineScheduleMulti``)."""
 ZERO_BUBBLE_SCHEDULES: frozenset[str] = frozenset({"InterleavedZeroBubble", "ZBVZeroBubble"})
@@ -52,3 +54,21 @@ def schedule_class(schedule: str):
             "Interleaved1F1B": pipelining.ScheduleInterleaved1F1B,
             "InterleavedZeroBubble": pipelining.ScheduleInterleavedZeroBubble,
             "ZBVZeroBubble": pipelining.ScheduleZBVZeroBubble}[schedule]
+
+
+@lru_cache(maxsize=64)
+def zero_bubble_orders(schedule: str, ranks: int, num_stages: int,
+                       num_microbatches: int) -> tuple[tuple[tuple[str, int, int], ...], ...]:
+    """Per rank, its actions under torch's ``schedule`` (``ZBVZeroBubble``,
+    ``InterleavedZeroBubble``): torch's own ``pipeline_order``, bubbles dropped (a rank waits
+    for its inputs anyway) and ``I`` named ``B``. Raises ValueError when torch cannot place
+    ``num_stages`` stages on ``ranks`` ranks."""
+    from lynx_compile import _compat
+
+    if schedule not in ZERO_BUBBLE_SCHEDULES:
+        raise ValueError(f"{schedule!r} is not a zero-bubble schedule; use one of {sorted(ZERO_BUBBLE_SCHEDULES)}")
+    why = check_placement(schedule, num_stages, ranks)
+    if why:
+        raise ValueError(why)
+    raw = _compat.pipeline_schedule_actions(schedule_class(schedule), ranks, num_stages // ranks, num_microbatches)
+    return tuple(tuple(("B" if kind == "I" else kind, s, j) for kind, s, j in actions) for actions in raw)

@@ -114,6 +114,9 @@ class SegmentCost:
     """None: nothing to recompute (keeps ``activation_bytes``)."""
     output_bytes: int = 0
     """Bytes of the tensor it hands to the next segment (what a stage boundary sends)."""
+    weight_backward_s: float | None = None
+    """The part of ``backward_s`` that computes weight gradients (W under the zero-bubble
+    schedules); None: not known, ``pipeline.step_time`` takes ``WEIGHT_SHARE`` of it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -514,10 +517,10 @@ def plan_stages(costs: PipelineCosts, num_stages: int, num_microbatches: int,
                 f"full recompute the smallest split needs {need} B ({human_bytes(need)}) on its fullest "
                 f"device. Give each device at least that, use more stages, or a smaller micro-batch.")
     stages = tuple(pr.price(i, s, e) for i, (s, e) in enumerate(_ranges(cuts, n)))
-    from lynx_compile.sim.pipeline import simulate_stages
+    from .step_time import simulate_stages
 
-    step = simulate_stages(stages, costs, schedule, m, recompute_in_wait=False)
-    step_wait = simulate_stages(stages, costs, schedule, m, recompute_in_wait=True)
+    step = simulate_stages(stages, costs, schedule, m, recompute_in_wait=False, ranks=pr.ranks)
+    step_wait = simulate_stages(stages, costs, schedule, m, recompute_in_wait=True, ranks=pr.ranks)
     notes = []
     if not all(s.fits for s in stages):
         bad = [s.index for s in stages if not s.fits]

@@ -1,9 +1,25 @@
-"""Replay one pipeline step (one stage per rank) from per-stage times; return its length.
+"""Replay one pipeline step from per-stage times; return its length.
 
-Each rank runs its stage's actions in the schedule's order (``schedule_order``): ``F j``
-(forward of micro-batch j) waits for the previous stage's ``F j`` plus the point-to-point send;
-``B j`` waits for the next stage's ``B j`` plus the send of the gradient (the last stage starts
-its backward right after its own forward: the loss is local). A rank does one action at a time.
+Every rank runs its actions one at a time, in its list's order. ``F j`` (forward of micro-batch
+j) of stage s waits for ``F j`` of stage s-1 plus the point-to-point send; ``B j`` waits for
+``B j`` of stage s+1 plus the send of the gradient (the last stage's ``B j`` follows its own
+``F j``: the loss is local). Two replays follow these rules:
+
+- ``simulate_pipeline``: one stage per rank, the backward whole, in ``schedule_order`` (GPipe,
+  1F1B). Interleaved1F1B is priced as 1F1B over all its stages (one stage per rank).
+- ``simulate_actions``: any number of stages per rank, the backward split into ``B`` (input
+  gradients, what the previous stage waits for; torch's ``I``) and ``W`` (weight gradients; ``W j``
+  waits only for ``B j`` of its own stage). The zero-bubble schedules (InterleavedZeroBubble,
+  ZBVZeroBubble) run this way; their per-rank lists are torch's own
+  (``pipeline.placement.zero_bubble_orders``; ``pipeline.step_time`` prices a stage plan).
+  A send between two stages on the same rank costs nothing.
+
+ZBV on 2 ranks, 4 stages, 4 micro-batches (``F30``: forward of stage 3, micro-batch 0), unit
+times, free sends: rank 1 starts one forward late, then neither rank ever waits; step 25 = 24
+units of work + 1::
+
+    rank 0: F00 F01 F02 F30 B30 W30 F31 B31 W31 F03 B00 W00 F32 B32 W32 B01 W01 F33 B33 W33 B02 W02 B03 W03
+    rank 1:  .  F10 F20 F11 F21 B20 W20 F12 B10 W10 F22 B21 W21 F13 B11 W11 F23 B22 W22 B12 B23 B13 W12 W23 W13
 
 Recompute ``R j`` is the stage's exposed recompute for micro-batch j. Without
 *recompute-in-wait* it runs inside ``B j``, after the gradient arrived. With it, ``R j`` needs no
@@ -12,13 +28,18 @@ gradient, so it starts as soon as the rank is free and the gradient wait overlap
     rank i:   ... F | wait for grad j ......... | R j | B j |        (on demand)
     rank i:   ... F | R j | wait for grad j ... | B j |              (recompute in the wait)
 
-Interleaved and zero-bubble schedules (InterleavedZeroBubble, ZBVZeroBubble) are priced as 1F1B
-over all their stages (one stage per rank, the backward whole); the simulation of their
-virtual-stage order, and of the W actions that fill a zero-bubble schedule's bubbles, is not built.
+Under a zero-bubble schedule a stage's recompute is split as in HAL: ``recompute_b_s`` (what the
+input gradients need) runs in ``B`` as above, ``recompute_w_s`` (activations only the weight
+gradients read) runs inside ``W``, which never waits for another rank.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
+
+Action = tuple[str, int, int]
+"""``(kind, stage, micro-batch)``; kind ``"F"``, ``"B"`` (input gradients) or ``"W"`` (weights)."""
+
 
 
 def schedule_order(schedule: str, num_stages: int, num_microbatches: int, stage: int) -> list[tuple[str, int]]:
@@ -79,16 +100,103 @@ def simulate_pipeline(forward_s: Sequence[float], backward_s: Sequence[float], r
     return max(free)
 
 
-def simulate_stages(stages, costs, schedule: str, num_microbatches: int, *, recompute_in_wait: bool) -> float:
-    """``simulate_pipeline`` for a ``StagePlan``'s stages priced from ``PipelineCosts``."""
-    p = len(stages)
-    fwd, bwd, rec, send = [], [], [], []
-    for st in stages:
-        s, e = st.blocks
-        segs = list(costs.blocks[s:e]) + ([costs.pre] if st.index == 0 else []) + \
-            ([costs.post] if st.index == p - 1 else [])
-        fwd.append(sum(g.forward_s for g in segs))
-        bwd.append(sum(g.backward_s for g in segs))
-        rec.append(st.recompute_s)
-        send.append(costs.p2p_s(costs.blocks[e - 1].output_bytes) if st.index < p - 1 else 0.0)
-    return simulate_pipeline(fwd, bwd, rec, send, schedule, num_microbatches, recompute_in_wait=recompute_in_wait)
+@dataclass(frozen=True, kw_only=True)
+class PipelineTimeline:
+    """One replayed step of ``simulate_actions``."""
+
+    step_s: float
+    busy_s: tuple[float, ...]
+    """Per rank: seconds spent computing (F, B, W and their recompute)."""
+    events: tuple[tuple[int, str, int, int, float, float], ...]
+    """``(rank, kind, stage, micro-batch, start, end)`` in the order they ran; kind ``"R"`` is
+    recompute run in the gradient wait (``recompute_in_wait``), the rest as ``Action``."""
+
+    @property
+    def idle_s(self) -> tuple[float, ...]:
+        """Per rank: the step's bubbles (waiting before, between and after its actions)."""
+        return tuple(self.step_s - b for b in self.busy_s)
+
+    def table(self) -> str:
+        """One line per rank: busy, idle and the idle share of the step."""
+        lines = [f"step {self.step_s * 1e3:.2f} ms", "rank  busy ms  idle ms  bubble"]
+        for r, (b, i) in enumerate(zip(self.busy_s, self.idle_s)):
+            lines.append(f"{r:>4}  {b * 1e3:7.2f}  {i * 1e3:7.2f}  {i / self.step_s if self.step_s else 0.0:6.1%}")
+        return "\n".join(lines)
+
+
+def simulate_actions(orders: Sequence[Sequence[Action]], forward_s: Sequence[float],
+                     input_backward_s: Sequence[float], weight_backward_s: Sequence[float],
+                     send_s: Sequence[float], *, recompute_b_s: Sequence[float] | None = None,
+                     recompute_w_s: Sequence[float] | None = None,
+                     recompute_in_wait: bool = False) -> PipelineTimeline:
+    """Replay ``orders`` (per rank, its ``Action`` list; every stage's F, B and W of every
+    micro-batch exactly once) with stage s taking ``forward_s[s]`` / ``input_backward_s[s]`` /
+    ``weight_backward_s[s]`` per micro-batch, plus ``recompute_b_s[s]`` exposed inside B and
+    ``recompute_w_s[s]`` inside W (module docstring); ``send_s[s]`` is the transfer between
+    stage s and s + 1 when they sit on different ranks."""
+    p = len(forward_s)
+    rec_b = list(recompute_b_s) if recompute_b_s is not None else [0.0] * p
+    rec_w = list(recompute_w_s) if recompute_w_s is not None else [0.0] * p
+    rank_of = _check_orders(orders, p)
+    end: dict[Action, float] = {}
+
+    def arrival(kind: str, src: int, dst: int, j: int) -> float | None:
+        done = end.get((kind, src, j))
+        if done is None:
+            return None
+        return done + (0.0 if rank_of[src] == rank_of[dst] else send_s[min(src, dst)])
+
+    def ready(kind: str, s: int, j: int) -> float | None:
+        if kind == "F":
+            return 0.0 if s == 0 else arrival("F", s - 1, s, j)
+        if kind == "B":
+            return end.get(("F", s, j)) if s == p - 1 else arrival("B", s + 1, s, j)
+        return end.get(("B", s, j))
+
+    pos, free, busy = [0] * len(orders), [0.0] * len(orders), [0.0] * len(orders)
+    events: list[tuple[int, str, int, int, float, float]] = []
+    left = sum(len(o) for o in orders)
+    while left:
+        progressed = False
+        for r, order in enumerate(orders):
+            while pos[r] < len(order):
+                kind, s, j = order[pos[r]]
+                t = ready(kind, s, j)
+                if t is None:
+                    break
+                if kind == "B" and recompute_in_wait and rec_b[s]:
+                    events.append((r, "R", s, j, free[r], free[r] + rec_b[s]))
+                    start = max(free[r] + rec_b[s], t)
+                    work = input_backward_s[s]
+                else:
+                    start = max(free[r], t)
+                    work = {"F": forward_s[s], "B": rec_b[s] + input_backward_s[s],
+                            "W": rec_w[s] + weight_backward_s[s]}[kind]
+                end[kind, s, j] = free[r] = start + work
+                busy[r] += work + (rec_b[s] if kind == "B" and recompute_in_wait else 0.0)
+                events.append((r, kind, s, j, start, free[r]))
+                pos[r] += 1
+                left -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("pipeline schedule deadlocked: an action waits for one that its rank runs later")
+    return PipelineTimeline(step_s=max(free), busy_s=tuple(busy), events=tuple(events))
+
+
+def _check_orders(orders: Sequence[Sequence[Action]], p: int) -> dict[int, int]:
+    """Each stage's rank; raises ValueError unless every (kind, stage, micro-batch) appears once
+    and each stage's actions sit on one rank."""
+    rank_of: dict[int, int] = {}
+    seen: set[Action] = set()
+    for r, order in enumerate(orders):
+        for action in order:
+            kind, s, j = action
+            if kind not in ("F", "B", "W") or not 0 <= s < p or action in seen or rank_of.setdefault(s, r) != r:
+                raise ValueError(f"action {action} on rank {r}: unknown kind, stage out of range, repeated, "
+                                 "or a stage on two ranks")
+            seen.add(action)
+    mbs = {j for _, _, j in seen}
+    if len(seen) != 3 * p * len(mbs):
+        raise ValueError(f"the orders hold {len(seen)} actions, not F, B and W of {p} stages x "
+                         f"{len(mbs)} micro-batches")
+    return rank_of
