@@ -192,6 +192,20 @@ def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, 
         return compile_fx(gm, example_inputs, config_patches=patches or None)
 
 
+def inductor_at_activation_budget(budget: float) -> Callable:
+    """A dynamo backend: Inductor (``compile_fx``, what ``backend="inductor"`` runs) with
+    ``torch._functorch.config.activation_memory_budget = budget`` while it compiles, where the
+    min-cut partition reads it (the backward, compiled later, is already partitioned)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    def inductor_at_budget(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
+        with _functorch_config.patch(activation_memory_budget=budget):
+            return compile_fx(gm, example_inputs, **kwargs)
+
+    inductor_at_budget.__name__ = f"inductor_at_budget_{budget:g}"
+    return inductor_at_budget
+
+
 def _scheduler_pass(fn: Callable[[list], list]) -> dict[str, Any]:
     """Inductor config patches installing ``fn`` as the post-fusion scheduler pass."""
     from torch._inductor import custom_graph_pass

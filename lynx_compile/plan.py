@@ -59,8 +59,9 @@ class RecomputePlan:
     compiled_peak_bytes: int | None = None
     """``compiler="inductor"``: the step's activation peak as Inductor compiled it, from its own
     memory estimate of the fused schedules (``lynx_compile.inductor.CompiledPeak``; not what the
-    budget is checked on); None for the eager compiler, for ``lynx plan`` (nothing compiles), and
-    until the backward is compiled (at the first backward)."""
+    budget is checked on); None for the eager compiler, for ``lynx plan`` (nothing compiles),
+    until the backward is compiled (at the first backward), and when Inductor's FX-graph cache
+    served either graph (its scheduler did not run)."""
     notes: tuple[str, ...] = field(default_factory=tuple)
     decisions: Decisions = field(default_factory=lambda: Decisions(policy="none"))
     """Per unit (forward op): ``Keep()`` / ``Demand()`` / ``Window(collective)``, as the policy

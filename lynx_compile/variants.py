@@ -6,8 +6,9 @@ Variant names:
 - ``eager``; ``checkpoint``: ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` around
   each transformer block's forward (the model's largest ``nn.ModuleList``), eager.
 - ``inductor``: ``torch.compile(model)``; ``inductor-b<B>``: the same with
-  ``torch._functorch.config.activation_memory_budget = B`` (patched around every call, so the
-  setting does not leak into later compiles in the process).
+  ``torch._functorch.config.activation_memory_budget = B`` while Inductor compiles (a backend
+  of its own per budget, so the setting does not leak into later compiles and copies of one
+  model at several budgets in one process each get their own code).
 - ``lynx-none``, ``lynx-full``, ``lynx-selective``; ``lynx-torch-b<B>`` (policy ``torch``,
   budget B); ``lynx-b<B>`` (policy ``lynx``, budget B): ``torch.compile(model, backend="lynx",
   options=...)`` with the given solver and compiler.
@@ -125,15 +126,15 @@ def prepare(name: str, model: torch.nn.Module, *, solver: str = "auto", compiler
         return model
     if v.kind == "lynx":
         return torch.compile(model, backend="lynx", options=lynx_options(name, solver=solver, compiler=compiler))
-    compiled = torch.compile(model)
     if v.budget is None:
-        return compiled
+        return torch.compile(model)
+    # Inductor with the budget patched while it compiles (the partition is decided then). A
+    # backend of its own, not backend="inductor" under a patch: dynamo shares compiled code
+    # between copies of a model compiled with the same backend (guards are on the parameters'
+    # shapes, not their identity), so in one process every budget would run the first's code.
+    from lynx_compile import _compat
 
-    def with_budget(*args: Any, **kwargs: Any) -> Any:
-        with torch._functorch.config.patch(activation_memory_budget=v.budget):
-            return compiled(*args, **kwargs)
-
-    return with_budget
+    return torch.compile(model, backend=_compat.inductor_at_activation_budget(v.budget))
 
 
 def describe_failure(exc: BaseException) -> str:

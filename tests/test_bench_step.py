@@ -76,3 +76,20 @@ def test_reporting_pairs_each_lynx_budget_with_the_fastest_torch_point_below_it(
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA exit")
 def test_cuda_without_a_gpu_exits_2():
     assert bench_step.main(["--device", "cuda"]) == 2
+
+
+def test_copies_at_different_torch_budgets_each_compile_their_own_graph():
+    """``--interleave`` times every variant in one process, each on its own copy of the model.
+    dynamo shares a compiled frame between copies compiled with the same backend (its guards are
+    on the parameters' shapes), so ``inductor-b<B>`` compiles with a backend of its own per
+    budget: three copies at three settings give three compiled graphs, not one."""
+    from torch._dynamo.utils import counters
+
+    from lynx_compile import variants
+
+    torch.compiler.reset()
+    before = counters["stats"]["unique_graphs"]
+    for name in ("inductor", "inductor-b0.5", "inductor-b0.0"):
+        model, loss_of = bench_step.build(QUICK)
+        loss_of(variants.prepare(name, model)).backward()
+    assert counters["stats"]["unique_graphs"] - before == 3
