@@ -265,6 +265,14 @@ def _chained_post_grad_pass(user_pass: Any, fn: Callable[[fx.Graph], None]) -> A
     return Chained()
 
 
+def inductor_graph_input_names() -> list[str]:
+    """Names of the inputs of the graph Inductor is compiling now (``V.graph.graph_inputs``,
+    2.11 and 2.13); call from a ``post_fusion`` callback."""
+    from torch._inductor.virtualized import V
+
+    return list(V.graph.graph_inputs)
+
+
 def inductor_schedule_memory(nodes: list, *, count_input: Callable[[str], bool],
                              count_output: bool) -> tuple[int, dict[str, int]]:
     """Inductor's own memory estimate of the graph it is scheduling now (call it from a

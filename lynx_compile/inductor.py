@@ -142,10 +142,7 @@ class CompiledPeak:
     backward_bytes: int | None = None
 
     def __call__(self, nodes: list) -> list:
-        from lynx_compile import _compat
-        from torch._inductor.virtualized import V
-
-        backward = any(k.startswith("tangents") for k in V.graph.graph_inputs)
+        backward = any(k.startswith("tangents") for k in _compat.inductor_graph_input_names())
         peak, counted = _compat.inductor_schedule_memory(
             nodes, count_input=lambda name: backward and not name.startswith("primals"), count_output=not backward)
         if backward:
