@@ -12,9 +12,9 @@ arrays of ``evaluate.ProblemArrays``):
    starts from step 1 and the greedy steps below do all the work. Steps 2-7 run once with
    every block of a group alike and once per ``CHUNKS`` entry with the group cut into that many
    runs of blocks (its k-th units one position per run); the plan exposing least wins. Alike,
-   a deep stack keeps a tensor in all blocks or none; in runs, in some (gpt-1.3b at budget
-   0.4 / 0.5 / 0.7: 26.3 / 19.7 / 4.80 ms exposed alike, 18.9 / 10.5 / 4.79 with runs; the
-   exact MILP 18.5 / 10.1 / 4.76).
+   a deep stack keeps a tensor in all blocks or none; in runs, in some (the gpt-1.3b preset
+   at budget 0.4 / 0.5 / 0.7: 1.45 / 1.96 / 1.01 x the exact MILP's exposed time alike,
+   1.001 / 1.000 / 1.000 with the best of 8 and 16 runs; 48 layers: 1.002 / 1.004 / 1.000).
 3. ``fix_inputs`` / ``cleanup``: make recomputes' inputs available, drop unread intermediates.
 4. ``repair``: while the peak exceeds the budget, switch the candidate with the best
    (bytes freed at the peak event) / (added exposed seconds) from keep (or window) to demand,
@@ -46,7 +46,7 @@ from .representative import solve_positions
 
 TOP_K = 6              # candidates whose switch is scored exactly (closure included) per repair step
 POLISH_MAX_BLOCKS = 8  # groups up to this many blocks get their boundary blocks re-solved
-CHUNKS = (1, 8, 12)    # representative MILPs tried: a group's blocks all alike, or in 8 / 12 runs
+CHUNKS = (1, 8, 16)    # representative MILPs tried: a group's blocks all alike, or in 8 / 16 runs
 
 
 def initial_state(arr: ProblemArrays) -> tuple[np.ndarray, np.ndarray]:
