@@ -265,6 +265,16 @@ def _chained_post_grad_pass(user_pass: Any, fn: Callable[[fx.Graph], None]) -> A
     return Chained()
 
 
+def inductor_preserve_node_ordering(graph: fx.Graph, deps: dict) -> None:
+    """Make each node in ``deps`` run after the nodes it maps to, in Inductor's schedule: torch's
+    own ``control_deps`` ordering edges (``fx_passes.control_dependencies.preserve_node_ordering``,
+    2.11 and 2.13, what Inductor's compute/communication overlap uses). Call from a post-grad pass."""
+    from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
+    from torch.utils._ordered_set import OrderedSet
+
+    preserve_node_ordering(graph, {n: OrderedSet(d) for n, d in deps.items() if d})
+
+
 def inductor_graph_input_names() -> list[str]:
     """Names of the inputs of the graph Inductor is compiling now (``V.graph.graph_inputs``,
     2.11 and 2.13); call from a ``post_fusion`` callback."""

@@ -124,7 +124,7 @@ class LynxBackend:
         """Inductor's pipeline with lynx's partition (``lynx_compile.inductor``); Inductor's own
         estimate of the compiled step's peak goes on the plan once the backward is compiled."""
         from lynx_compile.distributed.agreement import planning_group
-        from lynx_compile.inductor import CompiledPeak, LynxPartitioner, split_late_addmm
+        from lynx_compile.inductor import CompiledPeak, LynxPartitioner, lynx_post_grad
 
         own_placement = self.config.policy not in ("none", "torch")
         peak = None if self.plan_only else CompiledPeak(record=record)
@@ -132,7 +132,7 @@ class LynxBackend:
         with planning_group(self.planning_group):
             return _compat.inductor_compile_with_partitioner(
                 gm, example_inputs, partitioner, keep_placement=own_placement,
-                post_grad=split_late_addmm if own_placement else None, post_fusion=peak)
+                post_grad=lynx_post_grad if own_placement else None, post_fusion=peak)
 
     def run_early(self, key: Any) -> int:
         """Run the recompute prefix of micro-batch ``key``'s backward in every graph now (see

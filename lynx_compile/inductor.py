@@ -9,7 +9,8 @@
 
 ``torch._inductor.config.custom_partitioner_fn`` replaces only the partition step: everything
 ``torch.compile`` does before and after it runs unchanged, so lynx's graphs are compiled exactly
-as torch.compile's own, with one post-grad pass added (the tied weights below). What follows:
+as torch.compile's own, with two post-grad passes added (:func:`lynx_post_grad`: the tied
+weights and the windows below). What follows:
 
 * **RNG.** Inductor's ``replace_random`` joint pass has already rewritten every dropout into
   ``inductor_random(shape, inductor_lookup_seed(inductor_seeds(n), i))``. lynx never recomputes
@@ -23,6 +24,11 @@ as torch.compile's own, with one post-grad pass added (the tied weights below). 
   where its operands are ready. gpt-small (tied, batch 2, CPU) under ``full``: measured peak
   4.40 MB without it, 3.75 MB with it (lynx's prediction 3.75 MB). Only for lynx's own
   placements (not policies none and torch, which are torch.compile's partition as is).
+* **Windows.** lynx's FX passes put window recomputes between a collective's issue and its
+  wait; :func:`pin_windows` turns that into ordering edges (torch's ``control_deps``) so that
+  Inductor's scheduler (``reorder_for_peak_memory`` among others) keeps them there: on a TP=2
+  GPT (gloo, CPU) every recomputed matmul of a window is an extern-kernel call between the
+  ``all_reduce_`` and its ``wait_tensor`` in the generated backward (``tests/test_tp_lynx.py``).
 * **The compiled peak.** :class:`CompiledPeak` reads Inductor's own memory estimate of the
   fused schedules it generates (forward and backward) and records the step's peak on the plan
   (``RecomputePlan.compiled_peak_bytes``), beside lynx's prediction for the unfused graphs.
@@ -165,3 +171,43 @@ class CompiledPeak:
         if self.forward_bytes is None or self.backward_bytes is None:
             return None
         return max(self.forward_bytes, self.backward_bytes)
+
+
+def pin_windows(graph: fx.Graph) -> None:
+    """Ordering edges that keep lynx's window recomputes between their collective's issue and
+    its wait in Inductor's schedule (``passes/insert_recompute.py`` placed them there in the FX
+    graph; Inductor's scheduler may reorder independent nodes, e.g. ``reorder_for_peak_memory``).
+
+    Per window: the wait runs after the window's results (its nodes read after the window, so
+    they are realized buffers anyway), and each window node that reads nothing else in the
+    window runs after the issue. A pointwise node Inductor fuses into a later kernel has no
+    operation of its own to order; its kernel then runs wherever its consumer does."""
+    from lynx_compile.costs import is_collective_node
+    from lynx_compile.costs.comm import is_wait_node
+    from lynx_compile.decisions import Window
+    from lynx_compile.passes import meta
+
+    issued = {n.name: n for n in graph.nodes if is_collective_node(n)}
+    windows: dict[str, list[fx.Node]] = {}
+    for n in graph.nodes:
+        decision = n.meta.get(meta.DECISION)
+        if isinstance(decision, Window) and n.meta.get(meta.RECOMPUTED) and decision.collective in issued:
+            windows.setdefault(decision.collective, []).append(n)
+    deps: dict[fx.Node, list[fx.Node]] = {}
+    for name, members in windows.items():
+        issue, inside = issued[name], set(members)
+        results = [m for m in members if isinstance(m.meta.get("val"), torch.Tensor)
+                   and any(u not in inside for u in m.users)]
+        for wait in (u for u in issue.users if is_wait_node(u)):
+            deps[wait] = results
+        for m in members:
+            if m.op == "call_function" and not any(a in inside for a in m.all_input_nodes):
+                deps[m] = [issue]
+    _compat.inductor_preserve_node_ordering(graph, deps)
+
+
+def lynx_post_grad(graph: fx.Graph) -> None:
+    """The post-grad passes lynx adds for its own placements: :func:`split_late_addmm`, then
+    :func:`pin_windows`."""
+    split_late_addmm(graph)
+    pin_windows(graph)

@@ -205,8 +205,9 @@ def test_lynx_tensor_parallel_under_inductor_matches_single_process():
         assert r["peak_fraction"] <= BUDGET + 0.02 and r["recomputed"], r
 
 
-def _kernels_inside_windows(code: str) -> int:
-    """Kernel calls the generated backward makes between a collective's issue and its wait."""
+def _kernels_inside_windows(code: str, prefix: tuple[str, ...] = ("extern_kernels.", "cpp_fused")) -> int:
+    """Kernel calls the generated backward makes between a collective's issue and its wait
+    (``prefix``: which calls count; extern kernels are matmuls, never fused)."""
     inside, count = False, 0
     for line in code.splitlines():
         line = line.strip()
@@ -215,15 +216,31 @@ def _kernels_inside_windows(code: str) -> int:
             inside = True
         elif "_c10d_functional.wait_tensor" in line:
             inside = False
-        elif inside and (line.startswith("extern_kernels.") or line.startswith("cpp_fused")
-                         or ".run(" in line):
+        elif inside and (line.startswith(prefix) or ".run(" in line):
             count += 1
     return count
 
 
-def _inductor_window_code(rank, world, windows):
+MATMULS = ("mm", "bmm", "addmm", "baddbmm")
+
+
+def _inductor_window_code(rank, world, windows, pin=True):
     from torch._inductor.utils import run_and_get_code
 
+    import lynx_compile.inductor as lynx_inductor
+    from lynx_compile.decisions import Window
+    from lynx_compile.passes import meta
+
+    window_matmuls = []
+    real_pin = lynx_inductor.pin_windows
+
+    def counting_pin(graph):  # count the recomputed matmuls the plan put in windows, then pin
+        window_matmuls.extend(n.name for n in graph.nodes if isinstance(n.meta.get(meta.DECISION), Window)
+                              and getattr(n.target, "__name__", "").split(".")[0] in MATMULS)
+        if pin:
+            real_pin(graph)
+
+    lynx_inductor.pin_windows = counting_pin
     cfg = CONFIGS["gpt"]
     torch.manual_seed(0)
     model = tensor_parallelize(build_model(cfg), dist.group.WORLD)
@@ -233,15 +250,21 @@ def _inductor_window_code(rank, world, windows):
     compiled = torch.compile(model, backend=backend)
     _, codes = run_and_get_code(lambda: compiled(_batch(cfg)).loss.backward())
     moved = backend.records[-1].decisions.get("recompute_nodes_in_windows", 0)
-    return {"inside": _kernels_inside_windows(codes[-1]), "moved": moved}
+    return {"inside": _kernels_inside_windows(codes[-1]), "moved": moved, "window_matmuls": window_matmuls,
+            "matmuls_inside": _kernels_inside_windows(codes[-1], ("extern_kernels.",)),
+            "ordered": codes[-1].count("Unsorted Source Nodes")}
 
 
 @pytest.mark.timeout(600)
 def test_inductor_keeps_recompute_inside_the_windows():
-    """Under Inductor the placement is not pinned by ordering edges; this checks that Inductor's
-    generated backward still runs kernels between a collective's issue and its wait when lynx
-    placed recompute there, and fewer without windows."""
+    """Under Inductor, lynx's ``pin_windows`` post-grad pass adds ordering edges (torch's
+    ``control_deps``): the wait runs after the window's recomputes, which run after the issue.
+    Checked on the generated backward: every recomputed matmul the plan put in a window is an
+    extern-kernel call between a collective's issue and its wait, and more kernels run inside
+    windows than without them."""
     with_windows = run_ranks(_inductor_window_code, 2, True, timeout_s=280)[0]
     without = run_ranks(_inductor_window_code, 2, False, timeout_s=280)[0]
     assert with_windows["moved"] > 0 and without["moved"] == 0, (with_windows, without)
     assert with_windows["inside"] > without["inside"], (with_windows, without)
+    assert with_windows["window_matmuls"] and with_windows["ordered"] > 0, with_windows
+    assert with_windows["matmuls_inside"] >= len(with_windows["window_matmuls"]), with_windows
