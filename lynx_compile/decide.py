@@ -166,6 +166,7 @@ def seed_with_baselines(joint, ctx: PassContext, kw: dict, budget: int, referenc
 
     frac = min(1.0, budget / reference_peak)
     scores: dict[str, tuple[float, int]] = {}
+    lowest: tuple[int, str] | None = None       # (peak, where) of the lowest-peak candidate
     best = None
     if outcome is not None:
         best = ("lynx", exposed(outcome.applied, joint), outcome)
@@ -173,6 +174,8 @@ def seed_with_baselines(joint, ctx: PassContext, kw: dict, budget: int, referenc
     for name, applied in _baseline_candidates(joint, ctx, kw, BASELINES if ctx.record.blocks else (), frac):
         cost = exposed(applied, joint)
         scores[name] = (cost, applied.mem.peak_bytes)
+        if lowest is None or applied.mem.peak_bytes < lowest[0]:
+            lowest = (applied.mem.peak_bytes, applied.mem.peak_at)
         if applied.mem.peak_bytes <= budget and (best is None or cost < best[1] * (1 - 1e-9)):
             best = (name, cost, LynxOutcome(
                 applied=_as_seed(applied),
@@ -183,8 +186,16 @@ def seed_with_baselines(joint, ctx: PassContext, kw: dict, budget: int, referenc
     ctx.record.decisions["candidates"] = {k: {"exposed_s": e, "peak_bytes": b} for k, (e, b) in scores.items()}
     if best is None:
         tried = ", ".join(f"{k} {b / reference_peak:.3f}" for k, (_, b) in scores.items())
+        where = ""
+        if lowest is not None:
+            where = f" The lowest of them peaks at {lowest[1]}"
+            if lowest[0] >= 0.9 * reference_peak:
+                where += (": recompute cannot lower it, the bytes live there are the step's working set "
+                          "(e.g. the logits, the loss, a weight gradient such as the embedding's), not "
+                          "saved activations")
+            where += "."
         raise BudgetError(f"{failure} Baselines tried as seeds peak at (fraction of the no-recompute "
-                          f"peak): {tried}.") from failure
+                          f"peak): {tried}.{where}") from failure
     if best[0] != "lynx":
         why = (f"lynx's optimizer found no plan under this budget ({failure})" if outcome is None else
                f"lynx's own plan exposes {scores['lynx'][0] * 1e3:.3g} ms of recompute")

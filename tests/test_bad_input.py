@@ -56,6 +56,27 @@ def test_budget_below_smallest_reachable_names_it():
     assert "Use memory_budget >=" in str(err)
 
 
+def test_lynx_budget_below_every_plan_says_where_the_peak_is():
+    # a large vocabulary and a short sequence: the step's peak is the logits / embedding
+    # gradient, which no recompute lowers; the error says where the lowest plan peaks and why
+    # recompute cannot help there (not only the fraction)
+    from lynx_compile.models import GPTConfig
+
+    model = build_model(GPTConfig(vocab_size=4096, seq_len=8, n_layers=2, hidden=32, n_heads=4, dropout=0.0))
+    x = example_batch(model, 2)
+    compiled = torch.compile(model, backend="lynx", options={"policy": "lynx", "memory_budget": 0.3,
+                                                             "solver": "heu", "plan_cache": False})
+    with pytest.raises(Exception) as info:
+        compiled(x)
+    err = info.value
+    while not isinstance(err, BudgetError) and err is not None:
+        err = getattr(err, "inner_exception", None) or err.__cause__
+    assert isinstance(err, BudgetError), info.value
+    msg = str(err)
+    assert "Baselines tried as seeds" in msg and "The lowest of them peaks at " in msg, msg
+    assert "recompute cannot lower it" in msg, msg
+
+
 def test_budget_in_bytes_accepted_when_reachable():
     model = build_model("gpt-tiny")
     x = example_batch(model, 4)
