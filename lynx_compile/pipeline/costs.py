@@ -19,14 +19,32 @@ operand that is a parameter (``x @ W.T``) that matmul is W (``dW = dy.T @ x``), 
 A GPT block: 24Bsh^2 / (48Bsh^2 + 8Bs^2h) = 3h / (6h + s). Memory-bound backward work
 (norms, softmax, dropout) is scaled with the matmuls, not attributed op by op; the
 embedding's scatter-add (a weight gradient without a matmul) counts as B.
+
+Each segment's ``carry_bytes`` (what a micro-batch holds from B to W, ``runtime.weight_split``)
+is read off the model's backward graph as lynx's eager compiler builds it when it recomputes
+nothing (torch's default partition of the canonicalized joint, traced once more; nothing
+runs): B is every node whose value flows into the backward of an earlier segment
+(a stage starting at any block computes the gradient of its input through them), W and its
+carry are ``weight_split.weight_side`` of that, as ``split_weight_grads`` cuts a stage::
+
+    bw of segments  ... block 3 | block 4 ...     B(stage from block 4) = what reaches block 3
+    carry of block 4: inputs of block 4's W (saved x, dy of each linear, ...), by storage
+
+Each storage counts once (``memory.simulate``'s storage keys: saved views of one tensor share
+their forward storage), parameters not at all, at the segment whose W reads it. Exact for a stage
+that recomputes nothing (``tests/test_pipeline_bw_carry.py`` against ``WeightDeferral``'s real
+carry); a stage that recomputes carries what W reads of the recomputed values instead, which
+the profile does not trace.
 """
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.fx as fx
 from torch import nn
 from torch.utils.flop_counter import flop_registry
 
@@ -87,24 +105,157 @@ def profile_pipeline(module: nn.Module, example_inputs: Sequence[Any], options: 
     working = max(0, problem.reference_peak - sum(u.nbytes for u in problem.units))
     params, share = _forward_census(module, example_inputs, record.blocks)
     outputs = _block_output_bytes(problem, n)
+    split = _splits_weights(options or {})
+    carry = carry_bytes(module, example_inputs, record.blocks) if split else [0] * (n + 1)
     blocks = tuple(SegmentCost(
         name=path, forward_s=seg["blocks"].get(b, [0.0, 0.0])[0], backward_s=seg["blocks"].get(b, [0.0, 0.0])[1],
         weight_backward_s=share[path] * seg["blocks"].get(b, [0.0, 0.0])[1],
         param_bytes=params[path], activation_bytes=full[b],
         curve=RecomputeCurve(kept_bytes=tuple(p[0] for p in points[b]), exposed_s=tuple(p[1] for p in points[b])),
-        output_bytes=outputs[b]) for b, path in enumerate(record.blocks))
+        output_bytes=outputs[b], carry_bytes=carry[b]) for b, path in enumerate(record.blocks))
     pre = SegmentCost(name="<pre>", forward_s=seg["pre"][0], backward_s=seg["pre"][1],
                       weight_backward_s=share["<pre>"] * seg["pre"][1],
                       param_bytes=params["<pre>"], activation_bytes=pre_act)
     post = SegmentCost(name="<post>", forward_s=seg["post"][0], backward_s=seg["post"][1],
                        weight_backward_s=share["<post>"] * seg["post"][1],
-                       param_bytes=params["<post>"], activation_bytes=post_act)
+                       param_bytes=params["<post>"], activation_bytes=post_act, carry_bytes=carry[n])
     costs = PipelineCosts(blocks=blocks, pre=pre, post=post, working_bytes=working,
                           state_bytes_per_param_byte=state_bytes_per_param_byte,
                           p2p_bytes_per_s=_p2p_bandwidth(options or {}),
                           microbatch_size=int(example_inputs[0].shape[0]) if example_inputs else 1,
-                          pinned_cuts=tuple(sorted(set(seg.get("pipe_splits", ())))))
+                          pinned_cuts=tuple(sorted(set(seg.get("pipe_splits", ())))), weight_split=split)
     return costs, list(record.blocks)
+
+
+def _splits_weights(options: dict[str, Any]) -> bool:
+    """Whether stages compiled with ``options`` split B from W (``runtime.weight_split``: the
+    eager compiler, no side stream)."""
+    from lynx_compile.config import LynxConfig
+
+    compiler = options.get("compiler", LynxConfig.__dataclass_fields__["compiler"].default)
+    return compiler == "eager" and not options.get("side_stream", False)
+
+
+class _Traced(Exception):
+    """Raised by the capturing partition once it holds the graphs: nothing needs to run."""
+
+
+def traced_backward(module: nn.Module,
+                    example_inputs: Sequence[Any]) -> tuple[fx.GraphModule, fx.GraphModule, list[bool]]:
+    """(forward, backward, per graph input: is it a parameter) of ``module`` on
+    ``example_inputs``, partitioned as lynx's eager compiler does when nothing is recomputed
+    (``apply.partition_joint`` of the canonicalized joint). Compiles nothing and runs nothing."""
+    from lynx_compile.apply import partition_joint
+    from lynx_compile.backend import find_backend_error
+
+    got: list = []
+
+    def partition(joint, joint_inputs, *, num_fwd_outputs, static_lifetime_input_indices=None, **_):
+        kw = dict(num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static_lifetime_input_indices)
+        got.append(partition_joint(_compat.canonicalize_joint(joint), joint_inputs, kw, inductor=False))
+        raise _Traced()
+
+    def backend(gm: fx.GraphModule, inputs: list) -> Callable:
+        got.append([isinstance(t, nn.Parameter) for t in inputs])  # dynamo's inputs: the backward's outputs
+        return _compat.aot_autograd(fw_compiler=lambda g, _: g, partition_fn=partition)(gm, inputs)
+
+    torch.compiler.reset()
+    try:
+        with torch.enable_grad():
+            torch.compile(module, backend=backend, fullgraph=True)(*example_inputs)
+    except Exception as e:  # noqa: BLE001 - dynamo wraps the partition's exception
+        if find_backend_error(e, _Traced) is None:
+            raise
+    finally:
+        torch.compiler.reset()
+    if len(got) != 2:
+        raise RuntimeError("tracing the model's backward gave no partitioned graph")
+    (fw, bw), params = got[1], got[0]
+    return fw, bw, params
+
+
+def carry_bytes(module: nn.Module, example_inputs: Sequence[Any], block_paths: Sequence[str]) -> list[int]:
+    """Per block of ``block_paths`` and, last, the post-block work: the bytes one micro-batch
+    holds from B to W in a stage whose input has a gradient (module docstring)."""
+    from lynx_compile.memory.simulate import allocations, backward_inputs, storage_keys
+    from lynx_compile.runtime.weight_split import ancestors, weight_side
+
+    fw, bw, params = traced_backward(module, example_inputs)
+    n = len(block_paths)
+    outs = list(bw.graph.output_node().args[0])
+    if len(outs) != len(params):  # the outputs cannot be matched to parameters (as WeightDeferral would not)
+        return [0] * (n + 1)
+    seg = _backward_segments(fw, bw, block_paths)
+    # B: what flows into the backward of an earlier segment (lowest segment reachable, users first)
+    low: dict[fx.Node, float] = {}
+    for node in reversed(bw.graph.nodes):
+        low[node] = min((min(seg.get(u, math.inf), low[u]) for u in node.users if u.op != "output"),
+                        default=math.inf)
+    b_set = ancestors([u for u in bw.graph.nodes if u.op == "call_function" and u in seg and low[u] < seg[u]])
+    roots = [o for o, p in zip(outs, params) if p and isinstance(o, fx.Node)]
+    root_set = set(roots)
+    w_set, carried = weight_side(bw.graph, b_set, roots)
+    input_keys, size = backward_inputs(fw, bw)  # saved tensors: their forward storage; parameters 0
+    keys = storage_keys(bw, input_keys)
+    for node in bw.graph.nodes:
+        size.update(allocations(node))
+    out, seen = [0] * (n + 1), set()
+    for c in carried:
+        readers = [seg[u] for u in c.users if u in w_set and u in seg]
+        readers += [seg[c]] if c in root_set and c in seg else []  # a weight gradient B computed
+        if not readers or max(readers) < 0:  # read by the pre-block work's W: the first stage's, counted there
+            continue
+        multi = isinstance(c.meta.get("val"), (tuple, list))
+        for key in ([k for k, _ in allocations(c)] if multi else [keys[c]]):
+            if key not in seen:
+                seen.add(key)
+                out[max(readers)] += size.get(key, 0)
+    return out
+
+
+def _backward_segments(fw: fx.GraphModule, bw: fx.GraphModule, block_paths: Sequence[str]) -> dict[fx.Node, int]:
+    """Segment of each backward node: -1 before the blocks, b for block b, len(blocks) after.
+    A forward node's is its module's (before / after the first block's first node when outside
+    the blocks); a backward op takes its forward op's (``seq_nr``), saved tensors their forward
+    value's, the output gradients the last; the rest (a gradient sum with no forward op) the
+    latest segment among the gradients it reads."""
+    from lynx_compile.passes.find_blocks import module_paths
+
+    index = {p: b for b, p in enumerate(block_paths)}
+
+    def block_of(node: fx.Node) -> int | None:
+        for path in module_paths(node):
+            parts = path.split(".")
+            for k in range(len(parts), 0, -1):
+                if ".".join(parts[:k]) in index:
+                    return index[".".join(parts[:k])]
+        return None
+
+    n, fw_seg, by_seq = len(block_paths), {}, {}
+    ops = [node for node in fw.graph.nodes if node.op == "call_function"]
+    blocks = [block_of(node) for node in ops]
+    inside = [i for i, b in enumerate(blocks) if b is not None]
+    last = None
+    for i, (node, b) in enumerate(zip(ops, blocks)):
+        last = b if b is not None else last
+        fw_seg[node.name] = b if b is not None else -1 if not inside or i < inside[0] else n if i > inside[-1] else last
+        if "seq_nr" in node.meta:
+            by_seq.setdefault(node.meta["seq_nr"], fw_seg[node.name])
+    seg: dict[fx.Node, int] = {}
+    for node in bw.graph.nodes:
+        if node.op == "placeholder":
+            if node.name in fw_seg:
+                seg[node] = fw_seg[node.name]
+            elif node.name.startswith("tangents"):
+                seg[node] = n
+        elif node.op == "call_function":
+            s = by_seq.get(node.meta.get("seq_nr"))
+            if s is None:
+                grads = [a for a in node.all_input_nodes if a.op != "placeholder" or a.name.startswith("tangents")]
+                s = max((seg[a] for a in grads if a in seg), default=None)
+            if s is not None:
+                seg[node] = s
+    return seg
 
 
 def _block_output_bytes(problem, n: int) -> list[int]:

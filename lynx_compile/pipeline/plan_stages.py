@@ -29,6 +29,14 @@ micro-batch's peak; the same allowance is each stage's ``memory_budget`` when ly
 Curves are convex piecewise linear (lower hull of the solved points), so splitting a stage's
 bytes between its blocks is a greedy by seconds saved per byte, which is exact for them.
 
+Zero-bubble schedules (lynx's B/W split) also hold, from a micro-batch's B to its W, the values
+W reads (``carry``: ``SegmentCost.carry_bytes`` summed; on the first stage, whose B computes no
+input gradient, all it keeps plus its output's gradient). Stage i passes through pairs
+(f, w) of micro-batches in flight and carries pending, replayed from torch's own action order
+(``StageInfo.held``), so the allowance is the largest a_i with ``f x a_i + w x carry_i <=
+memory_per_device - static_i`` at every pair, and the peak is the joint maximum of
+``f x kept + w x carry``, not the sum of the two counts' maxima.
+
 ``method``:
 - ``"lynx"``: dynamic programme over cut positions minimizing the bottleneck stage time
   max_i t_i (ties: the smaller sum), each candidate stage priced with its own in-flight count;
@@ -47,6 +55,8 @@ from functools import lru_cache
 from typing import Any, Literal, Sequence
 
 from lynx_compile.report import human_bytes
+
+from .placement import ZERO_BUBBLE_SCHEDULES
 
 Schedule = Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"]
 SCHEDULES: frozenset[str] = frozenset({"GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"})
@@ -117,6 +127,13 @@ class SegmentCost:
     weight_backward_s: float | None = None
     """The part of ``backward_s`` that computes weight gradients (W under the zero-bubble
     schedules); None: not known, ``pipeline.step_time`` takes ``WEIGHT_SHARE`` of it."""
+    carry_bytes: int = 0
+    """Bytes one micro-batch holds from its B to its W under the zero-bubble schedules, in a stage
+    whose input has a gradient (every stage but the first): what the segment's W reads (saved
+    tensors, output gradients B computed) and a plain backward would have freed, parameters not
+    counted. Exact for the traced backward, which recomputes nothing (``pipeline.costs``). Not
+    used for the first stage, whose B has no input gradient to compute: its W runs the whole
+    backward, so it carries all the stage keeps plus its output gradient (``_Pricer.carry``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,6 +152,10 @@ class PipelineCosts:
     microbatch_size: int = 1
     pinned_cuts: tuple[int, ...] = ()
     """Blocks where the user requires a stage to begin (``pipe_split()`` markers in the model)."""
+    weight_split: bool = True
+    """Whether the stages split each backward into B and W under the zero-bubble schedules
+    (lynx's split, ``compiler="eager"``); False (Inductor): B runs the whole backward, W is a
+    no-op, nothing is carried."""
 
     def p2p_s(self, nbytes: int) -> float:
         return self.p2p_latency_s + (nbytes / self.p2p_bytes_per_s if nbytes else 0.0)
@@ -168,13 +189,24 @@ class StageInfo:
     kept_bytes: int
     """Activation bytes one micro-batch keeps under the plan."""
     peak_bytes: int
-    """Predicted device peak: static + in_flight x kept + working + the transient of a block's
-    backward (``transient_bytes``; the waiting micro-batches hold only what they keep). The fit test is stricter: in_flight x the
-    whole per-micro-batch peak, as the stage's lynx budget bounds only that peak."""
+    """Predicted device peak: static + the most ``f x kept + w x carry_bytes`` over ``held`` +
+    working + the transient of a block's backward (``transient_bytes``; the waiting micro-batches
+    hold only what they keep, those past B only their carry). The fit test is stricter: each
+    micro-batch in flight counts at the whole per-micro-batch peak (``budget_bytes``), as the
+    stage's lynx budget bounds only that peak."""
     compute_s: float
     recompute_s: float
     """Exposed recompute per micro-batch."""
     fits: bool = True
+    carry_bytes: int = 0
+    """Bytes one micro-batch holds from its B to its W (zero-bubble schedules with lynx's B/W
+    split; 0 otherwise)."""
+    held: tuple[tuple[int, int], ...] = ()
+    """Pairs (micro-batches between F and B, carries between B and W) the stage passes through
+    and no other pair exceeds in both, from torch's action order (``sim.pipeline.held_microbatches``);
+    ``((in_flight, 0),)`` without W. The peak is the joint maximum over them."""
+    pending_w: int = 0
+    """Carries held at the predicted peak (the ``w`` of the pair reaching it)."""
 
     @property
     def time_s(self) -> float:
@@ -227,7 +259,8 @@ class StagePlan:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "StagePlan":
         d = {k: v for k, v in d.items() if k not in ("cuts", "layers_per_stage")}
-        d["stages"] = tuple(StageInfo(**{**s, "blocks": tuple(s["blocks"]), "block_names": tuple(s["block_names"])})
+        d["stages"] = tuple(StageInfo(**{**s, "blocks": tuple(s["blocks"]), "block_names": tuple(s["block_names"]),
+                                         "held": tuple(tuple(h) for h in s.get("held", ()))})
                             for s in d["stages"])
         d["notes"] = tuple(d.get("notes", ()))
         d["pinned_cuts"] = tuple(d.get("pinned_cuts", ()))
@@ -241,7 +274,9 @@ class StagePlan:
                  f"({self.predicted_step_in_wait_s * 1e3:.1f} ms with recompute in the gradient wait)"]
         for s in self.stages:
             budget = f"{s.budget_bytes / 2**20:.1f} MiB" if s.budget_bytes is not None else "-"
-            lines.append(f"  stage {s.index}: blocks {s.blocks[0]}..{s.blocks[1] - 1} in-flight {s.in_flight} "
+            carry = (f" W-carry {s.carry_bytes / 2**20:.1f} MiB/mb x{s.pending_w} at peak"
+                     if s.carry_bytes else "")
+            lines.append(f"  stage {s.index}: blocks {s.blocks[0]}..{s.blocks[1] - 1} in-flight {s.in_flight}{carry} "
                          f"budget/mb {budget} peak {s.peak_bytes / 2**20:.1f} MiB compute "
                          f"{s.compute_s * 1e3:.2f} ms recompute {s.recompute_s * 1e3:.2f} ms"
                          f"{'' if s.fits else '  DOES NOT FIT'}")
@@ -251,7 +286,7 @@ class StagePlan:
 def in_flight(schedule: str, num_stages: int, num_microbatches: int, stage: int, ranks: int | None = None) -> int:
     """Micro-batches whose activations stage ``stage`` holds at its peak (between a micro-batch's
     forward and its backward, B under the zero-bubble schedules; what a deferred W keeps from B,
-    ``runtime.weight_split``'s carry, is not counted).
+    ``runtime.weight_split``'s carry, is counted beside it by ``_Pricer.held``).
 
     ``ranks``: the pipeline group size (None: one stage per rank; two for ``ZBVZeroBubble``).
     - GPipe: all m. 1F1B: ``min(p - i, m)``.
@@ -337,6 +372,7 @@ class _Pricer:
         self.ranks = default_ranks(schedule, p, ranks)
         self.n = len(costs.blocks)
         self.price = lru_cache(maxsize=None)(self._price)
+        self._held: dict[int, tuple[tuple[int, int], ...]] | None = None
 
     def segments(self, i: int, s: int, e: int) -> list[SegmentCost]:
         segs = list(self.c.blocks[s:e])
@@ -349,6 +385,46 @@ class _Pricer:
     def compute_s(self, i: int, s: int, e: int) -> float:
         return sum(g.forward_s + g.backward_s for g in self.segments(i, s, e))
 
+    def held(self, i: int) -> tuple[tuple[int, int], ...]:
+        """Stage i's (in flight, carries) pairs (``StageInfo.held``): replayed from torch's order
+        under the zero-bubble schedules when the stages split B from W, else ((in_flight, 0),)."""
+        if self.schedule not in ZERO_BUBBLE_SCHEDULES or not self.c.weight_split:
+            return ((in_flight(self.schedule, self.p, self.m, i, self.ranks), 0),)
+        if self._held is None:
+            from lynx_compile.sim.pipeline import held_microbatches
+
+            from .placement import zero_bubble_orders
+
+            self._held = held_microbatches(zero_bubble_orders(self.schedule, self.ranks, self.p, self.m))
+        return self._held[i]
+
+    def carry(self, i: int, segs: Sequence[SegmentCost], e: int, kept: int) -> int:
+        """Bytes one micro-batch of stage i = [s, e) keeps from its B to its W, given the ``kept``
+        bytes (fixed included) the stage saves per micro-batch. The first stage's input has no
+        gradient, so its B computes nothing and its W reads everything the backward reads: what
+        the stage keeps and the gradient of its output. Other stages carry their segments'
+        ``carry_bytes``."""
+        if self.schedule not in ZERO_BUBBLE_SCHEDULES or not self.c.weight_split:
+            return 0
+        if i == 0:
+            return kept + (self.c.blocks[e - 1].output_bytes if self.p > 1 else 0)
+        return sum(g.carry_bytes for g in segs)
+
+    def allowance(self, i: int, segs: Sequence[SegmentCost], e: int, static: int) -> int:
+        """Stage i's ``budget_bytes``: the largest per-micro-batch peak b with, at every pair
+        (f, w) of ``held``, f x b + w x carry <= memory - static. The first stage's carry is at
+        most b + its output gradient (it keeps no more than its peak), so there (f + w) x b +
+        w x output gradient <= memory - static. Negative: no allowance fits."""
+        room = self.memory - static
+        pairs = self.held(i)
+        if i == 0 and any(w for _, w in pairs):
+            grad = self.carry(i, segs, e, 0)
+            return min((room - w * grad) // (f + w) for f, w in pairs if f + w)
+        carry = self.carry(i, segs, e, 0)
+        if any(f == 0 and w * carry > room for f, w in pairs):
+            return -1
+        return min((room - w * carry) // f for f, w in pairs if f)
+
     def _price(self, i: int, s: int, e: int) -> StageInfo:
         segs = self.segments(i, s, e)
         k = in_flight(self.schedule, self.p, self.m, i, self.ranks)
@@ -360,22 +436,33 @@ class _Pricer:
             budget, kept, exposed, fits = None, full_keep, 0.0, True
             transient = transient_bytes(curves, kept)
         else:
-            budget = (self.memory - static) // k
+            budget = self.allowance(i, segs, e, static)
             kept, exposed, fits, transient = allocate_with_transient(curves, budget - fixed - self.c.working_bytes)
-        peak = static + k * (kept + fixed) + self.c.working_bytes + transient
+        carry = self.carry(i, segs, e, kept + fixed)
+        held = self.held(i)
+        # the peak: the pair of held counts at which kept and carried bytes add up the most
+        top, _, w_top = max((f * (kept + fixed) + w * carry, f, w) for f, w in held)  # ties: fewer carries
+        peak = static + top + self.c.working_bytes + transient
         return StageInfo(index=i, blocks=(s, e), block_names=tuple(b.name for b in self.c.blocks[s:e]),
                          in_flight=k, static_bytes=static, budget_bytes=budget, kept_bytes=kept + fixed,
-                         peak_bytes=peak, compute_s=self.compute_s(i, s, e), recompute_s=exposed, fits=fits)
+                         peak_bytes=peak, compute_s=self.compute_s(i, s, e), recompute_s=exposed, fits=fits,
+                         carry_bytes=carry, held=held, pending_w=w_top)
 
     def min_memory(self, i: int, s: int, e: int) -> int:
-        """Least memory per device under which stage i = [s, e) fits (full recompute)."""
+        """Least memory per device under which stage i = [s, e) fits (full recompute): at every
+        pair (f, w) of ``held``, f micro-batches at their least peak and w carries (the first
+        stage's carry counted at that peak plus its output gradient, as in ``allowance``)."""
         segs = self.segments(i, s, e)
-        k = in_flight(self.schedule, self.p, self.m, i, self.ranks)
         static = int(self.c.state_bytes_per_param_byte * sum(g.param_bytes for g in segs))
         least = sum(g.curve.min_bytes if g.curve else g.activation_bytes for g in segs)
         curves = [g.curve for g in segs if g.curve]
         transient = transient_bytes(curves, sum(c.min_bytes for c in curves))
-        return static + k * (least + self.c.working_bytes + transient)
+        need = least + self.c.working_bytes + transient
+        if i == 0:
+            grad = self.carry(i, segs, e, 0)
+            return static + max((f + w) * need + w * grad for f, w in self.held(i))
+        carry = self.carry(i, segs, e, 0)
+        return static + max(f * need + w * carry for f, w in self.held(i))
 
 
 def transient_bytes(curves: Sequence[RecomputeCurve], kept: float) -> int:

@@ -17,12 +17,15 @@ collective are not cut (a collective must run where every rank expects it).
 its gradients (None for the weights: autograd accumulates nothing there) and keeps W's carry
 under ``key``; ``run_weights(key)`` later runs W and accumulates into each parameter's
 ``.grad`` as autograd would. Outside ``defer_weights`` the whole backward runs as before. The
-carry stays alive from B to W: memory the stage's plan did not budget for.
+carry stays alive from B to W (``WeightDeferral.pending_bytes``); a pipeline stage's memory plan
+counts it (``pipeline.plan_stages``: ``StageInfo.carry_bytes``, from ``weight_side`` on the
+traced backward, ``pipeline.costs``).
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import operator
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -56,7 +59,8 @@ class WeightSplit:
     """How many trailing outputs of ``b`` are W's inputs."""
 
 
-def _ancestors(roots: Sequence[fx.Node], stop: set[fx.Node] | None = None) -> set[fx.Node]:
+def ancestors(roots: Sequence[fx.Node], stop: set[fx.Node] | None = None) -> set[fx.Node]:
+    """``roots`` and every node they read, directly or not, walking no further than ``stop``."""
     seen: set[fx.Node] = set()
     todo = [r for r in roots if not stop or r not in stop]
     while todo:
@@ -68,20 +72,35 @@ def _ancestors(roots: Sequence[fx.Node], stop: set[fx.Node] | None = None) -> se
     return seen
 
 
+def weight_side(graph: fx.Graph, b_set: set[fx.Node],
+                weight_roots: Sequence[fx.Node]) -> tuple[set[fx.Node], list[fx.Node]]:
+    """W's nodes and its carry (in graph order) for a backward ``graph`` whose B computes
+    ``b_set``: every ancestor of ``weight_roots`` that B does not compute and that is no
+    placeholder runs in W; the carry is what W reads from outside itself (placeholders, values B
+    computed) and the weight gradients B computed itself. A multi-output op B runs (layer norm's
+    backward: dx, dgamma, dbeta) is carried as the outputs W takes (its getitems join B, which
+    grows ``b_set``), not as the tuple, which would keep dx alive until W."""
+    placeholders = set(graph.find_nodes(op="placeholder"))
+    w_set = ancestors(list(weight_roots), stop=b_set | placeholders)
+    taken = {n for n in w_set if n.target is operator.getitem and n.args[0] in b_set}
+    w_set -= taken
+    b_set |= taken
+    order = {n: k for k, n in enumerate(graph.nodes)}
+    carry = sorted({a for n in w_set for a in n.all_input_nodes if a not in w_set}
+                   | {r for r in weight_roots if r not in w_set}, key=order.__getitem__)
+    return w_set, carry
+
+
 def split_weight_grads(bw: fx.GraphModule, weight_outputs: Sequence[int]) -> WeightSplit | None:
     """Cut ``bw`` into B and W (module docstring); None when W would be empty or hold a collective."""
     outs = list(bw.graph.output_node().args[0])
     weight = tuple(i for i in weight_outputs if i < len(outs) and isinstance(outs[i], fx.Node))
     if not weight:
         return None
-    b_set = _ancestors([o for i, o in enumerate(outs) if i not in weight and isinstance(o, fx.Node)])
-    # the backward's inputs and what B computes reach W as the carry
-    w_set = _ancestors([outs[i] for i in weight], stop=b_set | set(bw.graph.find_nodes(op="placeholder")))
+    b_set = ancestors([o for i, o in enumerate(outs) if i not in weight and isinstance(o, fx.Node)])
+    w_set, carry = weight_side(bw.graph, b_set, [outs[i] for i in weight])
     if not w_set or any(is_collective_node(n) or is_wait_node(n) for n in w_set):
         return None
-    order = {n: k for k, n in enumerate(bw.graph.nodes)}
-    carry = sorted({a for n in w_set for a in n.all_input_nodes if a not in w_set}
-                   | {outs[i] for i in weight if outs[i] not in w_set}, key=order.__getitem__)
 
     b_graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -142,6 +161,21 @@ class WeightDeferral:
         run._boxed_call = True  # type: ignore[attr-defined]
         return run
 
+    def pending_bytes(self, key: Any = None) -> int:
+        """Bytes the carries of ``key`` (None: of every pending backward) hold: each distinct
+        storage once (``untyped_storage().nbytes()``: a view keeps its whole storage alive, and
+        two views of one storage hold it once), the parameters' storages not counted (they stay
+        alive anyway)."""
+        params = {p().untyped_storage().data_ptr() for p in self.params if p is not None and p() is not None}
+        entries = [self.pending[key]] if key is not None else list(self.pending.values())
+        seen: dict[int, int] = {}
+        for _, _, carry in entries:
+            for t in _tensors(carry):
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in params:
+                    seen[ptr] = t.untyped_storage().nbytes()
+        return sum(seen.values())
+
     def run_weights(self, key: Any) -> bool:
         """Run W of ``key``'s deferred backward and accumulate into ``.grad``; False if none."""
         entry = self.pending.pop(key, None)
@@ -160,3 +194,12 @@ class WeightDeferral:
                 p.grad += g
         self.deferred += 1
         return True
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``value`` (nested tuples and lists: a carried multi-output value)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)

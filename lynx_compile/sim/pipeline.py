@@ -183,6 +183,34 @@ def simulate_actions(orders: Sequence[Sequence[Action]], forward_s: Sequence[flo
     return PipelineTimeline(step_s=max(free), busy_s=tuple(busy), events=tuple(events))
 
 
+def held_microbatches(orders: Sequence[Sequence[Action]]) -> dict[int, tuple[tuple[int, int], ...]]:
+    """Per stage, what its memory holds as its rank runs ``orders``: after each of the stage's
+    actions, ``(f, w)`` = micro-batches between their F and their B (activations kept) and
+    between their B and their W (W's carry, ``runtime.weight_split``). A stage's actions all run
+    on one rank, in that rank's order, so the counts are exact whatever the timing. Returned are
+    the pairs no other pair of the stage dominates (both counts at least as large), largest
+    ``f`` first: the peak of ``f x kept + w x carry`` for any non-negative sizes is at one of
+    them, so it is the joint maximum over the step, not the sum of the two counts' maxima::
+
+        stage 1 of ZBV, 2 ranks, 4 micro-batches (rank 1: F10 F20 F11 F21 B20 W20 F12 B10 ...):
+        F10 (1,0) F11 (2,0) F12 (3,0) B10 (2,1) W10 (2,0) F13 (3,0) B11 (2,1) W11 (2,0)
+        B12 (1,1) B13 (0,2) W12 (0,1) W13 (0,0)                 -> ((3, 0), (2, 1), (0, 2))
+    """
+    held: dict[int, list[int]] = {}
+    seen: dict[int, set[tuple[int, int]]] = {}
+    for order in orders:
+        for kind, s, _ in order:
+            f, w = held.setdefault(s, [0, 0])
+            f, w = {"F": (f + 1, w), "B": (f - 1, w + 1), "W": (f, w - 1)}[kind]
+            held[s] = [f, w]
+            seen.setdefault(s, set()).add((f, w))
+    out = {}
+    for s, pairs in seen.items():
+        top = [p for p in pairs if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in pairs)]
+        out[s] = tuple(sorted(top, reverse=True))
+    return out
+
+
 def _check_orders(orders: Sequence[Sequence[Action]], p: int) -> dict[int, int]:
     """Each stage's rank; raises ValueError unless every (kind, stage, micro-batch) appears once
     and each stage's actions sit on one rank."""
