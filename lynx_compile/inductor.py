@@ -26,7 +26,7 @@ weights and the windows below). What follows:
   placements (not policies none and torch, which are torch.compile's partition as is).
 * **Windows.** lynx's FX passes put window recomputes between a collective's issue and its
   wait; :func:`pin_windows` turns that into ordering edges (torch's ``control_deps``) so that
-  Inductor's scheduler (``reorder_for_peak_memory`` among others) keeps them there: on a TP=2
+  Inductor's scheduler keeps them there whatever it reorders: on a TP=2
   GPT (gloo, CPU) every recomputed matmul of a window is an extern-kernel call between the
   ``all_reduce_`` and its ``wait_tensor`` in the generated backward (``tests/test_tp_lynx.py``).
 * **The compiled peak.** :class:`CompiledPeak` reads Inductor's own memory estimate of the
@@ -55,6 +55,7 @@ import torch.fx as fx
 
 from lynx_compile import _compat
 from lynx_compile.config import LynxConfig
+from lynx_compile.memory.simulate import aliased_input
 from lynx_compile.passes import GraphRecord
 
 log = logging.getLogger("lynx_compile")
@@ -129,6 +130,104 @@ def split_late_addmm(graph: fx.Graph) -> None:
         graph.erase_node(n)
 
 
+def _fusible(n: fx.Node) -> bool:
+    """A node Inductor computes inside a fused kernel: a pointwise op, or a view."""
+    if n.op != "call_function":
+        return False
+    return torch.Tag.pointwise in getattr(n.target, "tags", ()) or aliased_input(n) is not None
+
+
+def _kernel_bounds(nodes: list[fx.Node]) -> tuple[dict[fx.Node, int], dict[fx.Node, int]]:
+    """Per node, through chains of fusible nodes: ``ready``, the position of the latest
+    non-fusible node (a matmul, a reduction) it depends on, -1 for none; ``needed``, the
+    position of the earliest non-fusible node (or the output) that reads it."""
+    order = {n: i for i, n in enumerate(nodes)}
+    ready: dict[fx.Node, int] = {}
+    for n in nodes:
+        if n.op != "call_function":
+            ready[n] = -1
+        elif _fusible(n):
+            ready[n] = max((ready[i] for i in n.all_input_nodes), default=-1)
+        else:
+            ready[n] = order[n]
+    needed: dict[fx.Node, int] = {}
+    for n in reversed(nodes):
+        if _fusible(n):
+            needed[n] = min((needed[u] for u in n.users), default=len(nodes))
+        else:
+            needed[n] = order[n]
+    return ready, needed
+
+
+def _pointwise_cone(n: fx.Node, nodes: list[fx.Node], order: dict[fx.Node, int]) -> set[fx.Node]:
+    """``n`` and the fusible nodes that feed only it (what a copy of ``n`` recomputes)."""
+    cone = {n}
+    for m in reversed(nodes[:order[n]]):
+        if _fusible(m) and m.users and all(u in cone for u in m.users):
+            cone.add(m)
+    return cone
+
+
+def split_shared_pointwise(graph: fx.Graph, max_nodes: int = 16) -> None:
+    """Give a pointwise value read by an early and a late consumer a copy for the late one.
+
+    Inductor fuses a pointwise node with all of its pointwise consumers into one kernel, which
+    can only run once every consumer's inputs are ready. In Llama's recomputed MLP::
+
+        g = x @ Wg; u = x @ Wu; s = silu(g)
+        h = s * u  -> dWd = dy^T @ h                  (early: needs g, u)
+        dh = dy @ Wd; dhs = dh * s                    (late: needs the matmul dh)
+
+    ``s``, ``h`` and ``dhs`` became one kernel after ``dh``, so ``h`` waited for ``dh`` and g, u,
+    dh, h, dhs were alive at once (HF Llama, 4 layers, batch 2, seq 64, policy full: +88 KB per
+    layer above lynx's prediction, which computes ``h`` and frees it before ``dh``). After::
+
+        h = silu(g) * u -> dWd = dy^T @ h; dh = dy @ Wd; dhs = dh * silu(g)   (silu recomputed)
+
+    A copy of ``n``'s cone (``n`` and the pointwise nodes feeding only it, at most ``max_nodes``)
+    is made for the consumers that wait for a later matmul, only where an earlier consumer's
+    result is read by a matmul before then (so the fusion would delay it) and the cone's inputs
+    are alive there anyway (the copy extends no lifetime). The cost is the cone's pointwise ops
+    once more, inside a kernel that runs anyway."""
+    nodes = list(graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    ready, needed = _kernel_bounds(nodes)
+    rewrites = []
+    for n in nodes:
+        if n.op != "call_function" or torch.Tag.pointwise not in getattr(n.target, "tags", ()) \
+                or len(n.users) < 2 or not all(_fusible(u) for u in n.users):
+            continue
+        groups: dict[int, list[fx.Node]] = {}
+        for u in n.users:  # consumers by the latest matmul each waits for, besides n
+            groups.setdefault(max((ready[i] for i in u.all_input_nodes if i is not n), default=-1), []).append(u)
+        if len(groups) < 2:
+            continue
+        first, *later = sorted(groups)
+        early_read = min(needed[u] for u in groups[first])
+        cone = _pointwise_cone(n, nodes, order)
+        leaves = {i for c in cone for i in c.all_input_nodes if i not in cone}
+        for b in later:
+            start = min(order[u] for u in groups[b])
+            alive = all(leaf.op == "get_attr" or max((order[u] for u in leaf.users if u not in cone), default=-1) >= start
+                        for leaf in leaves)
+            if early_read < b and alive and len(cone) <= max_nodes:
+                rewrites.append((n, cone, sorted(groups[b], key=order.get), order))
+    for n, cone, users, order in rewrites:
+        copies: dict[fx.Node, fx.Node] = {}
+        with graph.inserting_before(users[0]):
+            for c in sorted(cone, key=order.get):
+                copies[c] = graph.node_copy(c, lambda x: copies.get(x, x))
+        for u in users:
+            u.replace_input_with(n, copies[n])
+
+
+def post_grad_passes(graph: fx.Graph) -> None:
+    """lynx's post-grad passes, run after Inductor's own on every graph lynx places recompute
+    in: :func:`split_late_addmm`, then :func:`split_shared_pointwise`."""
+    split_late_addmm(graph)
+    split_shared_pointwise(graph)
+
+
 @dataclasses.dataclass
 class CompiledPeak:
     """Inductor's memory estimate of one lynx graph as compiled: the scheduler's fused nodes in
@@ -176,7 +275,9 @@ class CompiledPeak:
 def pin_windows(graph: fx.Graph) -> None:
     """Ordering edges that keep lynx's window recomputes between their collective's issue and
     its wait in Inductor's schedule (``passes/insert_recompute.py`` placed them there in the FX
-    graph; Inductor's scheduler may reorder independent nodes, e.g. ``reorder_for_peak_memory``).
+    graph). With peak-memory reordering off for lynx's placements
+    (``_compat.INDUCTOR_KEEP_PLACEMENT``) Inductor mostly keeps the FX order, but nothing in its
+    scheduler promises to: these edges make the order a dependency.
 
     Per window: the wait runs after the window's results (its nodes read after the window, so
     they are realized buffers anyway), and each window node that reads nothing else in the
