@@ -236,6 +236,7 @@ def _inductor_window_code(rank, world, windows, pin=True):
 
     def counting_pin(graph):  # count the recomputed matmuls the plan put in windows, then pin
         window_matmuls.extend(n.name for n in graph.nodes if isinstance(n.meta.get(meta.DECISION), Window)
+                              and n.meta.get(meta.RECOMPUTED)  # (the forward's originals carry it too)
                               and getattr(n.target, "__name__", "").split(".")[0] in MATMULS)
         if pin:
             real_pin(graph)
