@@ -9,8 +9,8 @@
 
 ``torch._inductor.config.custom_partitioner_fn`` replaces only the partition step: everything
 ``torch.compile`` does before and after it runs unchanged, so lynx's graphs are compiled exactly
-as torch.compile's own, with two post-grad passes added (:func:`lynx_post_grad`: the tied
-weights and the windows below). What follows:
+as torch.compile's own, with three post-grad passes added (:func:`lynx_post_grad`: the tied
+weights, shared pointwise values and the windows below). What follows:
 
 * **RNG.** Inductor's ``replace_random`` joint pass has already rewritten every dropout into
   ``inductor_random(shape, inductor_lookup_seed(inductor_seeds(n), i))``. lynx never recomputes
@@ -24,6 +24,14 @@ weights and the windows below). What follows:
   where its operands are ready. gpt-small (tied, batch 2, CPU) under ``full``: measured peak
   4.40 MB without it, 3.75 MB with it (lynx's prediction 3.75 MB). Only for lynx's own
   placements (not policies none and torch, which are torch.compile's partition as is).
+* **Recompute held for a later matmul.** Inductor fuses a pointwise node with all of its
+  pointwise consumers; when one consumer feeds an early matmul and another waits for a later
+  one, the early one waits too (Llama's recomputed ``silu(gate) * up`` waited for ``dh``).
+  :func:`split_shared_pointwise` gives the late consumer its own copy of the pointwise chain.
+  With Inductor's wrapper buffer reuse off for lynx's placements (``_compat``), HF Llama
+  (4 layers, seq 64, batch 2, CPU) under ``full`` measured 1077768 B before, 921608 B after
+  (lynx's prediction 901120 B: the rest is lynx's unfused model, which frees a fused pointwise
+  op's inputs where the op stands, not where its kernel runs).
 * **Windows.** lynx's FX passes put window recomputes between a collective's issue and its
   wait; :func:`pin_windows` turns that into ordering edges (torch's ``control_deps``) so that
   Inductor's scheduler keeps them there whatever it reorders: on a TP=2
@@ -159,12 +167,18 @@ def _kernel_bounds(nodes: list[fx.Node]) -> tuple[dict[fx.Node, int], dict[fx.No
     return ready, needed
 
 
-def _pointwise_cone(n: fx.Node, nodes: list[fx.Node], order: dict[fx.Node, int]) -> set[fx.Node]:
-    """``n`` and the fusible nodes that feed only it (what a copy of ``n`` recomputes)."""
-    cone = {n}
-    for m in reversed(nodes[:order[n]]):
-        if _fusible(m) and m.users and all(u in cone for u in m.users):
-            cone.add(m)
+def _pointwise_cone(n: fx.Node, max_nodes: int) -> set[fx.Node] | None:
+    """``n`` and the fusible nodes that feed only it (what a copy of ``n`` recomputes); None
+    when that is more than ``max_nodes`` nodes."""
+    cone, grew = {n}, True
+    while grew:
+        grew = False
+        for m in {i for c in cone for i in c.all_input_nodes} - cone:
+            if _fusible(m) and all(u in cone for u in m.users):
+                cone.add(m)
+                grew = True
+        if len(cone) > max_nodes:
+            return None
     return cone
 
 
@@ -189,6 +203,8 @@ def split_shared_pointwise(graph: fx.Graph, max_nodes: int = 16) -> None:
     result is read by a matmul before then (so the fusion would delay it) and the cone's inputs
     are alive there anyway (the copy extends no lifetime). The cost is the cone's pointwise ops
     once more, inside a kernel that runs anyway."""
+    from lynx_compile.passes import meta
+
     nodes = list(graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     ready, needed = _kernel_bounds(nodes)
@@ -204,28 +220,24 @@ def split_shared_pointwise(graph: fx.Graph, max_nodes: int = 16) -> None:
             continue
         first, *later = sorted(groups)
         early_read = min(needed[u] for u in groups[first])
-        cone = _pointwise_cone(n, nodes, order)
+        later = [b for b in later if early_read < b]  # the fusion would delay an earlier matmul
+        cone = _pointwise_cone(n, max_nodes) if later else None
+        if cone is None:
+            continue
         leaves = {i for c in cone for i in c.all_input_nodes if i not in cone}
         for b in later:
             start = min(order[u] for u in groups[b])
-            alive = all(leaf.op == "get_attr" or max((order[u] for u in leaf.users if u not in cone), default=-1) >= start
-                        for leaf in leaves)
-            if early_read < b and alive and len(cone) <= max_nodes:
-                rewrites.append((n, cone, sorted(groups[b], key=order.get), order))
-    for n, cone, users, order in rewrites:
+            if all(leaf.op == "get_attr" or max((order[u] for u in leaf.users if u not in cone), default=-1) >= start
+                   for leaf in leaves):
+                rewrites.append((n, sorted(cone, key=order.get), sorted(groups[b], key=order.get)))
+    for n, cone, users in rewrites:
         copies: dict[fx.Node, fx.Node] = {}
         with graph.inserting_before(users[0]):
-            for c in sorted(cone, key=order.get):
+            for c in cone:
                 copies[c] = graph.node_copy(c, lambda x: copies.get(x, x))
+                copies[c].meta.pop(meta.DECISION, None)  # runs with its consumer, in no window
         for u in users:
             u.replace_input_with(n, copies[n])
-
-
-def post_grad_passes(graph: fx.Graph) -> None:
-    """lynx's post-grad passes, run after Inductor's own on every graph lynx places recompute
-    in: :func:`split_late_addmm`, then :func:`split_shared_pointwise`."""
-    split_late_addmm(graph)
-    split_shared_pointwise(graph)
 
 
 @dataclasses.dataclass
@@ -308,7 +320,9 @@ def pin_windows(graph: fx.Graph) -> None:
 
 
 def lynx_post_grad(graph: fx.Graph) -> None:
-    """The post-grad passes lynx adds for its own placements: :func:`split_late_addmm`, then
-    :func:`pin_windows`."""
+    """The post-grad passes lynx adds for its own placements: :func:`split_late_addmm`,
+    :func:`split_shared_pointwise`, then :func:`pin_windows` (last: it orders what the others
+    placed)."""
     split_late_addmm(graph)
+    split_shared_pointwise(graph)
     pin_windows(graph)

@@ -124,7 +124,10 @@ def test_inductor_keeps_recompute_where_the_partition_put_it(batch):
     """Inductor's peak-memory reordering and horizontal fusion once pulled block 0's recompute to
     the start of the backward (gpt-tiny, batch 1: policy full measured 403 KB, above no recompute's
     380 KB, predicted 214 KB). With lynx's Inductor settings, full's measured peak is below
-    none's, and at batch 1 is the prediction (the oracle: the exact simulation) within 1%."""
+    none's, and at batch 1 within 1% below to 4% above the prediction: 221960 B measured, 214280 B
+    predicted (torch 2.13). It read exactly 214280 while Inductor's wrapper reused buffers: an 8 KB
+    recomputed projection's storage was handed on until it became a weight gradient, which the
+    measurement leaves out; with reuse off (``_compat.INDUCTOR_KEEP_PLACEMENT``) it is counted."""
     from lynx_compile.memory.measure import measure_step
 
     peaks = {}
@@ -140,5 +143,5 @@ def test_inductor_keeps_recompute_where_the_partition_put_it(batch):
                                 params=list(model.parameters()))
         peaks[policy] = (measured.peak_bytes, backend.plans[-1].peak_bytes)
     assert peaks["full"][0] < peaks["none"][0], peaks
-    if batch == 1:  # (torch 2.11 differs by a few bytes; before the fix it was 88% above)
-        assert abs(peaks["full"][0] - peaks["full"][1]) <= 0.01 * peaks["full"][1], peaks
+    if batch == 1:  # (before the Inductor settings it was 88% above)
+        assert 0.99 * peaks["full"][1] <= peaks["full"][0] <= 1.04 * peaks["full"][1], peaks

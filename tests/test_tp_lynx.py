@@ -249,7 +249,10 @@ def _inductor_window_code(rank, world, windows, pin=True):
     backend = lynx_compile.backend(policy="lynx", memory_budget=BUDGET, solver="highs", plan_cache=False,
                                    hardware="cpu", link="pcie4", windows=windows)
     compiled = torch.compile(model, backend=backend)
-    _, codes = run_and_get_code(lambda: compiled(_batch(cfg)).loss.backward())
+    # no FX-graph cache: an earlier test compiling the same graph would serve it without running
+    # the post-grad passes (the code is the same; the count above would be empty)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        _, codes = run_and_get_code(lambda: compiled(_batch(cfg)).loss.backward())
     moved = backend.records[-1].decisions.get("recompute_nodes_in_windows", 0)
     return {"inside": _kernels_inside_windows(codes[-1]), "moved": moved, "window_matmuls": window_matmuls,
             "matmuls_inside": _kernels_inside_windows(codes[-1], ("extern_kernels.",)),
