@@ -35,7 +35,7 @@ def test_held_counts_zbv_p2_s4_m4_by_hand():
 
 def test_held_counts_agree_with_in_flight():
     # the f of the pairs is the planner's in-flight count (one source for both schedules)
-    from lynx_compile.pipeline.plan_stages import in_flight
+    from lynx_compile.pipeline.placement import in_flight
 
     for schedule, ranks, stages, m in [("ZBVZeroBubble", 2, 4, 8), ("ZBVZeroBubble", 4, 8, 16),
                                        ("InterleavedZeroBubble", 2, 4, 4), ("InterleavedZeroBubble", 2, 6, 6)]:

@@ -53,7 +53,7 @@ def test_lynx_train_zbv_matches_the_unsplit_model():
 
 def test_zero_bubble_placement_and_in_flight():
     from lynx_compile.pipeline.placement import check_placement, local_stages
-    from lynx_compile.pipeline.plan_stages import in_flight, interleaved_in_flight
+    from lynx_compile.pipeline.placement import in_flight, interleaved_in_flight
 
     assert [local_stages("ZBVZeroBubble", r, 4, 2) for r in range(2)] == [[0, 3], [1, 2]]
     assert [local_stages("ZBVZeroBubble", r, 8, 4) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]

@@ -5,7 +5,8 @@ import random
 import pytest
 import torch
 
-from lynx_compile.pipeline.plan_stages import PipelineCosts, SegmentCost, in_flight, plan_stages
+from lynx_compile.pipeline.placement import in_flight
+from lynx_compile.pipeline.plan_stages import PipelineCosts, SegmentCost, plan_stages
 from lynx_compile.pipeline.placement import zero_bubble_orders
 from lynx_compile.pipeline.step_time import WEIGHT_SHARE, stage_times
 from lynx_compile.sim.pipeline import simulate_actions, simulate_pipeline

@@ -9,7 +9,9 @@ the first and the last stage, and the two middle stages share the last rank (tor
     loop, 4 stages / 2 ranks:  rank 0: 0 . 2 .     V, 4 stages / 2 ranks:  rank 0: 0 . . 3
                                rank 1: . 1 . 3                             rank 1: . 1 2 .
 
-Pure (no torch): the planner and ``lynx train`` use it before anything is built.
+Also the micro-batches each stage holds in flight under each schedule (``in_flight``), which
+the stage planner budgets. Pure (no torch): the planner and ``lynx train`` use it before
+anything is built.
 """
 from __future__ import annotations
 
@@ -72,3 +74,55 @@ def zero_bubble_orders(schedule: str, ranks: int, num_stages: int,
         raise ValueError(why)
     raw = _compat.pipeline_schedule_actions(schedule_class(schedule), ranks, num_stages // ranks, num_microbatches)
     return tuple(tuple(("B" if kind == "I" else kind, s, j) for kind, s, j in actions) for actions in raw)
+
+
+def in_flight(schedule: str, num_stages: int, num_microbatches: int, stage: int, ranks: int | None = None) -> int:
+    """Micro-batches whose activations stage ``stage`` holds at its peak (between a micro-batch's
+    forward and its backward, B under the zero-bubble schedules; what a deferred W keeps from B,
+    ``runtime.weight_split``'s carry, is counted beside it by ``plan_stages._Pricer.held``).
+
+    ``ranks``: the pipeline group size (None: one stage per rank; two for ``ZBVZeroBubble``).
+    - GPipe: all m. 1F1B: ``min(p - i, m)``.
+    - Interleaved1F1B: priced as 1F1B over all its (virtual) stages, an approximation; its exact
+      per-rank warm-up (which holds more chunks on early ranks) is not modelled.
+    - ZBVZeroBubble (torch's ``_calculate_single_rank_operations``, rank r holds stages r and
+      2P-1-r): rank r runs 2(P-r)-1 + r forwards of stage r before its first B there, then one
+      more F before each B, so stage r holds 2P-r; stage 2P-1-r runs r forwards, then F, I, W in
+      turn, so it holds r+1 = 2P-(2P-1-r). Both are ``min(num_stages - i, m)``, as 1F1B over the
+      2P stages.
+    - InterleavedZeroBubble: exact, by replaying torch's order of forwards and B's on the stage's
+      rank (``interleaved_in_flight`` with warm-up factor 1)."""
+    if schedule == "GPipe":
+        return num_microbatches
+    if schedule == "InterleavedZeroBubble":
+        ranks = ranks or num_stages
+        per_rank = interleaved_in_flight(ranks, num_stages // ranks, num_microbatches, stage % ranks, 1)
+        return per_rank[stage // ranks]
+    return min(num_stages - stage, num_microbatches)
+
+
+def interleaved_in_flight(ranks: int, local: int, num_microbatches: int, rank: int, warmup_factor: int) -> list[int]:
+    """Peak micro-batches in flight (forward done, backward not) on each of ``rank``'s ``local``
+    stages under torch's interleaved schedules (``_get_warmup_ops`` / ``_get_1f1b_rank_ops``):
+    ``warmup`` forwards, then one forward and one backward per step, then the remaining
+    backwards; forwards walk the local stages in rounds of ``mpr`` micro-batches from the first,
+    backwards from the last. ``warmup_factor``: 2 for Interleaved1F1B, 1 for InterleavedZeroBubble."""
+    m, v = num_microbatches, local
+    mpr = m // max(1, m // ranks)  # micro-batches per round
+    warmup = min((v - 1) * mpr + warmup_factor * (ranks - 1 - rank), m * v)
+    held, peak = [0] * v, [0] * v
+    for op in range(m * v + warmup):
+        if op < m * v:  # a forward
+            chunk = (op // mpr) % v
+            held[chunk] += 1
+            peak[chunk] = max(peak[chunk], held[chunk])
+        if op >= warmup:  # a backward
+            held[v - 1 - ((op - warmup) // mpr) % v] -= 1
+    return peak
+
+
+def default_ranks(schedule: str, num_stages: int, ranks: int | None) -> int:
+    """The pipeline group size: ``ranks`` when given, else one stage per rank (ZBV: two)."""
+    if ranks is not None:
+        return ranks
+    return max(1, num_stages // 2) if schedule == "ZBVZeroBubble" else num_stages

@@ -56,7 +56,7 @@ from typing import Any, Literal, Sequence
 
 from lynx_compile.report import human_bytes
 
-from .placement import ZERO_BUBBLE_SCHEDULES
+from .placement import ZERO_BUBBLE_SCHEDULES, default_ranks, in_flight
 
 Schedule = Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"]
 SCHEDULES: frozenset[str] = frozenset({"GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"})
@@ -283,51 +283,6 @@ class StagePlan:
         return "\n".join(lines)
 
 
-def in_flight(schedule: str, num_stages: int, num_microbatches: int, stage: int, ranks: int | None = None) -> int:
-    """Micro-batches whose activations stage ``stage`` holds at its peak (between a micro-batch's
-    forward and its backward, B under the zero-bubble schedules; what a deferred W keeps from B,
-    ``runtime.weight_split``'s carry, is counted beside it by ``_Pricer.held``).
-
-    ``ranks``: the pipeline group size (None: one stage per rank; two for ``ZBVZeroBubble``).
-    - GPipe: all m. 1F1B: ``min(p - i, m)``.
-    - Interleaved1F1B: priced as 1F1B over all its (virtual) stages, an approximation; its exact
-      per-rank warm-up (which holds more chunks on early ranks) is not modelled.
-    - ZBVZeroBubble (torch's ``_calculate_single_rank_operations``, rank r holds stages r and
-      2P-1-r): rank r runs 2(P-r)-1 + r forwards of stage r before its first B there, then one
-      more F before each B, so stage r holds 2P-r; stage 2P-1-r runs r forwards, then F, I, W in
-      turn, so it holds r+1 = 2P-(2P-1-r). Both are ``min(num_stages - i, m)``, as 1F1B over the
-      2P stages.
-    - InterleavedZeroBubble: exact, by replaying torch's order of forwards and B's on the stage's
-      rank (``interleaved_in_flight`` with warm-up factor 1)."""
-    if schedule == "GPipe":
-        return num_microbatches
-    if schedule == "InterleavedZeroBubble":
-        ranks = ranks or num_stages
-        per_rank = interleaved_in_flight(ranks, num_stages // ranks, num_microbatches, stage % ranks, 1)
-        return per_rank[stage // ranks]
-    return min(num_stages - stage, num_microbatches)
-
-
-def interleaved_in_flight(ranks: int, local: int, num_microbatches: int, rank: int, warmup_factor: int) -> list[int]:
-    """Peak micro-batches in flight (forward done, backward not) on each of ``rank``'s ``local``
-    stages under torch's interleaved schedules (``_get_warmup_ops`` / ``_get_1f1b_rank_ops``):
-    ``warmup`` forwards, then one forward and one backward per step, then the remaining
-    backwards; forwards walk the local stages in rounds of ``mpr`` micro-batches from the first,
-    backwards from the last. ``warmup_factor``: 2 for Interleaved1F1B, 1 for InterleavedZeroBubble."""
-    m, v = num_microbatches, local
-    mpr = m // max(1, m // ranks)  # micro-batches per round
-    warmup = min((v - 1) * mpr + warmup_factor * (ranks - 1 - rank), m * v)
-    held, peak = [0] * v, [0] * v
-    for op in range(m * v + warmup):
-        if op < m * v:  # a forward
-            chunk = (op // mpr) % v
-            held[chunk] += 1
-            peak[chunk] = max(peak[chunk], held[chunk])
-        if op >= warmup:  # a backward
-            held[v - 1 - ((op - warmup) // mpr) % v] -= 1
-    return peak
-
-
 def check_inputs(costs: PipelineCosts, num_stages: int, num_microbatches: int, schedule: str,
                  ranks: int | None = None) -> None:
     n = len(costs.blocks)
@@ -354,13 +309,6 @@ def check_inputs(costs: PipelineCosts, num_stages: int, num_microbatches: int, s
     if ranks is not None and schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and num_microbatches % rounds:
         raise StagePlanError(f"{schedule} runs micro-batches in rounds of the pipeline group size: "
                              f"num_microbatches={num_microbatches} must be a multiple of {rounds}")
-
-
-def default_ranks(schedule: str, num_stages: int, ranks: int | None) -> int:
-    """The pipeline group size: ``ranks`` when given, else one stage per rank (ZBV: two)."""
-    if ranks is not None:
-        return ranks
-    return max(1, num_stages // 2) if schedule == "ZBVZeroBubble" else num_stages
 
 
 class _Pricer:

@@ -188,7 +188,7 @@ def _exposed(point: LayerPoint, profile: LayerProfile, cluster: Cluster) -> floa
 
 
 def _stage_layers(profile, strategy, cluster, layout, i, n) -> tuple[list[LayerSim], str]:
-    from lynx_compile.pipeline.plan_stages import in_flight
+    from lynx_compile.pipeline.placement import in_flight
 
     k = in_flight(layout.schedule, layout.pp, layout.num_microbatches, i)
     room = cluster.memory_bytes - _static(profile, layout, i, n) - _edge_bytes(profile, layout, i, k)
