@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import lynx_compile
+from lynx_compile.backend import find_backend_error
 from lynx_compile.memory import measure_step
 from lynx_compile.models import build_model, example_batch
 from lynx_compile.decisions import BudgetError
@@ -74,9 +75,7 @@ def test_budget_below_smallest_reachable_is_an_error_naming_it():
                              options={"policy": "lynx", "memory_budget": 0.05, "solver": "heu"})
     with pytest.raises(Exception) as info:
         compiled(example_batch(model, 4))
-    err = info.value
-    while err is not None and not isinstance(err, BudgetError):
-        err = getattr(err, "inner_exception", None) or err.__cause__
+    err = find_backend_error(info.value, BudgetError)
     assert isinstance(err, BudgetError)
     assert "smallest reachable peak is" in str(err) and "Use memory_budget >=" in str(err)
 

@@ -34,6 +34,7 @@ import torch
 import torch.fx as fx
 
 from lynx_compile.costs.comm import is_collective_node, is_wait_node
+from lynx_compile.costs.types import iter_tensors
 
 _DEFER: contextvars.ContextVar[Any] = contextvars.ContextVar("lynx_defer_weights", default=None)
 
@@ -170,7 +171,7 @@ class WeightDeferral:
         entries = [self.pending[key]] if key is not None else list(self.pending.values())
         seen: dict[int, int] = {}
         for _, _, carry in entries:
-            for t in _tensors(carry):
+            for t in iter_tensors(carry):
                 ptr = t.untyped_storage().data_ptr()
                 if ptr not in params:
                     seen[ptr] = t.untyped_storage().nbytes()
@@ -194,12 +195,3 @@ class WeightDeferral:
                 p.grad += g
         self.deferred += 1
         return True
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    """The tensors in ``value`` (nested tuples and lists: a carried multi-output value)."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _tensors(v)
