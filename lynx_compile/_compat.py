@@ -156,7 +156,8 @@ def inductor_partitioner_base() -> type:
 
 def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, partitioner: Any,
                                       keep_placement: bool = True, post_grad: Callable | None = None,
-                                      post_fusion: Callable | None = None) -> Callable:
+                                      post_fusion: Callable | None = None,
+                                      inner_compile: Callable | None = None) -> Callable:
     """Compile a dynamo graph with Inductor end to end (``compile_fx``: decompositions, joint
     passes, then ``partitioner`` instead of min-cut, post-grad passes, fused codegen) —
     ``torch.compile``'s own pipeline with only the partition replaced.
@@ -170,7 +171,9 @@ def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, 
     Inductor's FX-graph cache stays on where torch keys it on the pass (2.13: a
     ``CustomSchedulerPass`` whose ``uuid`` is the hash of the file defining ``post_fusion``'s
     class); a cache hit skips the scheduler, so ``post_fusion`` is not called. 2.11 has no such
-    key: the cache is off there for these graphs."""
+    key: the cache is off there for these graphs. ``inner_compile``: what compiles each
+    partitioned graph in place of ``compile_fx_inner`` (it gets the same arguments, the
+    backward's with ``is_backward=True``; see :func:`inductor_compile_graph`)."""
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
@@ -189,7 +192,37 @@ def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, 
     # first backward, and compile_fx re-applies these to every inner compile.)
     with inductor_config.patch(custom_partitioner_fn=partitioner), \
             _functorch_config.patch(enable_autograd_cache=False):
-        return compile_fx(gm, example_inputs, config_patches=patches or None)
+        if inner_compile is None:
+            return compile_fx(gm, example_inputs, config_patches=patches or None)
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches or None)
+
+
+def inductor_compile_graph(gm: fx.GraphModule, example_inputs: Any, donated: Any = None, **kwargs: Any) -> Callable:
+    """Inductor's compile of one partitioned graph (``compile_fx_inner``: post-grad passes,
+    fusion, codegen; a boxed callable), for an ``inner_compile`` of
+    :func:`inductor_compile_with_partitioner` (``kwargs``: the ones it was given). ``donated``:
+    the backward inputs whose buffers Inductor may reuse once read (AOTAutograd's
+    ``bw_donated_idxs``, read from the compile's tracing context); None keeps the context's."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    context = torch._guards.TracingContext.try_get()
+    meta = context.fw_metadata if context is not None else None
+    if donated is None or meta is None or not hasattr(meta, "bw_donated_idxs"):
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+    before = meta.bw_donated_idxs
+    meta.bw_donated_idxs = list(donated)
+    try:
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+    finally:
+        meta.bw_donated_idxs = before
+
+
+def inductor_donated_inputs() -> list[int]:
+    """The backward inputs AOTAutograd lets Inductor reuse (``bw_donated_idxs`` of the
+    compile's tracing context; [] outside one)."""
+    context = torch._guards.TracingContext.try_get()
+    meta = context.fw_metadata if context is not None else None
+    return list(getattr(meta, "bw_donated_idxs", None) or [])
 
 
 def inductor_at_activation_budget(budget: float) -> Callable:

@@ -62,7 +62,7 @@ class LynxBackend:
         self.records: list[GraphRecord] = []
         self.runtimes: list = []  # GraphRuntime per graph when config.recompute_in_wait
         self.side_stream_runners: list = []  # SideStreamRunner per backward when config.side_stream
-        self.weight_deferrals: list = []  # WeightDeferral per graph (compiler="eager", no side stream)
+        self.weight_deferrals: list = []  # WeightDeferral per graph (eager without side stream; inductor with weight_split)
         from lynx_compile.distributed.agreement import WORLD
 
         self.planning_group = WORLD
@@ -124,15 +124,23 @@ class LynxBackend:
         """Inductor's pipeline with lynx's partition (``lynx_compile.inductor``); Inductor's own
         estimate of the compiled step's peak goes on the plan once the backward is compiled."""
         from lynx_compile.distributed.agreement import planning_group
-        from lynx_compile.inductor import CompiledPeak, LynxPartitioner, lynx_post_grad
+        from lynx_compile.inductor import CompiledPeak, LynxPartitioner, WeightSplitCompile, lynx_post_grad
 
         own_placement = self.config.policy not in ("none", "torch")
-        peak = None if self.plan_only else CompiledPeak(record=record)
+        split = None
+        if self.config.weight_split and not self.plan_only:
+            from lynx_compile.runtime.weight_split import WeightDeferral
+
+            deferral = WeightDeferral([t if isinstance(t, torch.nn.Parameter) else None for t in example_inputs])
+            self.weight_deferrals.append(deferral)
+            split = WeightSplitCompile(deferral)
+        # Inductor's estimate reads the forward and one backward; B and W are two graphs
+        peak = None if self.plan_only or split is not None else CompiledPeak(record=record)
         partitioner = LynxPartitioner(self.config, record, plan_only=self.plan_only, peak=peak)
         with planning_group(self.planning_group):
             return _compat.inductor_compile_with_partitioner(
                 gm, example_inputs, partitioner, keep_placement=own_placement,
-                post_grad=lynx_post_grad if own_placement else None, post_fusion=peak)
+                post_grad=lynx_post_grad if own_placement else None, post_fusion=peak, inner_compile=split)
 
     def run_early(self, key: Any) -> int:
         """Run the recompute prefix of micro-batch ``key``'s backward in every graph now (see

@@ -98,6 +98,15 @@ class LynxConfig:
     """Most bytes of recomputed tensors run early and held until the backward uses them (the
     stage's memory headroom); None: no limit."""
 
+    weight_split: bool = False
+    """Compile each backward also as B (input gradients) and W (weight gradients), so that a
+    zero-bubble pipeline schedule can run W later, in a bubble (``lynx_compile.runtime.weight_split``;
+    ``lynx_compile.pipeline`` sets it for ``ZBVZeroBubble`` / ``InterleavedZeroBubble``). Under
+    ``compiler="inductor"`` Inductor compiles B and W when it compiles the backward (two
+    backward compiles instead of one) and a backward that is not deferred runs B then W; under
+    ``compiler="eager"`` the split is always available and this changes nothing. Outside a
+    pipeline stage it changes nothing but the compile time."""
+
     fuse_kernels: bool | str = False
     """Replace recognized recompute chains in the backward (causal softmax, LayerNorm, GeLU) with
     lynx's fused Triton kernels (``lynx_compile.kernels``; pass ``fuse_recompute_pass``).
@@ -202,6 +211,9 @@ def make_config(options: dict[str, Any] | None = None) -> LynxConfig:
         clash = [k for k in ("side_stream", "recompute_in_wait") if options.get(k)]
         if clash:
             raise ValueError(f"offload=True is not combined with {clash[0]}=True yet; choose one")
+    if options.get("weight_split") and options.get("side_stream"):
+        raise ValueError("weight_split=True cuts the backward into B and W, side_stream=True into "
+                         "stream segments; choose one")
     if options.get("side_stream") and options.get("recompute_in_wait"):
         raise ValueError("side_stream=True and recompute_in_wait=True both take over the backward's "
                          "recompute; choose one")
@@ -223,7 +235,7 @@ def make_config(options: dict[str, Any] | None = None) -> LynxConfig:
 
 
 _BOOLS = ("plan_cache", "windows", "offload", "recompute_in_wait", "side_stream", "check_plan_agreement",
-          "trace_recompute", "verbose")
+          "trace_recompute", "verbose", "weight_split")
 
 
 def _check_types(options: dict[str, Any]) -> None:

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -326,3 +326,39 @@ def lynx_post_grad(graph: fx.Graph) -> None:
     split_late_addmm(graph)
     split_shared_pointwise(graph)
     pin_windows(graph)
+
+
+class WeightSplitCompile:
+    """Inductor's ``inner_compile`` for a graph whose backward is cut into B (input gradients)
+    and W (weight gradients) for the zero-bubble pipeline schedules (option ``weight_split``;
+    ``runtime.weight_split``). The cut is made on the partitioned backward, before Inductor's
+    post-grad passes; B and W are then compiled by Inductor like any backward (fused kernels,
+    lynx's post-grad passes), when the backward is compiled.
+
+    Inductor may reuse a backward input's buffer once read (AOTAutograd's donated saved
+    tensors): B keeps that for the inputs it does not hand to W; W reuses none of its inputs
+    (they are B's outputs and saved tensors, some views of others)."""
+
+    def __init__(self, deferral: Any):
+        self.deferral = deferral
+        self.split = 0
+        """Backwards compiled as B and W."""
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Callable:
+        if not kwargs.get("is_backward"):
+            return _compat.inductor_compile_graph(gm, example_inputs, **kwargs)
+        donated = _compat.inductor_donated_inputs()
+
+        def compile_b(split: Any) -> Callable:
+            keep = [i for i in donated if i not in split.carried_inputs]
+            return _compat.inductor_compile_graph(split.b, example_inputs, donated=keep, **kwargs)
+
+        def compile_w(split: Any) -> Callable:
+            vals = [p.meta["val"] for p in split.w.graph.find_nodes(op="placeholder")]
+            return _compat.inductor_compile_graph(split.w, vals, donated=[], **{**kwargs, "static_input_idxs": []})
+
+        run = self.deferral.wrap_split(gm, compile_b, compile_w)
+        if run is None:
+            return _compat.inductor_compile_graph(gm, example_inputs, **kwargs)
+        self.split += 1
+        return run

@@ -28,6 +28,18 @@ def test_zero_bubble_pipeline_matches_single_process(schedule, policy):
         assert any(r["early"] for r in results)
 
 
+@pytest.mark.timeout(400)
+def test_zero_bubble_stages_compiled_by_inductor_split_b_and_w():
+    # compiler="inductor": each stage's backward is compiled by Inductor as two graphs, B and W
+    # (option weight_split, set by pipeline() for zero-bubble schedules); W runs when the
+    # schedule asks, and losses and gradients still equal one process's
+    results = run_ranks(_pipeline_matches, 2, 4, "ZBVZeroBubble",
+                        {"solver": "heu", "policy": "full", "compiler": "inductor"}, None, timeout_s=380)
+    _check(results, 4)
+    assert all(r["deferred"] >= 2 * 2 * 4 for r in results), results
+    assert not any(r["early"] for r in results)
+
+
 def _train_cli(rank, world, schedule):
     import argparse
 

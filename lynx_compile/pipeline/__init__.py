@@ -205,8 +205,8 @@ def pipeline(model: nn.Module, example_inputs: Sequence[Any], *, num_stages: int
     ``InterleavedZeroBubble`` (``num_stages`` a multiple of the group size), ``ZBVZeroBubble``
     (``num_stages`` twice the group size; rank r holds stages r and 2 x size - 1 - r). Under the
     zero-bubble schedules lynx splits each stage's compiled backward into B (input gradients) and
-    W (weight gradients) with the eager compiler (the default with ``recompute_in_wait``); under
-    Inductor B runs the whole backward and W is a no-op (see ``lynx_compile.pipeline.stages``).
+    W (weight gradients), with either compiler (option ``weight_split``; see
+    ``lynx_compile.pipeline.stages``).
     ``method``: ``lynx`` (recompute-aware), ``compute`` or ``uniform`` (baselines). ``options``: lynx backend options for every stage
     (``memory_budget`` is set per stage). Needs torch.distributed initialized; ``group``
     (default: world) holds one rank per stage (or per ``num_stages / size`` stages).
@@ -235,6 +235,8 @@ def pipeline(model: nn.Module, example_inputs: Sequence[Any], *, num_stages: int
     # Stages run the eager compiler when they recompute in the gradient wait (it splits their
     # backward at runtime); profile them with the compiler they will run under.
     options.setdefault("compiler", "eager" if recompute_in_wait else "inductor")
+    if schedule in ZERO_BUBBLE_SCHEDULES and not options.get("side_stream"):
+        options["weight_split"] = True  # B and W compiled apart (Inductor); eager cuts at runtime
     if plan is None:
         plan, costs, paths = plan_pipeline(model, mb, num_stages=num_stages, num_microbatches=num_microbatches,
                                            memory_per_device=memory_per_device, schedule=schedule, method=method,

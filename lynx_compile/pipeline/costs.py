@@ -129,11 +129,11 @@ def profile_pipeline(module: nn.Module, example_inputs: Sequence[Any], options: 
 
 def _splits_weights(options: dict[str, Any]) -> bool:
     """Whether stages compiled with ``options`` split B from W (``runtime.weight_split``: the
-    eager compiler, no side stream)."""
+    eager compiler, or Inductor with ``weight_split``; no side stream)."""
     from lynx_compile.config import LynxConfig
 
     compiler = options.get("compiler", LynxConfig.__dataclass_fields__["compiler"].default)
-    return compiler == "eager" and not options.get("side_stream", False)
+    return (compiler == "eager" or bool(options.get("weight_split"))) and not options.get("side_stream", False)
 
 
 class _Traced(Exception):

@@ -25,8 +25,9 @@ gradients, ``backward_one_chunk(full_backward=False)``) and W (weight gradients,
 stage's backward is one autograd node there: its B runs the whole compiled backward for the
 input gradients (retaining the graph, which lynx's compiled backward refuses: it donates
 buffers) and its W would run it a second time. Here the split is lynx's own, on the backward
-graph (``lynx_compile.runtime.weight_split``, with ``compiler="eager"``, which recompute in the
-gradient wait uses anyway):
+graph (``lynx_compile.runtime.weight_split``; the eager compiler cuts it at the first deferred
+call, Inductor compiles B and W as two graphs when it compiles the backward, option
+``weight_split``, which ``pipeline()`` sets for these schedules):
 
     schedule calls backward_one_chunk(j, full_backward=False)
         -> j's backward inside defer_weights(j): the ops the input gradient needs (B) run,
@@ -34,8 +35,6 @@ gradient wait uses anyway):
     schedule calls backward_weight_one_chunk(j)
         -> the lynx backend runs j's weight-gradient ops (W), accumulating into .grad
 
-With ``compiler="inductor"`` (no split) B runs the complete backward and W is a no-op: 1F1B's
-gradients, no bubble filled.
 """
 from __future__ import annotations
 

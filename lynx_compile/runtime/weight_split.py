@@ -58,6 +58,8 @@ class WeightSplit:
     weight_outputs: tuple[int, ...]
     carry: int
     """How many trailing outputs of ``b`` are W's inputs."""
+    carried_inputs: tuple[int, ...] = ()
+    """The backward's inputs (placeholder positions) that are in the carry."""
 
 
 def ancestors(roots: Sequence[fx.Node], stop: set[fx.Node] | None = None) -> set[fx.Node]:
@@ -123,7 +125,10 @@ def split_weight_grads(bw: fx.GraphModule, weight_outputs: Sequence[int]) -> Wei
     b, w = fx.GraphModule(bw, b_graph, "lynx_backward_input"), fx.GraphModule(bw, w_graph, "lynx_backward_weight")
     b.graph.lint()
     w.graph.lint()
-    return WeightSplit(b=b, w=w, weight_outputs=weight, carry=len(carry))
+    placeholders = list(bw.graph.find_nodes(op="placeholder"))
+    carried = set(carry)
+    return WeightSplit(b=b, w=w, weight_outputs=weight, carry=len(carry),
+                       carried_inputs=tuple(i for i, p in enumerate(placeholders) if p in carried))
 
 
 class WeightDeferral:
@@ -138,23 +143,58 @@ class WeightDeferral:
         self.deferred = 0
         """Backwards whose weight gradients ran in W."""
 
+    def weight_positions(self, bw: fx.GraphModule) -> tuple[int, ...]:
+        """The outputs of ``bw`` that are weight gradients; () when its outputs cannot be matched
+        to the forward's inputs (then nothing is deferred)."""
+        if len(bw.graph.output_node().args[0]) != len(self.params):
+            return ()
+        return tuple(i for i, p in enumerate(self.params) if p is not None)
+
     def wrap(self, bw: fx.GraphModule, compile_fn: Callable) -> Callable:
-        """The compiled ``bw`` (by ``compile_fn``), deferring its weight gradients when asked."""
+        """The compiled ``bw`` (by ``compile_fn``), deferring its weight gradients when asked; B
+        and W are cut and compiled at the first deferred call (the op-by-op compiler: cheap)."""
         full = compile_fn(bw)
-        weight = tuple(i for i, p in enumerate(self.params) if p is not None)
-        n_out = len(bw.graph.output_node().args[0])
+        weight = self.weight_positions(bw)
         pieces: list = []  # [] until the first deferred call, then [None] or [(split, b, w)]
 
-        def run(args: list) -> Any:
-            key = _DEFER.get()
-            if key is None or not weight or n_out != len(self.params):
-                return full(args)
+        def split_pieces():
             if not pieces:
                 split = split_weight_grads(bw, weight)
                 pieces.append(split and (split, compile_fn(split.b), compile_fn(split.w)))
-            if pieces[0] is None:
+            return pieces[0]
+
+        return self._dispatch(full, split_pieces if weight else None, len(self.params))
+
+    def wrap_split(self, bw: fx.GraphModule, compile_b: Callable, compile_w: Callable) -> Callable | None:
+        """``bw`` cut into B and W now, compiled by ``compile_b(split)`` and ``compile_w(split)``
+        (Inductor compiles both when it compiles the backward: a compile later, at the first
+        deferred call, would run outside the compile's context); None when ``bw`` cannot be cut
+        (compile it whole then). Outside ``defer_weights`` the backward runs B, then W at once."""
+        weight = self.weight_positions(bw)
+        split = split_weight_grads(bw, weight) if weight else None
+        if split is None:
+            return None
+        b, w = compile_b(split), compile_w(split)
+        n_out = len(self.params)
+
+        def b_then_w(args: list) -> list:
+            out = list(b(args))
+            for i, g in zip(split.weight_outputs, w(out[n_out:])):
+                out[i] = g
+            return out[:n_out]
+
+        return self._dispatch(b_then_w, lambda: (split, b, w), n_out)
+
+    def _dispatch(self, full: Callable, split_pieces: Callable | None, n_out: int) -> Callable:
+        """A boxed backward: ``full(args)``, or inside ``defer_weights(key)`` B now with W's carry
+        kept under ``key`` (``split_pieces()``: (split, b, w), or None when not cut)."""
+
+        def run(args: list) -> Any:
+            key = _DEFER.get()
+            pieces = split_pieces() if key is not None and split_pieces is not None else None
+            if pieces is None:
                 return full(args)
-            split, b, w = pieces[0]
+            split, b, w = pieces
             out = list(b(args))
             self.pending[key] = (w, split.weight_outputs, out[n_out:])
             return out[:n_out]
