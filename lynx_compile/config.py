@@ -84,9 +84,9 @@ class LynxConfig:
     per tensor keep / recompute / offload under the same peak budget, a copy priced by the
     hardware profile's ``host_link_bytes_per_s`` and exposed only where it outlasts the compute
     it overlaps (``passes/offload.py``). Visible in the graphs as ``lynx.offload`` /
-    ``offload_wait`` (forward) and ``lynx.reload`` / ``reload_wait`` (backward). Needs
-    ``compiler='eager'`` (chosen when ``compiler`` is not given); not with ``side_stream`` or
-    ``recompute_in_wait``. On CPU "host" is a second CPU buffer."""
+    ``offload_wait`` (forward) and ``lynx.reload`` / ``reload_wait`` (backward); under Inductor
+    they are extern calls in the generated code, ordered by their arguments. Not with
+    ``side_stream`` or ``recompute_in_wait``. On CPU "host" is a second CPU buffer."""
 
     recompute_in_wait: bool = False
     """Keep each forward's saved tensors per pipeline micro-batch so that the recompute prefix of
@@ -189,7 +189,7 @@ def make_config(options: dict[str, Any] | None = None) -> LynxConfig:
     if options.get("plan") is not None:
         check_plan_file(options["plan"], "plan")
     _check_solver_installed(options)
-    needs_eager = [k for k in ("side_stream", "recompute_in_wait", "trace_recompute", "offload") if options.get(k)]
+    needs_eager = [k for k in ("side_stream", "recompute_in_wait", "trace_recompute") if options.get(k)]
     if needs_eager and "compiler" not in options:
         options["compiler"] = "eager"  # documented: these run the backward graph in pieces
     if options.get("trace_recompute") and options.get("compiler") == "inductor":
@@ -202,9 +202,6 @@ def make_config(options: dict[str, Any] | None = None) -> LynxConfig:
         raise ValueError("side_stream=True runs the backward in pieces on two streams and needs "
                          "compiler='eager'; drop one of the two")
     if options.get("offload"):
-        if options.get("compiler") == "inductor":
-            raise ValueError("offload=True is applied to the op-by-op graphs and needs compiler='eager' "
-                             "(Inductor support is not built yet); drop one of the two")
         if options.get("policy", "lynx") != "lynx":
             raise ValueError(f"offload=True is decided by the optimizer (policy 'lynx'), not by "
                              f"policy {options['policy']!r}; drop one of the two")

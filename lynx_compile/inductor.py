@@ -322,7 +322,8 @@ def pin_windows(graph: fx.Graph) -> None:
 def lynx_post_grad(graph: fx.Graph) -> None:
     """The post-grad passes lynx adds for its own placements: :func:`split_late_addmm`,
     :func:`split_shared_pointwise`, then :func:`pin_windows` (last: it orders what the others
-    placed)."""
+    placed). (Offload copies need no pass: their ops carry the order in their arguments,
+    ``passes/offload.py``.)"""
     split_late_addmm(graph)
     split_shared_pointwise(graph)
     pin_windows(graph)

@@ -9,15 +9,20 @@ seconds one way, exposed seconds by the model below).
 ``offload_forward_pass``, for each saved output ``x`` of an offloaded unit::
 
     before:  x = op(...); ...; return (out, x)
-    after:   x = op(...); x_offload = lynx.offload(x); ...ops covering the copy time...
-             lynx.offload_wait(x_offload, x); ...; return (out, x_offload)
+    after:   x = op(...); x_offload = lynx.offload(x); ...ops covering the copy time...; y = op(...)
+             lynx.offload_wait(x_offload, x, y); ...; return (out, x_offload)
 
 ``offload_backward_pass``, for each backward input ``x`` of an offloaded unit (renamed
 ``x_offload``, the forward's host copy)::
 
     before:  ...; y = use(x)
-    after:   x_reload = lynx.reload(x_offload, device); ...ops covering the copy time...
+    after:   z = op(...); x_reload = lynx.reload(x_offload, device, z); ...ops covering the copy time...
              lynx.reload_wait(x_reload); y = use(x_reload)
+
+The last argument of a wait / reload (``y``, ``z``: the op lynx places it behind) is read and not
+used: it keeps a compiler that schedules by data (Inductor) from running the wait as soon as the
+copy is issued, or the reload at the start of the backward. ``reload_wait`` is declared as
+writing its tensor, so every reader of ``x_reload`` runs after it.
 
 Copy model (the same rule prices the optimizer's ``Unit.offload_*``, ``remat_problem``): one
 copy takes t = bytes / ``host_link_bytes_per_s``. The device→host copy overlaps the forward ops
@@ -58,6 +63,19 @@ def _cost(node: fx.Node) -> float:
     return c.runtime_s if c is not None else 0.0
 
 
+def _tensor_before(node: fx.Node, stop: fx.Node | None) -> fx.Node | None:
+    """``node``, or the nearest op before it, whose value is one tensor and that is no copy op
+    (the ``after`` argument of a wait or a reload: read so that a compiler keeps the copy op
+    behind it); None when the walk reaches ``stop`` or the placeholders first."""
+    import torch
+
+    while node is not None and node.op == "call_function" and node is not stop:
+        if isinstance(node.meta.get("val"), torch.Tensor) and meta.OFFLOAD not in node.meta:
+            return node
+        node = node.prev
+    return node if node is stop and node is not None and isinstance(node.meta.get("val"), torch.Tensor) else None
+
+
 def _offloaded_names(ctx: PassContext) -> set[str]:
     d = ctx.decisions
     return {m for u in d.offloaded() for m in d.nodes_of(u)} if d is not None else set()
@@ -96,7 +114,7 @@ def offload_forward_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
         k, exposed = cover_after([_cost(n) for n in after], copy_s)
         anchor = after[k - 1] if k else host
         with gm.graph.inserting_after(anchor):
-            wait = gm.graph.call_function(OFFLOAD_WAIT, (host, x))
+            wait = gm.graph.call_function(OFFLOAD_WAIT, (host, x, _tensor_before(anchor, stop=host)))
         wait.meta[meta.OFFLOAD] = "offload_wait"
         outs[j] = host
         summary["tensors"] += 1
@@ -136,8 +154,9 @@ def offload_backward_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
         anchor = before[k - 1] if k else first
         val = ph.meta.get("val")
         users = list(host.users)
+        prev = _tensor_before(anchor.prev, stop=None) if anchor.prev.op != "placeholder" else None
         with gm.graph.inserting_before(anchor):
-            reloaded = gm.graph.create_node("call_function", RELOAD, (host, val.device), name=f"{ph.name}_reload")
+            reloaded = gm.graph.create_node("call_function", RELOAD, (host, val.device, prev), name=f"{ph.name}_reload")
         with gm.graph.inserting_before(first):
             wait = gm.graph.call_function(RELOAD_WAIT, (reloaded,))
         reloaded.meta.update({"val": val, meta.OFFLOAD: "reload"})

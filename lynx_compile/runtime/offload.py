@@ -22,6 +22,8 @@ are what the ops compute: a copy of the values, on another device.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch.fx.node import has_side_effect
 
@@ -64,23 +66,27 @@ def offload(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("lynx::offload_wait", mutates_args=())
-def offload_wait(host: torch.Tensor, x: torch.Tensor) -> None:
+def offload_wait(host: torch.Tensor, x: torch.Tensor, after: Optional[torch.Tensor] = None) -> None:
     """The device→host copy of ``x`` into ``host`` is complete here (``x`` is read, so it stays
-    alive until this point)."""
+    alive until this point). ``after``: a tensor computed just before, read (not used) so that a
+    compiler runs the wait after it, where lynx placed it, not as soon as the copy is issued."""
     event = _EVENTS.pop(id(host), None)
     if event is not None:
         torch.cuda.current_stream(x.device).wait_event(event)
 
 
 @torch.library.custom_op("lynx::reload", mutates_args=())
-def reload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Start copying ``host`` to ``device``; the result is usable after ``reload_wait``."""
+def reload(host: torch.Tensor, device: torch.device, after: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Start copying ``host`` to ``device``; the result is usable after ``reload_wait``.
+    ``after``: a tensor computed just before, read (not used) so that a compiler issues the copy
+    where lynx placed it, not at the start of the backward (the copy would be alive longer)."""
     if torch.device(device).type != "cuda":
         return host.clone(memory_format=torch.contiguous_format)
     device = torch.device(device)
     stream = _copy_stream(device)
     with torch.cuda.stream(stream):
-        out = host.to(device, non_blocking=True)
+        out = torch.empty(host.shape, dtype=host.dtype, device=device)
+        out.copy_(host, non_blocking=True)
         event = torch.cuda.Event()
         event.record(stream)
     out.record_stream(torch.cuda.current_stream(device))
@@ -88,7 +94,10 @@ def reload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return out
 
 
-@torch.library.custom_op("lynx::reload_wait", mutates_args=())
+# Declared as writing ``x`` (the copy into it completes here; the values are not touched): a
+# compiler then orders every later reader of ``x`` after the wait (Inductor's scheduler keeps a
+# mutation's readers behind it), which a wait with no output would not get.
+@torch.library.custom_op("lynx::reload_wait", mutates_args=("x",))
 def reload_wait(x: torch.Tensor) -> None:
     """The current stream waits here for the host→device copy that produced ``x``."""
     event = _EVENTS.pop(id(x), None)
@@ -96,17 +105,19 @@ def reload_wait(x: torch.Tensor) -> None:
         torch.cuda.current_stream(x.device).wait_event(event)
 
 
+# Both copies are contiguous, whatever the source's strides (a transposed activation too): the
+# fake results say so, as Inductor checks a custom op's output strides against them.
 @offload.register_fake
 def _(x):
-    return torch.empty_like(x, device="cpu") if x.device.type == "cuda" else torch.empty_like(x)
+    return x.new_empty(x.shape, device="cpu" if x.device.type == "cuda" else x.device)
 
 
 @reload.register_fake
-def _(host, device):
-    return torch.empty_like(host, device=device)
+def _(host, device, after=None):
+    return host.new_empty(host.shape, device=device)
 
 
-offload_wait.register_fake(lambda host, x: None)
+offload_wait.register_fake(lambda host, x, after=None: None)
 reload_wait.register_fake(lambda x: None)
 
 OFFLOAD = torch.ops.lynx.offload.default
