@@ -64,7 +64,7 @@ def worker(args) -> None:
     pl = lynx_compile.pipeline(model, (batches[0],), num_stages=plan.num_stages, num_microbatches=args.microbatches,
                                loss_fn=lambda lg, t: lm_loss(lg, t, None), memory_per_device=args.memory,
                                schedule=plan.schedule, method=args.method, recompute_in_wait=args.wait, plan=plan,
-                               options={"solver": "heu", "cost_source": args.cost_source})
+                               options={"solver": "heu", "cost_source": args.cost_source, "compiler": args.compiler})
     opt = torch.optim.AdamW(list(pl.parameters()), lr=1e-3)
     times, losses = [], []
     for step, idx in enumerate(batches):
@@ -113,7 +113,7 @@ def launch(args, method: str, wait: bool, memory: int | None, tag: str, plan) ->
            str(args.port), os.path.abspath(__file__), "--worker", "--model", args.model, "--layers",
            str(args.layers), "--steps", str(args.steps), "--batch-size", str(args.batch_size),
            "--microbatches", str(args.microbatches), "--method", method, "--out", out,
-           "--cost-source", args.cost_source, "--plan", plan_path]
+           "--cost-source", args.cost_source, "--plan", plan_path, "--compiler", args.compiler]
     if wait:
         cmd.append("--wait")
     if memory is not None:
@@ -147,6 +147,9 @@ def main() -> None:
     p.add_argument("--schedules", default=None, help="comma list of pipeline schedules (e.g. "
                    "1F1B,ZBVZeroBubble,InterleavedZeroBubble): compare them instead (lynx split, recompute in the "
                    "gradient wait) and write results/pipeline_schedules.{csv,md}")
+    p.add_argument("--compiler", default="eager", choices=["eager", "inductor"],
+                   help="what compiles each stage (--schedules only; inductor: no recompute in the gradient "
+                        "wait, which needs the eager compiler; the zero-bubble B/W split is compiled by Inductor)")
     p.add_argument("--port", type=int, default=29631)
     p.add_argument("--timeout", type=float, default=600)
     args = p.parse_args()
@@ -159,7 +162,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = build_model(args.model, n_layers=args.layers, dropout=0.0)
     mb = example_batch(model, args.batch_size // args.microbatches)
-    opts = {"solver": "heu", "cost_source": args.cost_source}
+    opts = {"solver": "heu", "cost_source": args.cost_source, "compiler": args.compiler}
     # profile once: every method and level is planned from the same (measured) costs
     free, costs, _ = plan_pipeline(model, (mb,), num_stages=2, num_microbatches=args.microbatches,
                                    method="compute", options=opts)
@@ -243,11 +246,12 @@ def _compare_schedules(args, costs, top: int) -> None:
                 continue
             runs.append((level, memory, schedule, stages, plan, len(rows)))
             rows.append(None)
-    launched = _launch_interleaved(args, [(f"{schedule}_{level}", "lynx", True, memory, plan, slot)
+    wait = args.compiler == "eager"  # recompute in the gradient wait runs the graphs op by op
+    launched = _launch_interleaved(args, [(f"{schedule}_{level}", "lynx", wait, memory, plan, slot)
                                           for level, memory, schedule, stages, plan, slot in runs])
     for level, memory, schedule, stages, plan, slot in runs:
         best, ok = launched[slot]
-        row = _schedule_row(level, memory, schedule, stages, plan, best)
+        row = _schedule_row(level, memory, schedule, stages, plan, best, wait=wait)
         row["launch_medians_ms"] = _medians(ok) or "-"
         if ok:  # every launch trains the same steps: the worst loss difference over all of them
             row["max_rel_loss_diff"] = f"{max(_loss_diff(x['losses'], reference) for x in ok):.1e}"
@@ -281,8 +285,8 @@ def _loss_diff(got: list[float], want: list[float]) -> float:
     return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got, want))
 
 
-def _schedule_row(level, memory, schedule, stages, plan, res=None, error="") -> dict:
-    base = _row(level, memory, "lynx", True, plan, res, error=error)
+def _schedule_row(level, memory, schedule, stages, plan, res=None, error="", wait=True) -> dict:
+    base = _row(level, memory, "lynx", wait, plan, res, error=error)
     row = {"memory_level": level, "memory_MiB": base["memory_MiB"], "schedule": schedule,
            "stages_per_rank": stages // 2, "layers": base["layers"], "pred_step_ms": base["pred_step_ms"],
            "step_ms": base["step_ms"], "fastest_step_ms": base["fastest_step_ms"], "launch_medians_ms": "-",
@@ -303,7 +307,8 @@ def _schedule_row(level, memory, schedule, stages, plan, res=None, error="") -> 
 def _write_schedules(args, top: int, rows: list[dict]) -> None:
     os.makedirs(RESULTS, exist_ok=True)
     cols = list(rows[0])
-    with open(os.path.join(RESULTS, "pipeline_schedules.csv"), "w", newline="") as f:
+    name = "pipeline_schedules" if args.compiler == "eager" else f"pipeline_schedules_{args.compiler}"
+    with open(os.path.join(RESULTS, f"{name}.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols)
         w.writeheader()
         w.writerows(rows)
@@ -312,15 +317,18 @@ def _write_schedules(args, top: int, rows: list[dict]) -> None:
             f"{args.layers} layers, batch {args.batch_size} in {args.microbatches} micro-batches; per schedule the "
             f"lynx split (1F1B / GPipe: one stage per rank; interleaved and zero-bubble schedules: two per rank, "
             f"ZBVZeroBubble in V order, rank 0 holding the first and the last stage), lynx per stage (Lynx-HEU, "
-            f"{args.cost_source} costs, one profile for every row), recompute in the gradient wait on (eager "
-            f"compiler: the zero-bubble B/W split needs it too), {args.steps} steps per launch, step_ms = median "
+            f"{args.cost_source} costs, one profile for every row), "
+            + ("recompute in the gradient wait on (eager compiler), " if args.compiler == "eager" else
+               "stages compiled by Inductor (no recompute in the gradient wait; the zero-bubble schedules' B and W "
+               "compiled as two Inductor graphs, option weight_split), ")
+            + f"{args.steps} steps per launch, step_ms = median "
             f"of the steps after the compile step, best of {args.repeats} interleaved launches (all launches' "
             f"medians listed). Memory per device = level x the largest unconstrained 1F1B stage peak the planner "
             f"predicts ({top / 2**20:.1f} MiB); the planner prices each stage as if it had the device to itself. "
             f"Peaks are PREDICTED (CPU has no allocator peak), per stage: planner, and compiled = static + "
             f"(in-flight - 1) x saved + one micro-batch's exact simulated peak; rank_compiled_peak_sum_MiB sums "
-            f"a rank's stages' compiled peaks (the memory W's deferred inputs hold between B and W is in none of "
-            f"them). deferred_W_per_step: per stage, backward graphs per step whose weight gradients ran in W "
+            f"a rank's stages' compiled peaks (the memory W's deferred inputs hold between B and W is in the "
+            f"planner's peaks, not in these). deferred_W_per_step: per stage, backward graphs per step whose weight gradients ran in W "
             f"(LynxPipelineStage.deferred_weights). max_rel_loss_diff: the largest relative difference of a "
             f"step's loss to the same {args.steps} AdamW steps in one process (eager, unsplit), over all launches."
             f"\n\nCPU step times on a 2-core machine are noisy (two processes share the two cores; launches of one "
@@ -329,10 +337,10 @@ def _write_schedules(args, top: int, rows: list[dict]) -> None:
             f"expected on GPUs with real communication; where it does not appear below, it is not shown here.")
     cmd = (f"python benchmarks/bench_pipeline.py --model {args.model} --layers {args.layers} --levels {args.levels} "
            f"--schedules {args.schedules} --steps {args.steps} --repeats {args.repeats} "
-           f"--cost-source {args.cost_source}")
+           f"--cost-source {args.cost_source}" + (f" --compiler {args.compiler}" if args.compiler != "eager" else ""))
     lines = [head, "", f"Command: `{cmd}`", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
-    with open(os.path.join(RESULTS, "pipeline_schedules.md"), "w") as f:
+    with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
 
