@@ -635,3 +635,14 @@ def dispatch_mode_base() -> type:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
+
+
+def min_cut_counts_script_objects_as_zero():
+    """A context in which torch's min-cut partition (below budget 1) counts an opaque graph
+    input (a DTensor graph's process group, a ``FakeScriptObject``) as zero bytes instead of
+    raising (``unsafe_treat_script_objects_as_zero_size``, torch 2.13; a no-op where the flag is
+    missing). Sound for lynx's candidates: a process group holds no activations, and lynx
+    simulates whatever partition it gets back exactly."""
+    if hasattr(_functorch_config, "unsafe_treat_script_objects_as_zero_size"):
+        return _functorch_config.patch(unsafe_treat_script_objects_as_zero_size=True)
+    return contextlib.nullcontext()

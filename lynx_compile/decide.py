@@ -6,7 +6,8 @@
     policy torch ── min-cut at the budget, read back ─────────────────┤
     policy lynx ── optimize.plan_lynx (solve, re-solve on overshoot) ─┼─▶ apply.realize ─▶ Applied
                 └─ seed_with_baselines: full, selective, torch min-cut ┘   (fw, bw, exact peak)
-                   candidates, least exposed recompute that fits wins
+                   candidates, least exposed recompute that fits wins (torch's min-cut at
+                   the budget fraction and half of it; at 0.1 ... 0.9 too when plan_lynx fails)
 
 ``decide`` returns the ``Applied`` plan to compile (and lynx's ``LynxOutcome`` for the plan
 record) or raises ``BudgetError`` naming the smallest reachable peak.
@@ -14,14 +15,18 @@ record) or raises ``BudgetError`` naming the smallest reachable peak.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import time
 from typing import Any
 
 import torch.fx as fx
 
+from lynx_compile import _compat
 from lynx_compile.apply import Applied, partition_joint, realize, scratch_context
 from lynx_compile.decisions import BudgetError, Decisions, Window
+from lynx_compile.distributed.agreement import gather_values, planning_world_size
 from lynx_compile.passes import APPLY_PIPELINE, PassContext, meta, run_passes
 from lynx_compile.passes.apply_decisions import clear_decision_tags
 from lynx_compile.passes.mark_recomputed import mark_recomputed_pass, recomputed_source
@@ -33,6 +38,14 @@ BASELINES = ("full", "selective")
 TORCH_BUDGET_LADDER = (1.0, 0.5)
 """torch's min-cut is tried at these multiples of the requested budget fraction: its budget
 counts saved bytes, not the peak, so a lower setting may be the one that fits."""
+TORCH_SETTINGS = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
+"""Where lynx's optimizer has no plan under the budget, torch's min-cut is also tried at each of
+these settings. torch's setting bounds (saved - inputs) / (min-cut's saved - inputs), which has
+no fixed relation to the peak, so the setting that reached a peak need not be on the ladder
+above: on HF Llama (2 layers, batch 2, seq 32) setting 0.5 peaks at 0.520 of the no-recompute
+peak, but 0.52 (the ladder's first rung for that peak) at 0.534 and 0.26 at 0.719, so lynx fell
+back to ``full`` and exposed 362 us of recompute against torch's 256 us. Only when the optimizer
+fails: where it has a plan, it exposed 4-40x less than torch at every setting measured."""
 
 
 def decide(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: int | None,
@@ -171,7 +184,12 @@ def seed_with_baselines(joint, ctx: PassContext, kw: dict, budget: int, referenc
     if outcome is not None:
         best = ("lynx", exposed(outcome.applied, joint), outcome)
         scores["lynx"] = (best[1], outcome.applied.mem.peak_bytes)
-    for name, applied in _baseline_candidates(joint, ctx, kw, BASELINES if ctx.record.blocks else (), frac):
+    # every rank must try the same candidates (torch's are agreed on by a collective each)
+    with _compat.eager_dispatch():
+        failed_somewhere = any(gather_values(outcome is None))
+    settings = TORCH_SETTINGS if failed_somewhere else ()
+    policies = BASELINES if ctx.record.blocks else ()
+    for name, applied in _baseline_candidates(joint, ctx, kw, policies, frac, settings):
         cost = exposed(applied, joint)
         scores[name] = (cost, applied.mem.peak_bytes)
         if lowest is None or applied.mem.peak_bytes < lowest[0]:
@@ -189,7 +207,8 @@ def seed_with_baselines(joint, ctx: PassContext, kw: dict, budget: int, referenc
         where = ""
         if lowest is not None:
             where = f" The lowest of them peaks at {lowest[1]}"
-            if lowest[0] >= 0.9 * reference_peak:
+            peaks = [b for _, b in scores.values()]  # no candidate (full ... torch@0.1) moves it
+            if lowest[0] >= 0.9 * reference_peak or max(peaks) <= 1.01 * min(peaks):
                 where += (": recompute cannot lower it, the bytes live there are the step's working set "
                           "(e.g. the logits, the loss, a weight gradient such as the embedding's), not "
                           "saved activations")
@@ -220,31 +239,45 @@ def _problem_base(joint: fx.GraphModule, ctx: PassContext, kw: dict):
 
 
 def _baseline_candidates(joint: fx.GraphModule, ctx: PassContext, kw: dict, policies: tuple[str, ...],
-                         frac: float | None):
+                         frac: float | None, settings: tuple[float, ...] = ()):
     """(name, Applied) of each baseline in ``policies``, then torch's min-cut at ``frac`` times
-    ``TORCH_BUDGET_LADDER`` (not with several ranks, nor with ``frac`` None), each applied on a
-    scratch record. torch's min-cut breaks ties in set order, which differs between processes
-    (seen on 2 gloo ranks: the same graph, different recomputed getitems): with several ranks
-    its partition could differ per rank and deadlock the collectives, so it is a candidate only
-    in a single process."""
+    ``TORCH_BUDGET_LADDER`` and at each of ``settings`` (none with ``frac`` None), highest first,
+    each applied on a scratch record. torch's min-cut breaks ties in set order, which differs
+    between processes (seen on 2 gloo ranks: the same graph, different recomputed getitems):
+    with several ranks a torch candidate is used only where every rank partitioned it alike
+    (else it is left out on every rank, with a note), so ranks never choose different plans."""
     candidates = [(p, None) for p in policies]
-    if frac is not None and _single_process():
-        candidates += [("torch", b) for b in sorted({round(frac * m, 3) for m in TORCH_BUDGET_LADDER}, reverse=True)]
+    if frac is not None:
+        budgets = {round(frac * m, 3) for m in TORCH_BUDGET_LADDER} | set(settings)
+        candidates += [("torch", b) for b in sorted(budgets, reverse=True)]
     for policy, torch_budget in candidates:
         name = f"torch@{torch_budget:g}" if policy == "torch" else policy
         sub = scratch_context(ctx, name)
-        decisions = Decisions(policy=name) if policy == "torch" else baseline_decisions(joint, sub, policy)
-        yield name, realize(joint, sub, decisions, kw, torch_budget=torch_budget)
+        if policy != "torch":
+            yield name, realize(joint, sub, baseline_decisions(joint, sub, policy), kw)
+            continue
+        with _compat.min_cut_counts_script_objects_as_zero():
+            applied = realize(joint, sub, Decisions(policy=name), kw, torch_budget=torch_budget)
+        if planning_world_size() > 1:
+            with _compat.eager_dispatch():
+                tokens = gather_values(_partition_token(applied))
+            if len(set(tokens)) > 1:
+                ctx.record.notes.append(f"{name}: ranks partitioned it differently (torch's min-cut breaks "
+                                        "ties in set order), so it is no candidate")
+                continue
+        yield name, applied
+
+
+def _partition_token(applied: Applied) -> str:
+    """What a candidate's partition does, comparable across ranks: its exact peak, what its
+    backward reads and what it recomputes."""
+    saved = sorted(p.name for p in applied.bw.graph.find_nodes(op="placeholder"))
+    recomputed = sorted(n.name for n in applied.bw.graph.nodes if n.meta.get(meta.RECOMPUTED))
+    return hashlib.sha256(json.dumps([applied.mem.peak_bytes, saved, recomputed]).encode()).hexdigest()[:16]
 
 
 def _as_seed(applied: Applied) -> Applied:
     return dataclasses.replace(applied, decisions=applied.decisions.with_source("seed"))
-
-
-def _single_process() -> bool:
-    import torch.distributed as dist
-
-    return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 
 def smallest_reachable(joint, ctx: PassContext, kw: dict, reference_peak: int) -> tuple[str, int]:

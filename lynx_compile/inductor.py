@@ -30,8 +30,7 @@ weights, shared pointwise values and the windows below). What follows:
   :func:`split_shared_pointwise` gives the late consumer its own copy of the pointwise chain.
   With Inductor's wrapper buffer reuse off for lynx's placements (``_compat``), HF Llama
   (4 layers, seq 64, batch 2, CPU) under ``full`` measured 1077768 B before, 921608 B after
-  (lynx's prediction 901120 B: the rest is lynx's unfused model, which frees a fused pointwise
-  op's inputs where the op stands, not where its kernel runs).
+  (lynx's prediction, with its fused model in ``memory.simulate``, 921600 B).
 * **Windows.** lynx's FX passes put window recomputes between a collective's issue and its
   wait; :func:`pin_windows` turns that into ordering edges (torch's ``control_deps``) so that
   Inductor's scheduler keeps them there whatever it reorders: on a TP=2
@@ -43,9 +42,9 @@ weights, shared pointwise values and the windows below). What follows:
   Measured on CPU it is at or above the measured peak: gpt-small, batch 2, by 0.0% (none) to
   21% (full); gpt-tiny by 4% (none) to 46% (full): Inductor's model counts a kernel's output
   and the input it overwrites in place apart. It is a second opinion, not what lynx plans
-  against: the budget is checked on lynx's prediction, which the measured peak stayed under in
-  the cases measured with budgets (gpt-small at 0.3-0.7, the GQA LM at 0.5 and 0.7) but for
-  HF Llama at 0.5 (540 B, 0.03%, above). Reading it costs Inductor's FX-graph cache for lynx's
+  against: the budget is checked on lynx's prediction, which the measured peak stays within
+  (+4 to +8 B) in every case measured with budgets (gpt-small at 0.4-0.7, the GQA LM and HF
+  Llama at 0.5 and 0.7; README's table). Reading it costs Inductor's FX-graph cache for lynx's
   graphs (a hit would skip the scheduler): their Inductor lowering runs in every process.
 * **Caching.** AOTAutograd's cache is off while lynx compiles
   (``_compat.inductor_compile_with_partitioner``): a hit would skip the partitioner and leave

@@ -5,15 +5,24 @@ partitions the joint graph, lynx records its plan, and the backend stops before 
 executed. Nothing runs, so paper-scale models can be planned on the meta device (no memory
 allocated); costs are then analytic. ``fullgraph=True``: a plan of a model with graph breaks
 would only cover its first subgraph, so a break is an error here.
+
+``plan_model_variants`` plans several option sets from one trace: dynamo, aot_autograd and
+Inductor's joint passes run once, then each option set partitions its own copy of the joint
+graph. Tracing is most of a small model's planning time (a DTensor model's above all), so
+comparing policies or budgets on one model is several times faster that way.
 """
 from __future__ import annotations
 
-from typing import Any
+import copy
+from typing import Any, Sequence
 
 import torch
+import torch.fx as fx
 
-from lynx_compile.backend import LynxBackend, PlanningDone, find_backend_error
-from lynx_compile.config import make_config
+from lynx_compile import _compat
+from lynx_compile.backend import LynxBackend, PlanningDone, _graph_ids, find_backend_error
+from lynx_compile.config import LynxConfig, make_config
+from lynx_compile.partition import lynx_partition
 from lynx_compile.passes import GraphRecord
 
 
@@ -25,6 +34,35 @@ def plan_model(model: torch.nn.Module, example_inputs: tuple, **options: Any) ->
         raise ValueError("cost_source='measured' needs real tensors; plan on a real device or use "
                          "cost_source='analytic' with --hardware")
     backend = LynxBackend(config, plan_only=True)
+    _trace(model, example_inputs, backend)
+    return backend.records
+
+
+def plan_model_variants(model: torch.nn.Module, example_inputs: tuple, variants: Sequence[dict[str, Any]],
+                        **common: Any) -> list[list[GraphRecord]]:
+    """``[plan_model(model, example_inputs, **common, **v) for v in variants]``, tracing once.
+
+    Each variant partitions a copy of the joint graph its own ``plan_model`` would get (same
+    joint passes, same graph hash), so its records are the same. The variants must agree on
+    ``compiler`` (it decides which joint graph is made: Inductor's or aot_autograd's). With
+    several ranks every rank must pass the same variants (each plan's agreement check is a
+    collective)."""
+    configs = [make_config({**common, **v}) for v in variants]
+    compilers = sorted({c.compiler for c in configs})
+    if len(compilers) > 1:
+        raise ValueError(f"plan_model_variants: the variants name compilers {compilers}; one trace makes "
+                         "one joint graph, so they must share a compiler")
+    device = next(model.parameters()).device
+    if device.type == "meta" and any(c.cost_source == "measured" for c in configs):
+        raise ValueError("cost_source='measured' needs real tensors; plan on a real device or use "
+                         "cost_source='analytic' with --hardware")
+    backend = _VariantsBackend(configs)
+    _trace(model, example_inputs, backend)
+    return backend.records
+
+
+def _trace(model: torch.nn.Module, example_inputs: tuple, backend: Any) -> None:
+    """Compile ``model`` with a planning ``backend`` and run it up to ``PlanningDone``."""
     torch.compiler.reset()
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     try:
@@ -35,5 +73,47 @@ def plan_model(model: torch.nn.Module, example_inputs: tuple, **options: Any) ->
             raise
     finally:
         torch.compiler.reset()
-    return backend.records
+
+
+class _VariantsBackend:
+    """A plan-only dynamo backend whose partitioner plans every config on the one joint graph
+    (``LynxBackend(plan_only=True)`` for several configs at once)."""
+
+    def __init__(self, configs: list[LynxConfig]):
+        self.configs = configs
+        self.records: list[list[GraphRecord]] = [[] for _ in configs]
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list, **_: Any):
+        records = [GraphRecord(graph_id=next(_graph_ids), policy=c.policy) for c in self.configs]
+        for mine, record in zip(self.records, records):
+            mine.append(record)
+        partition = _VariantsPartitioner(self.configs, records)
+        on_meta = any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in example_inputs)
+        if self.configs[0].compiler == "inductor" and not on_meta:  # as LynxBackend decides
+            return _compat.inductor_compile_with_partitioner(gm, example_inputs, partition, keep_placement=False)
+        return _compat.aot_autograd(fw_compiler=_stop, bw_compiler=_stop, inference_compiler=_stop,
+                                    partition_fn=partition)(gm, example_inputs)
+
+
+def _stop(gm: fx.GraphModule, example_inputs: list):
+    raise PlanningDone()
+
+
+class _VariantsPartitioner(_compat.inductor_partitioner_base()):
+    """Plans each config on its own copy of the joint (lynx's passes tag and extend the joint
+    in place), then stops the compile."""
+
+    def __init__(self, configs: list[LynxConfig], records: list[GraphRecord]):
+        self.configs = configs
+        self.records = records
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+        for config, record in zip(self.configs, self.records):
+            joint = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # node metas copied one level deep
+            joint.meta = dict(gm.meta)
+            lynx_partition(joint, joint_inputs, config=config, record=record, **kwargs)
+        raise PlanningDone()
+
+    def uuid(self) -> None:
+        return None
 

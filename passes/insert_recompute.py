@@ -11,7 +11,12 @@ issued, so they run while it is in flight::
 
 The plan guarantees a window unit's inputs are kept or recomputed in the same or an earlier
 window, so the move keeps the graph topologically valid (checked by lint; a violation is a
-planner bug and raises).
+planner bug and raises). A node is moved at most once, into the earliest window that needs it:
+under Inductor a pointwise op folded into several consumer units (``remat_problem._fold_fused``,
+e.g. a causal mask's ``where`` read by the softmax's ``amax`` and its ``sub``) is one FX node
+carrying the last consumer's decision, and a consumer in an earlier window has already pulled
+it there; moving it on to its own, later window would leave that consumer reading it before it
+is defined (seen on a DTensor TP=2 Llama at selective's peak).
 """
 from __future__ import annotations
 
@@ -25,12 +30,16 @@ from .context import PassContext
 
 
 def _with_recomputed_inputs(group: list[fx.Node], coll: fx.Node, gm: fx.GraphModule) -> list[fx.Node]:
-    """``group`` plus the recomputed nodes it reads that sit after ``coll``, in graph order.
+    """The nodes of ``group`` that sit after ``coll``, plus the recomputed nodes they read that
+    sit after ``coll``, in graph order.
 
     Nodes the partitioner creates itself carry no plan role: the RNG replay
     (``run_with_rng_state``) whose getitem a window unit is, for one. They must move with the
-    unit that reads them."""
+    unit that reads them. A node already before ``coll`` (moved into an earlier window with a
+    unit that reads it) stays there: it is computed before this window's units need it, and
+    moving it later would break its earlier readers."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    group = [n for n in group if order[n] > order[coll]]
     members, todo = set(group), list(group)
     while todo:
         for a in todo.pop().all_input_nodes:

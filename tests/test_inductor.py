@@ -124,10 +124,13 @@ def test_inductor_keeps_recompute_where_the_partition_put_it(batch):
     """Inductor's peak-memory reordering and horizontal fusion once pulled block 0's recompute to
     the start of the backward (gpt-tiny, batch 1: policy full measured 403 KB, above no recompute's
     380 KB, predicted 214 KB). With lynx's Inductor settings, full's measured peak is below
-    none's, and at batch 1 within 1% below to 4% above the prediction: 221960 B measured, 214280 B
-    predicted (torch 2.13). It read exactly 214280 while Inductor's wrapper reused buffers: an 8 KB
-    recomputed projection's storage was handed on until it became a weight gradient, which the
-    measurement leaves out; with reuse off (``_compat.INDUCTOR_KEEP_PLACEMENT``) it is counted."""
+    none's, and at batch 1 within 1% below to 4% above the prediction: 221960 B measured, 221952 B
+    predicted (torch 2.13; 214280 B before lynx's fused model held the tied LM head's addmm
+    operands, the logits' gradient among them, to the end of the backward, where Inductor's
+    ``mm + add -> addmm`` runs it). It read exactly 214280 while Inductor's wrapper reused
+    buffers: an 8 KB recomputed projection's storage was handed on until it became a weight
+    gradient, which the measurement leaves out; with reuse off
+    (``_compat.INDUCTOR_KEEP_PLACEMENT``) it is counted."""
     from lynx_compile.memory.measure import measure_step
 
     peaks = {}

@@ -88,3 +88,81 @@ def test_simulate_graph_counts_views_once_and_frees_at_last_use():
     assert mem.peak_bytes == 2 * 32 * 32 * 4
     # at the end only the scalar output remains
     assert mem.end_bytes == 4
+
+
+def _graph(build, vals: dict) -> fx.GraphModule:
+    """An FX graph from ``build(g, placeholders)``, with the ``meta["val"]`` Inductor's graphs carry."""
+    g = fx.Graph()
+    build(g, {k: g.placeholder(k) for k in vals})
+    for node in g.nodes:
+        if node.op == "placeholder":
+            node.meta["val"] = vals[node.name]
+        elif node.op == "call_function":
+            node.meta["val"] = node.target(*[m.meta["val"] if isinstance(m, fx.Node) else m for m in node.args])
+    return fx.GraphModule({}, g)
+
+
+def _fused_mlp_graph() -> fx.GraphModule:
+    """By hand, as Inductor sees a backward: ``n = -(a * b)`` (pointwise, read only by pointwise
+    ops, so computed inside their kernels; a, b: 8 x 1 fp32, 32 B) is read by ``s1 = n + c`` and
+    ``s2 = n + d`` (8 x 4, 128 B, as c and d), with a matmul before each; s1, s2 and d are
+    returned."""
+    aten = torch.ops.aten
+
+    def build(g, ph):
+        a, b = (g.call_function(aten.mm.default, (ph["x"], ph["w1"])) for _ in range(2))
+        n = g.call_function(aten.neg.default, (g.call_function(aten.mul.Tensor, (a, b)),))
+        c = g.call_function(aten.mm.default, (ph["x"], ph["w"]))
+        s1 = g.call_function(aten.add.Tensor, (n, c))
+        d = g.call_function(aten.mm.default, (ph["x"], ph["w"]))
+        g.output((s1, g.call_function(aten.add.Tensor, (n, d)), d))
+    return _graph(build, {"x": torch.empty(8, 4), "w": torch.empty(4, 4), "w1": torch.empty(4, 1)})
+
+
+def test_fused_interior_inputs_live_until_the_consumer_kernel():
+    """``a * b`` and its negation run inside the kernels of s1 and s2; s2, the later, is the
+    last to read a and b, so under Inductor they live until s2: a, b, s1, d and s2 at once,
+    2 x 32 + 3 x 128 B (s1 is written over c, which dies in its kernel). Op by op: a and b die
+    at the multiply, n (32 B) lives until s2: 32 + 3 x 128. Freeing a and b at the multiply
+    with nothing allocated for the interior ops would say 3 x 128."""
+    gm = _fused_mlp_graph()
+    fused = simulate_graph(gm, live_inputs={}, input_keys={}, fused=True)
+    assert (fused.peak_bytes, fused.peak_node) == (2 * 32 + 3 * 128, "add_tensor_1")
+    assert fused.end_bytes == 3 * 128  # the outputs s1, s2, d
+    eager = simulate_graph(gm, live_inputs={}, input_keys={}, fused=False)
+    assert (eager.peak_bytes, eager.peak_node) == (32 + 3 * 128, "add_tensor_1")
+
+
+def test_fused_kernel_writes_a_dying_input_in_place():
+    """A tied weight's gradient ``g = m1 + m2`` (both matmuls, 128 B, read only here), returned:
+    Inductor writes g into m1's buffer, so m1 is the gradient and, as gradients are not counted,
+    only m2 is (op by op: m1 and m2)."""
+    aten = torch.ops.aten
+
+    def build(g, ph):
+        m1, m2 = (g.call_function(aten.mm.default, (ph["x"], ph["w"])) for _ in range(2))
+        g.output((g.call_function(aten.add.Tensor, (m1, m2)),))
+    gm = _graph(build, {"x": torch.empty(8, 4), "w": torch.empty(4, 4)})
+    kw = dict(live_inputs={}, input_keys={}, count_outputs=False)
+    assert simulate_graph(gm, fused=True, **kw).peak_bytes == 128
+    assert simulate_graph(gm, fused=False, **kw).peak_bytes == 2 * 128
+
+
+def test_matmul_fused_into_a_late_add_runs_there():
+    """``g = mm(a, b) + c`` returned (a gradient), c a matmul after the product: Inductor's
+    ``mm + add -> addmm`` computes the product at the add, and lynx's ``split_late_addmm`` leaves
+    it there (its 256 B output is more than a and b, 64 B each, free). So no product buffer:
+    a, b and c at once, 64 + 64 + 256 B; op by op the product (256 B) and c: 512 B."""
+    aten = torch.ops.aten
+
+    def build(g, ph):
+        a = g.call_function(aten.mm.default, (ph["x"], ph["w1"]))  # 8 x 2
+        b = g.call_function(aten.mm.default, (ph["w2"], ph["w3"]))  # 2 x 8
+        product = g.call_function(aten.mm.default, (a, b))  # 8 x 8, where the FX graph has it
+        c = g.call_function(aten.mm.default, (ph["x"], ph["w3"]))  # 8 x 8
+        g.output((g.call_function(aten.add.Tensor, (product, c)),))
+    gm = _graph(build, {"x": torch.empty(8, 4), "w1": torch.empty(4, 2), "w2": torch.empty(2, 4),
+                        "w3": torch.empty(4, 8)})
+    kw = dict(live_inputs={}, input_keys={}, count_outputs=False)
+    assert simulate_graph(gm, fused=True, **kw).peak_bytes == 64 + 64 + 256
+    assert simulate_graph(gm, fused=False, **kw).peak_bytes == 256 + 256

@@ -33,6 +33,9 @@ CONFIGS = {
 }
 BATCH = 2
 BUDGET = 0.85
+WINDOW_BUDGET = 0.75
+"""Low enough that the plan recomputes matmuls in windows under Inductor (at 0.85, with lynx's
+model of Inductor's kernels in ``memory/simulate.py``, it recomputes only pointwise ops there)."""
 RTOL = 1e-5
 
 
@@ -246,7 +249,7 @@ def _inductor_window_code(rank, world, windows, pin=True):
     torch.manual_seed(0)
     model = tensor_parallelize(build_model(cfg), dist.group.WORLD)
     torch._dynamo.reset()
-    backend = lynx_compile.backend(policy="lynx", memory_budget=BUDGET, solver="highs", plan_cache=False,
+    backend = lynx_compile.backend(policy="lynx", memory_budget=WINDOW_BUDGET, solver="highs", plan_cache=False,
                                    hardware="cpu", link="pcie4", windows=windows)
     compiled = torch.compile(model, backend=backend)
     # no FX-graph cache: an earlier test compiling the same graph would serve it without running

@@ -94,6 +94,19 @@ def check_plan_agreement(plan: RecomputePlan, graph_id: int, group=None) -> str:
     return mine
 
 
+def gather_values(value) -> list:
+    """``value`` of every rank of the planning group, in rank order (an all-gather; ``[value]``
+    with one rank). Every rank must call it at the same point: it is a collective."""
+    import torch.distributed as dist
+
+    if planning_world_size() < 2:
+        return [value]
+    group = current_planning_group()
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, value, group=group)
+    return everyone
+
+
 def rank0_value(value):
     """``value`` as rank 0 has it, on every rank (a broadcast; identity with one rank).
 

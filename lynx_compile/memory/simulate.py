@@ -16,6 +16,29 @@ the host copies).
 
 Not modelled: workspace an op allocates internally and frees before returning (matmul packing,
 softmax temporaries). That is what keeps prediction and measurement apart by a few percent.
+
+Under Inductor (``fused=True``), a first-order model of the code Inductor generates for the same
+graph (lynx's Inductor settings: no peak-memory reordering, no wrapper buffer reuse):
+
+* a pointwise op (or an ``index``, lowered as one) or a constant (``full``, ``arange``) whose
+  every reader reads it inside a loop kernel (a pointwise op or a reduction, directly or
+  through views) is computed inside those kernels (``fused_interior``): it allocates nothing,
+  and what it reads lives until the latest of those kernels runs, at its reader's position
+  (``kernel_positions``). HF Llama's MLP backward: ``dh * up`` is computed inside the
+  silu-backward kernel after the input-gradient matmuls, so dh and up are freed there, not at
+  the multiply;
+* a kernel (pointwise or reduction) writes its output into a same-sized buffer it reads that
+  this graph computed and that dies there (``inplace_outputs``, Inductor's in-place buffers);
+  when that output is a gradient, the buffer was one from the start (a tied weight's LM-head
+  gradient matmul, to which the embedding's gradient is added in place);
+* a matmul that Inductor's ``mm + add -> addmm`` moves to its add, and lynx's
+  ``split_late_addmm`` leaves there, runs at the add (``late_addmms``).
+
+Not modelled under Inductor: values it realizes although they feed only loop kernels (one read
+by several kernels with more than ``realize_reads_threshold`` reads or an ``exp`` on CPU), kernels
+its scheduler moves by fusing them with an earlier one, buffers it reuses from donated inputs.
+Measured on CPU (``tests/test_compiled_peak.py``, README "Measured peaks against the budget")
+the prediction is within bytes of the allocator's peak for gpt-small, a GQA LM and HF Llama.
 """
 from __future__ import annotations
 
@@ -142,13 +165,163 @@ def _host_ops() -> frozenset:
     return HOST_OPS
 
 
-def fused_interior(node: fx.Node) -> bool:
-    """A pointwise op whose users are all pointwise ops (and not the graph's output): Inductor
-    computes it inside the fused kernel of its consumers, so it never materializes."""
-    if node.op != "call_function" or torch.Tag.pointwise not in getattr(node.target, "tags", ()):
+#: Ops Inductor lowers to a pointwise loop although they are not tagged pointwise (its
+#: ``lowering.py``: ``Pointwise.create`` with an indirect or masked load).
+INDEX_OPS = frozenset({torch.ops.aten.index.Tensor, torch.ops.aten._unsafe_index.Tensor})
+LOOP_OPS = INDEX_OPS | {torch.ops.aten.slice_scatter.default, torch.ops.aten.select_scatter.default}
+
+
+def _tags(node: fx.Node) -> tuple:
+    return getattr(node.target, "tags", ()) if node.op == "call_function" else ()
+
+
+def _is_view(node: fx.Node) -> bool:
+    """A view (not a getitem, a wait or an in-place op): Inductor indexes its base."""
+    if node.op != "call_function" or node.target is operator.getitem or is_wait_node(node):
         return False
-    return bool(node.users) and all(
-        u.op == "call_function" and torch.Tag.pointwise in getattr(u.target, "tags", ()) for u in node.users)
+    schema = getattr(node.target, "_schema", None)
+    return aliased_input(node) is not None and schema is not None and not schema.is_mutable
+
+
+def _is_loop(node: fx.Node) -> bool:
+    """A pointwise op, or one of ``LOOP_OPS`` (an ``index`` with boolean indices excepted: a
+    fallback kernel)."""
+    if node.op != "call_function":
+        return False
+    if torch.Tag.pointwise in _tags(node):
+        return True
+    if node.target not in LOOP_OPS:
+        return False
+    indices = node.args[1] if node.target in INDEX_OPS else ()
+    return not any(isinstance(i, fx.Node) and getattr(i.meta.get("val"), "dtype", None) == torch.bool
+                   for i in indices)
+
+
+def _reads_in_loop(node: fx.Node) -> bool:
+    """``node`` reads its inputs inside a loop kernel (a pointwise op, a reduction), directly or
+    through views, never as the graph's output."""
+    if _is_loop(node) or torch.Tag.reduction in _tags(node):
+        return True
+    return _is_view(node) and bool(node.users) and all(_reads_in_loop(u) for u in node.users)
+
+
+def _is_constant(node: fx.Node) -> bool:
+    """A deterministic op with no tensor inputs (``full``, ``arange``, ``scalar_tensor``)."""
+    return (node.op == "call_function" and not node.all_input_nodes and node.target not in _host_ops()
+            and isinstance(node.meta.get("val"), torch.Tensor)
+            and torch.Tag.nondeterministic_seeded not in _tags(node))
+
+
+def fused_interior(node: fx.Node) -> bool:
+    """A value Inductor computes inside the kernels that read it, so it never materializes: a
+    pointwise op or a constant whose every reader reads it in a loop kernel (a pointwise op or
+    a reduction, directly or through views; not the graph's output). Inductor's lowering inlines
+    such an unrealized value into its readers' loop bodies."""
+    if not (_is_loop(node) or _is_constant(node)):
+        return False
+    return bool(node.users) and all(_reads_in_loop(u) for u in node.users)
+
+
+def _bytes(node: fx.Node) -> int:
+    return _nbytes(node.meta.get("val"))
+
+
+def _expands_to(t: torch.Tensor, out: torch.Tensor) -> bool:
+    try:
+        return tuple(torch.broadcast_shapes(t.shape, out.shape)) == tuple(out.shape)
+    except Exception:  # noqa: BLE001 - symbolic or incompatible shapes: no addmm
+        return False
+
+
+def late_addmms(nodes: list[fx.Node]) -> set[fx.Node]:
+    """The matmuls Inductor computes at the ``add`` that reads them: its post-grad pattern turns
+    ``add(mm(a, b), inp)`` into ``addmm(inp, a, b)`` at the add (mm read only there, one dtype,
+    ``inp`` broadcastable; on a GPU only when the add has a non-pointwise reader), and lynx's
+    ``inductor.split_late_addmm`` moves the matmul back to its operands only when ``inp`` comes
+    after both and the matmul's output is smaller than the operands it frees. A tied weight's
+    gradient (gpt-tiny's LM head) is such an add: held, its operands live to the add. (lynx
+    splits only its own placements; for policies none and torch this assumes it does too.)"""
+    aten = torch.ops.aten
+    pos = {n: i for i, n in enumerate(nodes)}
+    late: set[fx.Node] = set()
+    for add in nodes:
+        if add.target is not aten.add.Tensor or len(add.args) != 2 or add.kwargs \
+                or not all(isinstance(x, fx.Node) for x in add.args):
+            continue
+        for mm, inp in (add.args, add.args[::-1]):
+            if mm.target is not aten.mm.default or len(mm.users) != 1 \
+                    or not isinstance(inp.meta.get("val"), torch.Tensor):
+                continue
+            a, b = mm.args
+            out, ival = mm.meta.get("val"), inp.meta["val"]
+            if not isinstance(out, torch.Tensor) or ival.dtype != out.dtype or not _expands_to(ival, out):
+                continue
+            if out.device.type == "cuda" and all(torch.Tag.pointwise in _tags(u) for u in add.users):
+                continue  # Inductor keeps it unfused on a GPU
+            later = max(a, b, key=pos.get)
+            freed = sum(_bytes(x) for x in {a, b} if all(pos.get(u, -1) <= pos[add] for u in x.users))
+            if pos[inp] >= pos[later] and _bytes(mm) < freed:
+                continue  # lynx splits it: the matmul runs where its operands are ready
+            late.add(mm)
+            break
+    return late
+
+
+def kernel_positions(nodes: list[fx.Node], interior: set[fx.Node] | None = None) -> dict[fx.Node, int]:
+    """Position (index in ``nodes``) at which each node's value is computed under Inductor.
+
+    A node that materializes runs where it stands. A ``fused_interior`` node is computed inside
+    the kernel of each reader that materializes (through chains of interior nodes and views);
+    it reads its inputs there, so its position is the latest such kernel's (a value read by
+    several kernels is computed in each). Why the reader's position: Inductor's lowering inlines
+    an unrealized pointwise value into the loop body of the buffer that reads it, and that
+    buffer is created, and scheduled, where its own FX node is lowered (the scheduler places a
+    fused group at its earliest member and moves only the group's dependencies ahead of it,
+    ``Scheduler.fuse_nodes_once``). A view counts at its latest reader's position too (its
+    readers read its base there anyway). ``interior``: the nodes computed inside a later kernel
+    (default: the ``fused_interior`` ones; ``simulate_graph`` adds ``late_addmms``)."""
+    if interior is None:
+        interior = {n for n in nodes if fused_interior(n)}
+    pos = {n: i for i, n in enumerate(nodes)}
+    at: dict[fx.Node, int] = {}
+    for node in reversed(nodes):
+        at[node] = pos[node]
+        if node in interior or _is_view(node):
+            at[node] = max([at[u] for u in node.users if u.op != "output"] + [pos[node]])
+    return at
+
+
+def _kernel_reads(node: fx.Node, keys: dict[fx.Node, str], interior: set[fx.Node]) -> list[str]:
+    """Storage keys the kernel of ``node`` reads, in argument order, through interior producers
+    (and views of them)."""
+    out: dict[str, None] = {}
+    for a in node.all_input_nodes:
+        if a in interior or (_is_view(a) and aliased_input(a) in interior):
+            out.update(dict.fromkeys(_kernel_reads(a, keys, interior)))
+        else:
+            out[keys[a]] = None
+    return list(out)
+
+
+def inplace_outputs(nodes: list[fx.Node], keys: dict[fx.Node, str], last_use: dict[str, int],
+                    pinned: set[str], interior: set[fx.Node]) -> dict[str, str]:
+    """Inductor's in-place buffers (``config.inplace_buffers``): the kernel of a pointwise op or
+    a reduction that materializes writes its output into the first buffer it reads that has the
+    same size, was computed in this graph (not an input, not a graph output) and dies at that
+    kernel (``last_use``: positions in ``nodes``). Returns output key → the reused buffer's key,
+    chains resolved (a kernel may write into a buffer that itself took another's storage)."""
+    alloc = {k: b for n in nodes if n not in interior for k, b in allocations(n)}
+    merged: dict[str, str] = {}
+    for i, node in enumerate(nodes):
+        out = allocations(node)
+        addmm = any(a in interior and a.target is torch.ops.aten.mm.default for a in node.all_input_nodes)
+        if len(out) != 1 or node in interior or addmm or not (_is_loop(node) or torch.Tag.reduction in _tags(node)):
+            continue  # (an add holding a matmul is Inductor's extern addmm, not a loop kernel)
+        for key in _kernel_reads(node, keys, interior):
+            if alloc.get(key) == out[0][1] and last_use.get(key) == i and key not in pinned:
+                merged[out[0][0]] = merged.get(key, key)
+                break
+    return merged
 
 
 def simulate_graph(gm: fx.GraphModule, *, live_inputs: dict[str, int], input_keys: dict[str, str],
@@ -161,22 +334,23 @@ def simulate_graph(gm: fx.GraphModule, *, live_inputs: dict[str, int], input_key
     Placeholders not in ``input_keys``/``live_inputs`` are baseline (not counted).
     ``count_outputs=False``: storages the graph returns are not counted (the backward's
     gradients, which become ``.grad``: gradient memory, not activation memory).
-    ``fused=True`` (the graph is compiled by Inductor): ``fused_interior`` nodes allocate
-    nothing — a first-order model of Inductor's pointwise fusion, not of its scheduling.
+    ``fused=True`` (the graph is compiled by Inductor): the module docstring's Inductor model
+    (``fused_interior`` nodes allocate nothing and read at :func:`kernel_positions`; kernels
+    write in place, :func:`inplace_outputs`). ``fused=False`` is the exact op-by-op model.
     ``held_inputs``: storage keys of inputs the caller keeps alive until the graph returns."""
     keys = storage_keys(gm, input_keys)
     nodes = list(gm.graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
+    interior = {n for n in nodes if fused_interior(n)} | late_addmms(nodes) if fused else set()
+    pos = kernel_positions(nodes, interior) if fused else {n: i for i, n in enumerate(nodes)}
     output = nodes[-1]
-    last_use: dict[str, int] = {}
-    for node in nodes:
-        for key, _ in allocations(node):  # an output nobody takes dies right away
-            last_use[key] = pos[node]
-        for user in node.users:
-            if user is not output:
-                last_use[keys[node]] = max(last_use.get(keys[node], -1), pos[user])
-        last_use.setdefault(keys[node], pos[node])
+    last_use = _last_uses(nodes, keys, pos)
     pinned = {keys[n] for n in output.all_input_nodes} if keep_outputs else set()
+    reused: dict[str, str] = {}
+    if fused:  # one storage for a kernel's output and the input it overwrites, to the later end
+        reused = inplace_outputs(nodes, keys, last_use, pinned, interior)
+        keys = {n: reused.get(k, k) for n, k in keys.items()}
+        last_use = _last_uses(nodes, keys, pos)
+        pinned = {keys[n] for n in output.all_input_nodes} if keep_outputs else set()
 
     live = dict(live_inputs)
     mem = GraphMemory()
@@ -188,8 +362,8 @@ def simulate_graph(gm: fx.GraphModule, *, live_inputs: dict[str, int], input_key
             frees.setdefault(i, []).append(key)
     uncounted = set() if count_outputs else pinned
     for i, node in enumerate(nodes):
-        for key, size in () if fused and fused_interior(node) else allocations(node):
-            if key in uncounted:
+        for key, size in () if node in interior else allocations(node):
+            if key in reused or reused.get(key, key) in uncounted:  # nothing new, or a gradient
                 continue
             live[key] = size
             total += size
@@ -200,6 +374,21 @@ def simulate_graph(gm: fx.GraphModule, *, live_inputs: dict[str, int], input_key
             total -= live.pop(k, 0)
     mem.end_bytes = total
     return mem
+
+
+def _last_uses(nodes: list[fx.Node], keys: dict[fx.Node, str], pos: dict[fx.Node, int]) -> dict[str, int]:
+    """Storage key → position of its last reader (the graph's output excluded)."""
+    output = nodes[-1]
+    last_use: dict[str, int] = {}
+    for node in nodes:
+        for key, _ in allocations(node):  # an output nobody takes dies right away
+            k = keys[node] if key == node.name else key  # written in place: the reused storage
+            last_use[k] = max(last_use.get(k, -1), pos[node])
+        for user in node.users:  # a read by an interior node counts where its kernel runs
+            if user is not output:
+                last_use[keys[node]] = max(last_use.get(keys[node], -1), pos[user])
+        last_use.setdefault(keys[node], pos[node])
+    return last_use
 
 
 @dataclass(frozen=True)

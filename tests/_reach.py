@@ -1,0 +1,72 @@
+"""Plan each baseline, then lynx at the peak it reaches, for the "lynx reaches every baseline" tests.
+
+    rows = plan_reach(model, (x,), BASELINES, cost_source="analytic", hardware="h100-sxm")
+    # rows[i]: Reach(name="torch@0.5", base_peak=..., base_exposed=..., lynx_peak=..., ...)
+
+The baselines are planned from one trace, and lynx at every baseline's peak (in bytes) from a
+second (``plan_model_variants``). Policy torch refuses a budget below the smallest peak of
+lynx's own baselines (a user-facing check, ``decide.smallest_reachable``); torch.compile itself
+still partitions there, and that partition is the baseline, so the check is off while the
+baselines are planned.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from unittest import mock
+
+from lynx_compile.planning import plan_model_variants
+
+BASELINES = (
+    # full keeps only what leaves each block (the next block's input) and recomputes the rest of
+    # the block: checkpointing each block, as torch.utils.checkpoint around every block does.
+    ("full", {}),
+    ("selective", {}),
+    ("torch", {"memory_budget": 0.3}),
+    ("torch", {"memory_budget": 0.5}),
+    ("torch", {"memory_budget": 0.7}),
+)
+
+
+@dataclass(frozen=True)
+class Reach:
+    name: str
+    base_peak: int
+    base_exposed: float
+    lynx_peak: int
+    lynx_exposed: float
+    lynx_solver: str
+    candidates: tuple[str, ...]
+    """What lynx compared (its optimizer's plan, the baselines it seeds with)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.lynx_peak <= self.base_peak and self.lynx_exposed <= self.base_exposed * (1 + 1e-9)
+
+    def __str__(self) -> str:
+        return (f"{self.name:>10}: base {self.base_peak} B / {self.base_exposed * 1e6:.1f} us, lynx "
+                f"{self.lynx_peak} B / {self.lynx_exposed * 1e6:.1f} us ({self.lynx_solver})")
+
+
+def plan_reach(model, example_inputs: tuple, baselines=BASELINES, **common) -> list[Reach]:
+    """One ``Reach`` per baseline: its plan's peak and exposed recompute, and lynx's (HiGHS)
+    with that peak as ``memory_budget`` in bytes."""
+    with mock.patch("lynx_compile.decide.smallest_reachable", lambda *a: ("none", 0)):
+        base_records = plan_model_variants(model, example_inputs,
+                                           [{"policy": p, **o} for p, o in baselines], **common)
+    bases = [_one(records) for records in base_records]
+    lynx_records = plan_model_variants(
+        model, example_inputs, [{"policy": "lynx", "solver": "highs", "memory_budget": b.peak_bytes} for b in bases],
+        **common)
+    rows = []
+    for (policy, options), base, records in zip(baselines, bases, lynx_records):
+        name = f"torch@{options['memory_budget']}" if policy == "torch" else policy
+        lynx = _one(records)
+        candidates = tuple(records[0].decisions.get("candidates", {}))
+        rows.append(Reach(name, base.peak_bytes, base.exposed_s, lynx.peak_bytes, lynx.exposed_s, lynx.solver,
+                          candidates))
+    return rows
+
+
+def _one(records):
+    assert len(records) == 1, f"expected one graph, got {len(records)}"
+    return records[0].plan
