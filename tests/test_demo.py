@@ -15,7 +15,9 @@ from lynx_compile.variants import describe, lynx_options, parse_variant
 @pytest.mark.timeout(900)
 def test_demo_runs_every_variant_with_eager_gradients_and_writes_table_and_plot(tmp_path, capfd):
     pytest.importorskip("matplotlib")
-    result = run_demo("gpt-tiny", batch_size=1, warmup=1, steps=1, device="cpu", out=str(tmp_path))
+    # batch 4: at batch 1 gpt-tiny's full recompute peaks at 0.507 of its no-recompute peak (the
+    # fused memory model), so the demo's budget 0.5 is below what anything reaches there
+    result = run_demo("gpt-tiny", batch_size=4, warmup=1, steps=1, device="cpu", out=str(tmp_path))
     out, err = capfd.readouterr()
     print(result.text)  # shown on failure
     assert [r["variant"] for r in result.rows] == list(DEMO_VARIANTS)
