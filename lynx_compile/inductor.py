@@ -305,9 +305,14 @@ def pin_windows(graph: fx.Graph) -> None:
         decision = n.meta.get(meta.DECISION)
         if isinstance(decision, Window) and n.meta.get(meta.RECOMPUTED) and decision.collective in issued:
             windows.setdefault(decision.collective, []).append(n)
+    order = {n: i for i, n in enumerate(graph.nodes)}
     deps: dict[fx.Node, list[fx.Node]] = {}
     for name, members in windows.items():
-        issue, inside = issued[name], set(members)
+        issue = issued[name]
+        # a node shared with an earlier window sits there (insert_recompute moves it once): it
+        # is not ordered after this window's issue, which would close a cycle through that wait
+        members = [m for m in members if order[m] > order[issue]]
+        inside = set(members)
         results = [m for m in members if isinstance(m.meta.get("val"), torch.Tensor)
                    and any(u not in inside for u in m.users)]
         for wait in (u for u in issue.users if is_wait_node(u)):
