@@ -346,8 +346,6 @@ class WeightSplitCompile:
 
     def __init__(self, deferral: Any):
         self.deferral = deferral
-        self.split = 0
-        """Backwards compiled as B and W."""
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Callable:
         if not kwargs.get("is_backward"):
@@ -363,7 +361,4 @@ class WeightSplitCompile:
             return _compat.inductor_compile_graph(split.w, vals, donated=[], **{**kwargs, "static_input_idxs": []})
 
         run = self.deferral.wrap_split(gm, compile_b, compile_w)
-        if run is None:
-            return _compat.inductor_compile_graph(gm, example_inputs, **kwargs)
-        self.split += 1
-        return run
+        return run if run is not None else _compat.inductor_compile_graph(gm, example_inputs, **kwargs)

@@ -75,22 +75,32 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
-@pytest.mark.parametrize("solver", ["auto", "heu"])
-def test_gpt_tiny_offload_trains_like_eager(monkeypatch, solver):
-    _fast_host_link(monkeypatch)
+def _gpt_tiny_with_eager_step():
+    """(eager gpt-tiny after one backward, its untouched copy, the batch, eager's loss)."""
     torch.manual_seed(0)
     eager = build_model("gpt-tiny", dropout=0.0)
     twin = copy.deepcopy(eager)
     x = example_batch(eager, 4, generator=torch.Generator().manual_seed(7))
     ref = eager(x).loss
     ref.backward()
+    return eager, twin, x, ref
+
+
+def _assert_equal_to_eager(loss, ref, eager, twin):
+    assert _rel(loss.detach(), ref.detach()) <= 1e-5
+    for (name, p), (_, q) in zip(eager.named_parameters(), twin.named_parameters()):
+        assert _rel(q.grad, p.grad) <= 1e-5, name
+
+
+@pytest.mark.parametrize("solver", ["auto", "heu"])
+def test_gpt_tiny_offload_trains_like_eager(monkeypatch, solver):
+    _fast_host_link(monkeypatch)
+    eager, twin, x, ref = _gpt_tiny_with_eager_step()
     backend = lynx_compile.backend(policy="lynx", memory_budget=0.65, offload=True, compiler="eager",
                                    solver=solver, plan_cache=False)
     loss = torch.compile(twin, backend=backend)(x).loss
     loss.backward()
-    assert _rel(loss.detach(), ref.detach()) <= 1e-5
-    for (name, p), (_, q) in zip(eager.named_parameters(), twin.named_parameters()):
-        assert _rel(q.grad, p.grad) <= 1e-5, name
+    _assert_equal_to_eager(loss, ref, eager, twin)
     record = backend.records[-1]
     plan = record.plan
     assert plan.decisions.counts()["offload"] > 0 and plan.peak_bytes <= plan.budget_bytes
@@ -151,12 +161,7 @@ def test_offload_under_inductor_trains_like_eager_and_waits_before_each_use(monk
     from torch._inductor.utils import run_and_get_code
 
     _fast_host_link(monkeypatch)
-    torch.manual_seed(0)
-    eager = build_model("gpt-tiny", dropout=0.0)
-    twin = copy.deepcopy(eager)
-    x = example_batch(eager, 4, generator=torch.Generator().manual_seed(7))
-    ref = eager(x).loss
-    ref.backward()
+    eager, twin, x, ref = _gpt_tiny_with_eager_step()
     # (0.65: on torch 2.11, which holds the output gradients through the backward, 0.6 is below
     # what the optimizer reaches and a baseline seed without offload wins)
     backend = lynx_compile.backend(policy="lynx", memory_budget=0.65, offload=True, solver="heu", plan_cache=False)
@@ -169,9 +174,7 @@ def test_offload_under_inductor_trains_like_eager_and_waits_before_each_use(monk
         return loss
 
     loss, codes = run_and_get_code(step)
-    assert _rel(loss.detach(), ref.detach()) <= 1e-5
-    for (name, p), (_, q) in zip(eager.named_parameters(), twin.named_parameters()):
-        assert _rel(q.grad, p.grad) <= 1e-5, name
+    _assert_equal_to_eager(loss, ref, eager, twin)
     assert backend.records[-1].plan.decisions.counts()["offload"] > 0
     backward = next(c for c in codes if "lynx.reload.default" in c)
     lines = [ln.strip() for ln in backward.splitlines()]
