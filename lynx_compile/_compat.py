@@ -205,8 +205,7 @@ def inductor_compile_graph(gm: fx.GraphModule, example_inputs: Any, donated: Any
     ``bw_donated_idxs``, read from the compile's tracing context); None keeps the context's."""
     from torch._inductor.compile_fx import compile_fx_inner
 
-    context = torch._guards.TracingContext.try_get()
-    meta = context.fw_metadata if context is not None else None
+    meta = _tracing_fw_metadata()
     if donated is None or meta is None or not hasattr(meta, "bw_donated_idxs"):
         return compile_fx_inner(gm, example_inputs, **kwargs)
     before = meta.bw_donated_idxs
@@ -220,9 +219,13 @@ def inductor_compile_graph(gm: fx.GraphModule, example_inputs: Any, donated: Any
 def inductor_donated_inputs() -> list[int]:
     """The backward inputs AOTAutograd lets Inductor reuse (``bw_donated_idxs`` of the
     compile's tracing context; [] outside one)."""
+    return list(getattr(_tracing_fw_metadata(), "bw_donated_idxs", None) or [])
+
+
+def _tracing_fw_metadata() -> Any:
+    """AOTAutograd's ``fw_metadata`` of the compile in progress (its tracing context), or None."""
     context = torch._guards.TracingContext.try_get()
-    meta = context.fw_metadata if context is not None else None
-    return list(getattr(meta, "bw_donated_idxs", None) or [])
+    return context.fw_metadata if context is not None else None
 
 
 def inductor_at_activation_budget(budget: float) -> Callable:
