@@ -59,12 +59,19 @@ def worker(args) -> None:
     batches = [example_batch(model, args.batch_size, generator=g) for _ in range(args.steps)]
     from lynx_compile.pipeline import StagePlan
 
+    from lynx_compile.pipeline import PipelineCosts
+
     with open(args.plan) as f:  # the parent's plan: every launch of a configuration runs the same split
         plan = StagePlan.from_dict(json.load(f))
+    costs = None
+    if args.costs:  # per_microbatch prices each stage's variants from the parent's profile
+        with open(args.costs) as f:
+            costs = PipelineCosts.from_dict(json.load(f))
     pl = lynx_compile.pipeline(model, (batches[0],), num_stages=plan.num_stages, num_microbatches=args.microbatches,
                                loss_fn=lambda lg, t: lm_loss(lg, t, None), memory_per_device=args.memory,
                                schedule=plan.schedule, method=args.method, recompute_in_wait=args.wait, plan=plan,
-                               options={"solver": "heu", "cost_source": args.cost_source, "compiler": args.compiler})
+                               options={"solver": "heu", "cost_source": args.cost_source, "compiler": args.compiler},
+                               per_microbatch=args.per_microbatch, costs=costs)
     opt = torch.optim.AdamW(list(pl.parameters()), lr=1e-3)
     times, losses = [], []
     for step, idx in enumerate(batches):
@@ -82,6 +89,7 @@ def worker(args) -> None:
         times.append(time.perf_counter() - t0)
         if mb_losses:  # the rank holding the last stage: the step's loss, mean over micro-batches
             losses.append(float(sum(x.detach() for x in mb_losses) / len(mb_losses)))
+    measured_peak = _measured_peak(pl, batches[0])
     mine = {}
     for i, backend in pl.backends.items():
         plan = backend.records[0].plan
@@ -95,16 +103,42 @@ def worker(args) -> None:
                    "deferred": sum(st.deferred_weights for st in pl.stages if st.stage_index == i)
                    / (args.steps - 1), "rank": rank}
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (mine, losses))
+    dist.all_gather_object(everyone, (mine, losses, measured_peak))
     if rank == 0:
-        stages = {k: v for d, _ in everyone for k, v in d.items()}
-        step_losses = next((ls for _, ls in everyone if ls), [])
+        stages = {k: v for d, _, _ in everyone for k, v in d.items()}
+        step_losses = next((ls for _, ls, _ in everyone if ls), [])
+        mb_plan = pl.microbatch_plan
         with open(args.out, "w") as f:
-            json.dump({"times": times, "plan": pl.plan.to_dict(), "stages": stages, "losses": step_losses}, f)
+            json.dump({"times": times, "plan": pl.plan.to_dict(), "stages": stages, "losses": step_losses,
+                       "measured_peak": [m for _, _, m in everyone],
+                       "choice": [list(r) for r in mb_plan.choice] if mb_plan is not None else None,
+                       "mb_plan_step_s": mb_plan.step_s if mb_plan is not None else None,
+                       "mb_plan_peaks": list(mb_plan.peak_bytes) if mb_plan is not None else None}, f)
     dist.destroy_process_group()
 
 
-def launch(args, method: str, wait: bool, memory: int | None, tag: str, plan) -> dict:
+def _measured_peak(pl, batch) -> int:
+    """One more pipeline step (no optimizer step) under the CPU allocator's events: this rank's
+    peak above the step's start, the gradients it leaves in ``.grad`` not counted (the
+    activation memory of ``lynx_compile.memory``). The gloo transfers' buffers count."""
+    import torch.distributed as dist
+
+    from lynx_compile.memory.measure import cpu_peak_bytes
+
+    params = list(pl.parameters())
+    for p in params:
+        p.grad = None
+    dist.barrier()
+    peak = cpu_peak_bytes(lambda: pl.step(batch, target=batch, losses=[]),
+                          exclude=lambda: {p.grad.data_ptr() for p in params if p.grad is not None})
+    for p in params:
+        p.grad = None
+    return peak
+
+
+def launch(args, method: str, wait: bool, memory: int | None, tag: str, plan, costs=None) -> dict:
+    """One torchrun launch of ``worker`` running ``plan``; with ``costs`` (the profile the plan
+    was made from), the stages choose their recompute per micro-batch (``per_microbatch``)."""
     out = os.path.join(tempfile.mkdtemp(prefix="lynx_pp_"), f"{tag}.json")
     plan_path = out.replace(".json", "_plan.json")
     with open(plan_path, "w") as f:
@@ -116,6 +150,11 @@ def launch(args, method: str, wait: bool, memory: int | None, tag: str, plan) ->
            "--cost-source", args.cost_source, "--plan", plan_path, "--compiler", args.compiler]
     if wait:
         cmd.append("--wait")
+    if costs is not None:
+        costs_path = out.replace(".json", "_costs.json")
+        with open(costs_path, "w") as f:
+            json.dump(costs.to_dict(), f)
+        cmd += ["--per-microbatch", "--costs", costs_path]
     if memory is not None:
         cmd += ["--memory", str(memory)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -134,6 +173,8 @@ def main() -> None:
     p.add_argument("--wait", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--memory", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--plan", help=argparse.SUPPRESS)
+    p.add_argument("--costs", help=argparse.SUPPRESS)
+    p.add_argument("--per-microbatch", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--repeats", type=int, default=2, help="launches per configuration, interleaved; "
                    "the table keeps the launch with the lowest median")
     p.add_argument("--model", default="gpt-small")
@@ -199,13 +240,13 @@ def main() -> None:
 
 
 def _launch_interleaved(args, runs) -> dict[int, tuple[dict, list[dict]]]:
-    """Launch every (tag, method, recompute_in_wait, memory, plan, slot) ``args.repeats`` times,
+    """Launch every (tag, method, recompute_in_wait, memory, plan, slot[, costs]) ``args.repeats`` times,
     interleaved (a slow spell of the machine hits every configuration); per slot: the launch with
     the fastest median step (the first launch when none succeeded) and the launches that did."""
     results: dict[int, list[dict]] = {}
     for r in range(args.repeats):
-        for tag, method, wait, memory, plan, slot in runs:
-            res = launch(args, method, wait, memory, f"{tag}_{r}", plan)
+        for tag, method, wait, memory, plan, slot, *costs in runs:  # costs: per_microbatch rows
+            res = launch(args, method, wait, memory, f"{tag}_{r}", plan, *costs)
             print(f"{tag}_{r}", res.get("error") or round(statistics.median(res["times"][1:]) * 1e3, 1), flush=True)
             results.setdefault(slot, []).append(res)
     out = {}

@@ -70,6 +70,12 @@ class LocalPipeline:
     shapes: dict[str, Any] = field(default_factory=dict)
     group: Any = None
     prefix: str = "model."
+    microbatch_plan: Any = None
+    """With ``per_microbatch=True``: the :class:`~lynx_compile.pipeline.microbatch_plan.MicrobatchPlan`
+    (which variant each stage runs for each micro-batch); its ``table(variants)`` says why."""
+    stage_variants: Any = None
+    """With ``per_microbatch=True``: the :class:`~lynx_compile.pipeline.stage_variants.StageVariants`
+    the plan chose among."""
 
     @property
     def is_first(self) -> bool:
@@ -194,7 +200,8 @@ def pipeline(model: nn.Module, example_inputs: Sequence[Any], *, num_stages: int
              method: str = "lynx", recompute_in_wait: bool = True, forward: Callable | None = None,
              options: dict[str, Any] | None = None, group=None, device: torch.device | str | None = None,
              pinned_cuts: Sequence[int] | None = None, plan: StagePlan | None = None,
-             planning_group=None) -> LocalPipeline:
+             planning_group=None, per_microbatch: bool = False,
+             costs: PipelineCosts | None = None) -> LocalPipeline:
     """Cut ``model`` into ``num_stages`` recompute-aware stages and return this rank's part.
 
     ``example_inputs``: one full batch (split into ``num_microbatches`` along dim 0).
@@ -211,7 +218,14 @@ def pipeline(model: nn.Module, example_inputs: Sequence[Any], *, num_stages: int
     (``memory_budget`` is set per stage). Needs torch.distributed initialized; ``group``
     (default: world) holds one rank per stage (or per ``num_stages / size`` stages).
     ``planning_group``: the ranks that compile the same stage (the tensor-parallel group under
-    TP x PP); None: each rank plans its stages alone."""
+    TP x PP); None: each rank plans its stages alone.
+    ``per_microbatch``: choose each stage's recompute per micro-batch (zero-bubble schedules, a
+    ``memory_per_device``): every stage gets variants (keep everything, the stage plan's allowance,
+    the least recompute curve point; ``pipeline.stage_variants``), an MILP over the schedule's
+    timeline picks one per (stage, micro-batch) under each rank's memory walk
+    (``pipeline.microbatch_plan``), and each stage compiles the variants it uses and runs, per
+    micro-batch, the chosen one (``runtime.per_microbatch``). With ``plan=`` it needs the
+    ``costs=`` that plan was made from (``plan_pipeline`` returns both)."""
     import lynx_compile
     from lynx_compile.distributed.agreement import SOLO
 
@@ -237,18 +251,23 @@ def pipeline(model: nn.Module, example_inputs: Sequence[Any], *, num_stages: int
     options.setdefault("compiler", "eager" if recompute_in_wait else "inductor")
     if schedule in ZERO_BUBBLE_SCHEDULES and not options.get("side_stream"):
         options["weight_split"] = True  # B and W compiled apart (Inductor); eager cuts at runtime
+    if per_microbatch:
+        _check_per_microbatch(schedule, memory_per_device, method, plan, costs)
     if plan is None:
         plan, costs, paths = plan_pipeline(model, mb, num_stages=num_stages, num_microbatches=num_microbatches,
                                            memory_per_device=memory_per_device, schedule=schedule, method=method,
                                            forward=forward, options=options, pinned_cuts=pinned_cuts,
                                            ranks=size)
-    else:
-        costs = None
     # measured costs differ per rank: every rank runs rank 0's plan, or the stages would not match
-    box = [plan]
+    variants = mb_plan = None
+    if per_microbatch:
+        variants, mb_plan = _plan_microbatches(plan, costs, size, options)
+    box = [plan, variants, mb_plan]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    plan = box[0]
+    plan, variants, mb_plan = box
     log.info("lynx: %s", plan.table())
+    if mb_plan is not None:
+        log.info("lynx: %s", mb_plan.table(variants.variants))
     wrapped = _Forward(model, forward if forward is not None else getattr(model, "logits", None))
     all_modules, prefix = _stage_modules(model, wrapped, plan, mb)
     tied, shapes = _tied_parameters(model, all_modules, prefix)
@@ -267,7 +286,10 @@ def pipeline(model: nn.Module, example_inputs: Sequence[Any], *, num_stages: int
             stage_opts["recompute_in_wait"] = True
             if memory_per_device is not None:
                 stage_opts["recompute_in_wait_bytes"] = max(0, memory_per_device - info.peak_bytes)
-        backend = lynx_compile.LynxBackend(lynx_compile.make_config(stage_opts))
+        if mb_plan is not None:
+            backend = _per_microbatch_backend(stage_opts, variants.budgets[i], mb_plan.choice[i])
+        else:
+            backend = lynx_compile.LynxBackend(lynx_compile.make_config(stage_opts))
         backend.planning_group = planning_group if planning_group is not None else SOLO
         compiled = compile_stage(mod, backend, in_place=schedule in ZERO_BUBBLE_SCHEDULES)
         ids = {id(p) for p in mod.parameters()}
@@ -279,4 +301,55 @@ def pipeline(model: nn.Module, example_inputs: Sequence[Any], *, num_stages: int
     sched = schedule_class(schedule)(stages if schedule in MULTI_STAGE_SCHEDULES else stages[0],
                                      n_microbatches=num_microbatches, loss_fn=loss_fn)
     return LocalPipeline(stages=stages, schedule=sched, plan=plan, costs=costs, modules=modules, backends=backends,
-                         tied=tied, shapes=shapes, group=group, prefix=prefix)
+                         tied=tied, shapes=shapes, group=group, prefix=prefix, microbatch_plan=mb_plan,
+                         stage_variants=variants)
+
+
+def _check_per_microbatch(schedule: str, memory_per_device: int | None, method: str, plan, costs) -> None:
+    if schedule not in ZERO_BUBBLE_SCHEDULES:
+        raise StagePlanError(f"per_microbatch=True plans recompute per micro-batch over a zero-bubble schedule's "
+                             f"timeline; use schedule='ZBVZeroBubble' or 'InterleavedZeroBubble' (got {schedule!r})")
+    if memory_per_device is None:
+        raise StagePlanError("per_microbatch=True needs memory_per_device: without a limit nothing is recomputed")
+    if method != "lynx":
+        raise StagePlanError(f"per_microbatch=True needs method='lynx' (got {method!r}): the variants come from "
+                             "the recompute curves lynx's stage plan is priced with")
+    if plan is not None and costs is None:
+        raise StagePlanError("per_microbatch=True with plan= also needs costs=: the PipelineCosts the plan was "
+                             "made from (plan_pipeline returns both), which price each stage's variants")
+
+
+def _plan_microbatches(plan: StagePlan, costs: PipelineCosts, ranks: int, options: dict[str, Any]):
+    """The stages' variants and the per-(stage, micro-batch) choice among them."""
+    from .microbatch_plan import MicrobatchPlanError, plan_microbatches
+    from .placement import zero_bubble_orders
+    from .stage_variants import send_seconds, stage_variants
+
+    variants = stage_variants(plan, costs, ranks=ranks)
+    orders = zero_bubble_orders(plan.schedule, ranks, plan.num_stages, plan.num_microbatches)
+    solver = options.get("solver", "auto")
+    try:
+        mb_plan = plan_microbatches(orders, variants.variants, send_seconds(plan, costs), variants.memory_limit,
+                                    solver=solver, progress=lambda line: log.info("lynx: %s", line))
+    except MicrobatchPlanError as e:
+        raise StagePlanError(f"no per-micro-batch choice of the stages' variants fits memory_per_device="
+                             f"{plan.memory_per_device} B on every rank: {e}. Give each device more memory, "
+                             "use more stages, or smaller micro-batches.") from e
+    return variants, mb_plan
+
+
+def _per_microbatch_backend(stage_opts: dict[str, Any], budgets, choice):
+    """A ``PerMicrobatchBackend`` over one lynx backend per variant (``memory_budget`` None: policy none)."""
+    import lynx_compile
+    from lynx_compile.runtime.per_microbatch import PerMicrobatchBackend
+
+    backends = []
+    for budget in budgets:
+        opts = dict(stage_opts)
+        if budget is None:
+            opts.pop("memory_budget", None)
+            opts["policy"] = "none"
+        else:
+            opts["memory_budget"] = int(budget)
+        backends.append(lynx_compile.LynxBackend(lynx_compile.make_config(opts)))
+    return PerMicrobatchBackend(backends, dict(enumerate(choice)))

@@ -34,6 +34,9 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
                    help="stage split: recompute-aware (lynx), compute-only balance, or equal layers")
     p.add_argument("--no-recompute-in-wait", action="store_true",
                    help="run recompute only after the gradient arrives")
+    p.add_argument("--per-microbatch", action="store_true",
+                   help="zero-bubble schedules with --memory-per-device: choose each stage's recompute per "
+                   "micro-batch (an MILP over the schedule's timeline and each rank's memory walk)")
 
 
 def pipeline_stages(args: argparse.Namespace) -> int:
@@ -94,9 +97,12 @@ def train_pipeline(args: argparse.Namespace, rank: int, world: int, say: Callabl
                                memory_per_device=args.memory_per_device, schedule=args.schedule,
                                method=args.split, recompute_in_wait=not args.no_recompute_in_wait,
                                options=options, group=pp_group,
-                               planning_group=tp_group if tp > 1 else None)
+                               planning_group=tp_group if tp > 1 else None,
+                               per_microbatch=getattr(args, "per_microbatch", False))
     if rank == 0:
         say(pl.plan.table())
+        if pl.microbatch_plan is not None:
+            say(pl.microbatch_plan.table(pl.stage_variants.variants))
     opt = torch.optim.AdamW(list(pl.parameters()), lr=args.lr)
     last_rank = stage_rank(args.schedule, stages - 1, stages, args.pp) * tp
     losses, times = [], []

@@ -226,7 +226,7 @@ def solve_positions(arr: ProblemArrays, positions: list[np.ndarray], budget: int
     T = float(arr.c.sum()) or 1.0
     R = float(max(arr.reference, arr.m.sum(), 1))
 
-    h = highspy.Highs()
+    h = _quiet_highs(highspy)
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(time_limit_s))
     h.setOptionValue("mip_rel_gap", GAP)
@@ -279,6 +279,25 @@ def solve_positions(arr: ProblemArrays, positions: list[np.ndarray], budget: int
     hit = h.getModelStatus() == highspy.HighsModelStatus.kTimeLimit
     notes = [f"representative MILP stopped at its {time_limit_s:g} s safety limit"] if hit else []
     return (*_replicate(arr, positions, cols, x, state, win), notes)
+
+
+def _quiet_highs(highspy):
+    """``highspy.Highs()`` without its banner: HiGHS 1.16 writes "Running HiGHS ..." to the
+    process's stdout (file descriptor 1, past Python's ``sys.stdout``) when constructed, before
+    ``output_flag`` can be set; a user's training log got it once per process."""
+    import os
+    import sys
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            h = highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    return h
 
 
 def _replicate(arr, positions, cols, x, state, win):

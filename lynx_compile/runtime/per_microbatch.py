@@ -43,6 +43,9 @@ class PerMicrobatchBackend:
         self.default = default
         self.calls: Counter[int] = Counter()
         """Forward calls per variant index (what ran, for tests and reports)."""
+        self.runs: Counter[tuple[Any, int]] = Counter()
+        """Forward calls per (micro-batch key, variant index); untagged calls (a schedule's shape
+        inference) under key None."""
 
     def __repr__(self) -> str:
         return f"PerMicrobatchBackend({len(self.backends)} variants, assign={self.assign})"
@@ -73,11 +76,13 @@ class PerMicrobatchBackend:
             copy = fx.GraphModule(gm, graph)
             copy.meta = dict(getattr(gm, "meta", {}))
             compiled[v] = self.backends[v](copy, list(example_inputs), **kwargs)  # called as fn(*args)
-        assign, default, calls = self.assign, self.default, self.calls
+        assign, default, calls, runs = self.assign, self.default, self.calls, self.runs
 
         def run(*args: Any) -> Any:
-            v = assign.get(current_microbatch(), default)
+            key = current_microbatch()
+            v = assign.get(key, default)
             calls[v] += 1
+            runs[key, v] += 1
             return compiled[v](*args)
 
         return run

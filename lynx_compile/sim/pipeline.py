@@ -12,7 +12,9 @@ j) of stage s waits for ``F j`` of stage s-1 plus the point-to-point send; ``B j
   waits only for ``B j`` of its own stage). The zero-bubble schedules (InterleavedZeroBubble,
   ZBVZeroBubble) run this way; their per-rank lists are torch's own
   (``pipeline.placement.zero_bubble_orders``; ``pipeline.step_time`` prices a stage plan).
-  A send between two stages on the same rank costs nothing.
+  A send between two stages on the same rank costs nothing. ``replay_actions`` is its loop,
+  with each action priced on its own (``pipeline.microbatch_plan``: a recompute plan per
+  micro-batch).
 
 ZBV on 2 ranks, 4 stages, 4 micro-batches (``F30``: forward of stage 3, micro-batch 0), unit
 times, free sends: rank 1 starts one forward late, then neither rank ever waits; step 25 = 24
@@ -35,7 +37,7 @@ gradients read) runs inside ``W``, which never waits for another rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 Action = tuple[str, int, int]
 """``(kind, stage, micro-batch)``; kind ``"F"``, ``"B"`` (input gradients) or ``"W"`` (weights)."""
@@ -133,10 +135,37 @@ def simulate_actions(orders: Sequence[Sequence[Action]], forward_s: Sequence[flo
     micro-batch exactly once) with stage s taking ``forward_s[s]`` / ``input_backward_s[s]`` /
     ``weight_backward_s[s]`` per micro-batch, plus ``recompute_b_s[s]`` exposed inside B and
     ``recompute_w_s[s]`` inside W (module docstring); ``send_s[s]`` is the transfer between
-    stage s and s + 1 when they sit on different ranks."""
+    stage s and s + 1 when they sit on different ranks. Every micro-batch of a stage costs the
+    same; ``replay_actions`` prices each action on its own."""
     p = len(forward_s)
     rec_b = list(recompute_b_s) if recompute_b_s is not None else [0.0] * p
     rec_w = list(recompute_w_s) if recompute_w_s is not None else [0.0] * p
+
+    def seconds(action: Action) -> float:
+        kind, s, _ = action
+        if kind == "F":
+            return forward_s[s]
+        if kind == "W":
+            return rec_w[s] + weight_backward_s[s]
+        return input_backward_s[s] if recompute_in_wait and rec_b[s] else rec_b[s] + input_backward_s[s]
+
+    def before_input(action: Action) -> float:
+        kind, s, _ = action
+        return rec_b[s] if kind == "B" and recompute_in_wait else 0.0
+
+    return replay_actions(orders, p, seconds, send_s, before_input=before_input)
+
+
+def replay_actions(orders: Sequence[Sequence[Action]], num_stages: int, seconds: Callable[[Action], float],
+                   send_s: Sequence[float], *,
+                   before_input: Callable[[Action], float] | None = None) -> PipelineTimeline:
+    """Replay ``orders`` (as ``simulate_actions``) with action a taking ``seconds(a)`` once its
+    input is there, after ``before_input(a)`` seconds of work that needs no input (recompute in
+    the gradient wait, an ``"R"`` event; default none): it starts when the rank is free and
+    overlaps the wait. Dependencies: F of stage s waits for F of s - 1, B for B of s + 1 (the
+    last stage's for its own F), W for its own B; ``send_s[min(src, dst)]`` is added between
+    stages on different ranks. The one replay loop behind every per-action pricing."""
+    p = num_stages
     rank_of = _check_orders(orders, p)
     end: dict[Action, float] = {}
 
@@ -160,20 +189,20 @@ def simulate_actions(orders: Sequence[Sequence[Action]], forward_s: Sequence[flo
         progressed = False
         for r, order in enumerate(orders):
             while pos[r] < len(order):
-                kind, s, j = order[pos[r]]
+                action = order[pos[r]]
+                kind, s, j = action
                 t = ready(kind, s, j)
                 if t is None:
                     break
-                if kind == "B" and recompute_in_wait and rec_b[s]:
-                    events.append((r, "R", s, j, free[r], free[r] + rec_b[s]))
-                    start = max(free[r] + rec_b[s], t)
-                    work = input_backward_s[s]
+                early = before_input(action) if before_input is not None else 0.0
+                if early:
+                    events.append((r, "R", s, j, free[r], free[r] + early))
+                    start = max(free[r] + early, t)
                 else:
                     start = max(free[r], t)
-                    work = {"F": forward_s[s], "B": rec_b[s] + input_backward_s[s],
-                            "W": rec_w[s] + weight_backward_s[s]}[kind]
-                end[kind, s, j] = free[r] = start + work
-                busy[r] += work + (rec_b[s] if kind == "B" and recompute_in_wait else 0.0)
+                work = seconds(action)
+                end[action] = free[r] = start + work
+                busy[r] += work + early
                 events.append((r, kind, s, j, start, free[r]))
                 pos[r] += 1
                 left -= 1

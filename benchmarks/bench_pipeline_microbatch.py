@@ -1,0 +1,165 @@
+"""Recompute chosen per micro-batch under ZBVZeroBubble, against one plan for every micro-batch
+and against 1F1B, on 2 gloo CPU ranks. Not a test: it measures and writes
+``benchmarks/results/pipeline_per_microbatch.{csv,md}``.
+
+    python benchmarks/bench_pipeline_microbatch.py [--model gpt-small] [--layers 8] [--levels 1.2,1.0]
+
+1. Profiles the model once (``plan_pipeline``, measured costs) and takes the largest stage peak
+   P of an unconstrained ZBV plan (4 stages on 2 ranks).
+2. Per memory level f (``memory_per_device = f x P``), three rows, each launched ``--repeats``
+   times interleaved (``bench_pipeline.launch``; each launch trains ``--steps`` AdamW steps):
+   - ``1F1B``: the lynx split into 2 stages, one allowance per stage;
+   - ``ZBV``: the lynx split into 4 stages in V order, one allowance per stage (as today);
+   - ``ZBV per-mb``: the same split, each stage's variant chosen per micro-batch
+     (``per_microbatch=True``: ``pipeline.stage_variants`` + the MILP of ``pipeline.microbatch_plan``).
+3. Columns: the predicted step (the stage planner's timeline; per-mb: the MILP choice replayed),
+   the measured step (median after the compile step, best launch; every launch's median listed),
+   the predicted per-rank activation peak of the rank's memory walk (``microbatch_plan.replay``:
+   for the uniform rows every micro-batch at the stage's allowance, the ``plan`` variant), the
+   measured per-rank peak (CPU allocator events over one more step, gradients left out, gloo
+   buffers in), and the largest relative loss difference to the same steps in one process.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_pipeline import RESULTS, _launch_interleaved, _loss_diff, _medians, _reference_losses  # noqa: E402
+
+
+def _uniform_walk(plan, costs):
+    """Predicted (step s, per-rank peak B) of ``plan`` with every micro-batch of a stage at its
+    allowance: the ``plan`` variant (``keep`` where the stage recomputes nothing) for all."""
+    from lynx_compile.pipeline.microbatch_plan import replay
+    from lynx_compile.pipeline.placement import zero_bubble_orders
+    from lynx_compile.pipeline.stage_variants import send_seconds, stage_variants
+
+    sv = stage_variants(plan, costs, ranks=2)
+    choice = []
+    for vs in sv.variants:
+        names = [v.name for v in vs]
+        v = names.index("plan") if "plan" in names else 0
+        choice.append(tuple([v] * plan.num_microbatches))
+    orders = zero_bubble_orders(plan.schedule, 2, plan.num_stages, plan.num_microbatches)
+    step, peaks = replay(orders, sv.variants, tuple(choice), send_seconds(plan, costs))
+    return step, peaks, sv.memory_limit
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="gpt-small")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--levels", default="1.2,1.0")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--cost-source", default="measured", choices=["analytic", "measured"])
+    p.add_argument("--port", type=int, default=29641)
+    p.add_argument("--timeout", type=float, default=600)
+    args = p.parse_args()
+    args.compiler = "eager"  # recompute in the gradient wait and lynx's runtime B/W cut
+
+    from lynx_compile.models import build_model, example_batch
+    from lynx_compile.pipeline import StagePlanError, plan_pipeline, plan_stages
+    from lynx_compile.pipeline.microbatch_plan import MicrobatchPlanError, plan_microbatches
+    from lynx_compile.pipeline.placement import zero_bubble_orders
+    from lynx_compile.pipeline.stage_variants import send_seconds, stage_variants
+
+    torch.manual_seed(0)
+    model = build_model(args.model, n_layers=args.layers, dropout=0.0)
+    mb = example_batch(model, args.batch_size // args.microbatches)
+    opts = {"solver": "heu", "cost_source": args.cost_source, "compiler": "eager"}
+    free, costs, _ = plan_pipeline(model, (mb,), num_stages=4, num_microbatches=args.microbatches,
+                                   schedule="ZBVZeroBubble", options=opts, ranks=2)
+    top = max(s.peak_bytes for s in free.stages)
+    reference = _reference_losses(args)
+    orders = zero_bubble_orders("ZBVZeroBubble", 2, 4, args.microbatches)
+    rows, runs = [], []
+    for level in [float(x) for x in args.levels.split(",")]:
+        memory = int(level * top)
+        for name, schedule, stages in (("1F1B", "1F1B", 2), ("ZBV", "ZBVZeroBubble", 4),
+                                       ("ZBV per-mb", "ZBVZeroBubble", 4)):
+            row = {"memory_level": level, "memory_MiB": round(memory / 2**20, 2), "row": name, "layers": "-",
+                   "pred_step_ms": "-", "step_ms": "-", "launch_medians_ms": "-", "pred_rank_peak_MiB": "-",
+                   "rank_limit_MiB": "-", "measured_rank_peak_MiB": "-", "variants (stage: per micro-batch)": "-",
+                   "max_rel_loss_diff": "-", "error": ""}
+            rows.append(row)
+            try:
+                plan = plan_stages(costs, stages, args.microbatches, memory, schedule, method="lynx", ranks=2)
+            except StagePlanError as e:
+                row["error"] = str(e)[:160]
+                continue
+            row["layers"] = "/".join(map(str, plan.layers_per_stage))
+            row["pred_step_ms"] = round(plan.predicted_step_in_wait_s * 1e3, 2)
+            extra = ()
+            if schedule == "ZBVZeroBubble":
+                _, peaks, limit = _uniform_walk(plan, costs)
+                row["pred_rank_peak_MiB"] = "/".join(f"{b / 2**20:.2f}" for b in peaks)
+                row["rank_limit_MiB"] = "/".join(f"{b / 2**20:.2f}" for b in limit)
+            if name == "ZBV per-mb":
+                sv = stage_variants(plan, costs, ranks=2)
+                try:
+                    mbp = plan_microbatches(orders, sv.variants, send_seconds(plan, costs), sv.memory_limit,
+                                            solver="auto")
+                except MicrobatchPlanError as e:
+                    row["error"] = str(e)[:160]
+                    continue
+                row["pred_step_ms"] = round(mbp.step_s * 1e3, 2)
+                row["pred_rank_peak_MiB"] = "/".join(f"{b / 2**20:.2f}" for b in mbp.peak_bytes)
+                row["variants (stage: per micro-batch)"] = " ".join(
+                    f"{i}:" + "".join(sv.variants[i][v].name[0] for v in r) for i, r in enumerate(mbp.choice))
+                extra = (costs,)
+            runs.append((f"{name.replace(' ', '_')}_{level}", "lynx", True, memory, plan, len(rows) - 1, *extra))
+    launched = _launch_interleaved(args, runs)
+    for tag, _, _, _, _, slot, *_ in runs:
+        best, ok = launched[slot]
+        row = rows[slot]
+        if not ok:
+            row["error"] = best.get("error", "failed")
+            continue
+        row["step_ms"] = round(statistics.median(best["times"][1:]) * 1e3, 1)
+        row["launch_medians_ms"] = _medians(ok)
+        row["measured_rank_peak_MiB"] = "/".join(f"{b / 2**20:.2f}" for b in best["measured_peak"])
+        row["max_rel_loss_diff"] = f"{max(_loss_diff(x['losses'], reference) for x in ok):.1e}"
+    _write(args, top, rows)
+
+
+def _write(args, top: int, rows: list[dict]) -> None:
+    os.makedirs(RESULTS, exist_ok=True)
+    cols = list(rows[0])
+    with open(os.path.join(RESULTS, "pipeline_per_microbatch.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        w.writerows(rows)
+    head = (f"{time.strftime('%Y-%m-%d')}; {platform.machine()}, {os.cpu_count()} cores; python "
+            f"{platform.python_version()}, torch {torch.__version__}. 2 processes (gloo, CPU), {args.model} with "
+            f"{args.layers} layers, batch {args.batch_size} in {args.microbatches} micro-batches, lynx per stage "
+            f"(Lynx-HEU, {args.cost_source} costs, one profile for every row), eager compiler with recompute in "
+            f"the gradient wait, {args.steps} steps per launch, step_ms = median of the steps after the compile "
+            f"step, best of {args.repeats} interleaved launches (all medians listed). Memory per device = level x "
+            f"the largest stage peak of an unconstrained ZBV plan ({top / 2**20:.2f} MiB). pred_rank_peak_MiB: "
+            f"each rank's activation walk (microbatch_plan.replay; ZBV: every micro-batch at its stage's "
+            f"allowance), against rank_limit_MiB (memory per device less the rank's static bytes, one "
+            f"micro-batch's working bytes and a block's backward transient). measured_rank_peak_MiB: CPU "
+            f"allocator events over one more step, gradients left out. Variants: k = keep (nothing "
+            f"recomputed), p = the stage plan's allowance, l = the least recompute-curve point.")
+    cmd = (f"python benchmarks/bench_pipeline_microbatch.py --model {args.model} --layers {args.layers} "
+           f"--levels {args.levels} --steps {args.steps} --repeats {args.repeats} --cost-source {args.cost_source}")
+    lines = [head, "", f"Command: `{cmd}`", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    with open(os.path.join(RESULTS, "pipeline_per_microbatch.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""A stage plan's per-micro-batch variants: for each stage, a few recompute plans of its own
+blocks, priced from ``PipelineCosts``, for ``microbatch_plan.plan_microbatches`` to choose among
+per (stage, micro-batch). Pure (no torch).
+
+``plan_stages`` gives every micro-batch of stage i the same allowance ``a_i`` (its lynx
+``memory_budget``), sized for the moment the stage holds the most micro-batches. Micro-batches
+that are not alive at that moment could keep more, and those alive at it must keep less; which
+is which depends on the schedule's order on the rank, which holds *all* its stages (ZBV: two).
+The variants of stage i, each one lynx compile of the stage:
+
+    name      memory_budget per micro-batch           priced with
+    keep      None (policy "none": recompute nothing)  every block at its curve's largest point
+    plan      a_i (the stage plan's allowance)         allocate_with_transient(a_i), as plan_stages
+    least     the curves' least peak x (1 + LEAST_SLACK)  every block at its curve's least point
+
+A variant's times: F as the stage plan; B = the backward less its weight share, plus the
+variant's exposed recompute (recompute priced in B, as ``step_time.simulate_stages``); W = the
+weight share. ``held_bytes`` = what it keeps (blocks + pre/post), ``carry_bytes`` =
+``_Pricer.carry`` at that. Variants equal in held bytes to a cheaper one are dropped.
+
+The rank's limit for the micro-batch walk: memory per device less the static bytes of every
+stage on the rank, less one micro-batch's working bytes and the largest transient of a block's
+backward among its stages' variants (one backward runs at a time).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from .microbatch_plan import StageVariant
+from .placement import default_ranks, stage_rank
+from .plan_stages import PipelineCosts, StagePlan, _Pricer, allocate_with_transient, transient_bytes
+from .step_time import stage_times
+
+LEAST_SLACK = 0.02
+"""The ``least`` variant's budget sits this far above the curves' least peak: the curves come
+from solves of the whole model's problem, a stage's own compile may land a little above them."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageVariants:
+    """Per stage, its variants and the ``memory_budget`` each compiles with (None: policy none)."""
+
+    variants: tuple[tuple[StageVariant, ...], ...]
+    budgets: tuple[tuple[int | None, ...], ...]
+    memory_limit: tuple[int, ...]
+    """Per rank: bytes for the activations its stages hold (``microbatch_plan``'s walk)."""
+    ranks: int
+
+
+def stage_variants(plan: StagePlan, costs: PipelineCosts, *, ranks: int | None = None) -> StageVariants:
+    """The variants of every stage of ``plan`` (module docstring). ``plan.memory_per_device`` must be set."""
+    if plan.memory_per_device is None:
+        raise ValueError("per-micro-batch variants need a memory_per_device: without one nothing is recomputed")
+    p, m = plan.num_stages, plan.num_microbatches
+    ranks = default_ranks(plan.schedule, p, ranks)
+    pr = _Pricer(costs, p, m, plan.memory_per_device, plan.schedule, ranks)
+    fwd, bwd, wgt, _ = stage_times(plan.stages, costs)
+    variants, budgets, transient = [], [], [0] * ranks
+    for st in plan.stages:
+        i, (s, e) = st.index, st.blocks
+        segs = pr.segments(i, s, e)
+        fixed = sum(g.activation_bytes for g in segs if g.curve is None)
+        curves = [g.curve for g in segs if g.curve is not None]
+        most = sum(c.max_bytes for c in curves)
+        least = sum(c.min_bytes for c in curves)
+        room = costs.working_bytes + fixed
+        least_budget = int((least + room + transient_bytes(curves, least)) * (1 + LEAST_SLACK))
+        rows = [("keep", None, most, 0.0, transient_bytes(curves, most))]
+        if st.budget_bytes is not None:
+            kept, exposed, fits, tr = allocate_with_transient(curves, st.budget_bytes - room)
+            if fits:
+                rows.append(("plan", int(st.budget_bytes), kept, exposed, tr))
+        kept, exposed, fits, tr = allocate_with_transient(curves, least_budget - room)
+        if fits:
+            rows.append(("least", least_budget, kept, exposed, tr))
+        mine, mine_budgets = [], []
+        for name, budget, kept, exposed, tr in sorted(rows, key=lambda r: r[3]):
+            held = kept + fixed
+            if any(v.held_bytes <= held for v in mine):
+                continue  # as much memory as a variant that recomputes less
+            mine.append(StageVariant(name=name, forward_s=fwd[i], input_backward_s=bwd[i] - wgt[i] + exposed,
+                                     weight_backward_s=wgt[i], held_bytes=held,
+                                     carry_bytes=pr.carry(i, segs, e, held)))
+            mine_budgets.append(budget)
+            r = stage_rank(plan.schedule, i, p, ranks)
+            transient[r] = max(transient[r], tr)
+        variants.append(tuple(mine))
+        budgets.append(tuple(mine_budgets))
+    static = [0] * ranks
+    for st in plan.stages:
+        static[stage_rank(plan.schedule, st.index, p, ranks)] += st.static_bytes
+    limit = tuple(plan.memory_per_device - static[r] - costs.working_bytes - transient[r] for r in range(ranks))
+    return StageVariants(variants=tuple(variants), budgets=tuple(budgets), memory_limit=limit, ranks=ranks)
+
+
+def send_seconds(plan: StagePlan, costs: PipelineCosts) -> list[float]:
+    """Per stage, the transfer to the next stage (``step_time.stage_times``)."""
+    return stage_times(plan.stages, costs)[3]
+
+
+def stage_assignments(choice: Sequence[Sequence[int]]) -> dict[int, dict[int, int]]:
+    """``choice[stage][micro-batch]`` as stage -> {micro-batch: variant index}."""
+    return {s: dict(enumerate(row)) for s, row in enumerate(choice)}

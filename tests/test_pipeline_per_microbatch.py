@@ -1,0 +1,71 @@
+"""``pipeline(..., per_microbatch=True)``: each stage's recompute chosen per micro-batch over a
+zero-bubble schedule (``pipeline.stage_variants`` + ``pipeline.microbatch_plan``), run by
+``runtime.per_microbatch``. On gloo CPU ranks: losses and gradients equal one process's
+(``test_pipeline``'s reference), and every stage ran, for each micro-batch, the variant the plan
+chose."""
+import pytest
+
+from _dist import run_ranks
+from test_pipeline import BATCH, MICRO, _batch, _check, _loss_fn, _model
+
+LEVEL = 1.2
+"""Memory per device as a multiple of the largest stage peak without recompute: the plan mixes
+variants (measured on gpt-tiny, 4 layers: stage 0 keeps micro-batch 1 and recomputes 0, 2, 3)."""
+
+
+def _memory(schedule):
+    """The memory per device of ``LEVEL``, planned in this process as every rank will."""
+    from lynx_compile.pipeline import plan_pipeline
+
+    model = _model()
+    mb = (_batch(model)[: BATCH // MICRO],)
+    plan, _, _ = plan_pipeline(model, mb, num_stages=4, num_microbatches=MICRO, schedule=schedule,
+                               options={"solver": "heu"}, ranks=2)
+    return int(LEVEL * max(s.peak_bytes for s in plan.stages))
+
+
+def _per_microbatch(rank, world, schedule, memory):
+    import copy
+
+    import lynx_compile
+
+    model = _model()
+    ref = copy.deepcopy(model)
+    idx = _batch(model)
+    pl = lynx_compile.pipeline(model, (idx,), num_stages=4, num_microbatches=MICRO, loss_fn=_loss_fn,
+                               schedule=schedule, options={"solver": "heu"}, memory_per_device=memory,
+                               per_microbatch=True)
+    steps = 2
+    for _ in range(steps):
+        for p in pl.parameters():
+            p.grad = None
+        losses = []
+        pl.step(idx, target=idx, losses=losses)
+    mb = BATCH // MICRO
+    want = [ref(idx[i * mb:(i + 1) * mb]).loss for i in range(MICRO)]
+    (sum(want) / MICRO).backward()
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))
+    worst = max(((p.grad - ref_params[n].grad).abs().max() / ref_params[n].grad.abs().max().clamp_min(1e-12)).item()
+                for n, p in pl.named_parameters())
+    choice = pl.microbatch_plan.choice
+    ran = {i: {k: n for k, n in pl.backends[i].runs.items() if k[0] is not None} for i in pl.backends}
+    return {"worst": worst, "losses": [float(x.detach()) for x in losses], "want": [float(w.detach()) for w in want] if pl.is_last else [],
+            "stages": sorted(pl.modules), "layers": pl.plan.layers_per_stage, "ran": ran,
+            "choice": [list(row) for row in choice], "steps": steps,
+            "deferred": sum(s.deferred_weights for s in pl.stages),
+            "table": pl.microbatch_plan.table(pl.stage_variants.variants)}
+
+
+@pytest.mark.timeout(300)
+def test_per_microbatch_zbv_matches_single_process_and_runs_the_chosen_variants():
+    memory = _memory("ZBVZeroBubble")
+    results = run_ranks(_per_microbatch, 2, "ZBVZeroBubble", memory, timeout_s=280)
+    _check(results, 4)
+    choice = results[0]["choice"]
+    assert results[1]["choice"] == choice  # every rank runs rank 0's plan
+    assert any(len(set(row)) > 1 for row in choice), choice  # the level is one where the plan mixes
+    for r in results:
+        for i, calls in r["ran"].items():
+            # each micro-batch j ran its chosen variant, once per step (untagged calls left out)
+            assert calls == {(j, v): r["steps"] for j, v in enumerate(choice[int(i)])}, (i, calls)
+        assert r["deferred"] >= 2 * 2 * MICRO  # W deferred for every micro-batch of both stages
