@@ -266,3 +266,34 @@ def test_param_bytes_follow_blocks_traced_through_a_bound_forward():
         assert got[path] == sum(p.numel() * p.element_size() for p in model.blocks[i].parameters())
     outside = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("blocks."))
     assert 0 < got["<pre>"] <= outside and got["<post>"] <= outside
+
+
+def test_weight_share_interpolates_and_zero_bubble_runs_it_in_w():
+    from lynx_compile.pipeline.plan_stages import weight_share
+
+    # exposed 10 ms at 0 MiB (4 of them W's), 2 ms at 2 MiB (all W's), 0 at 4 MiB
+    c = RecomputeCurve(kept_bytes=(0, 2 * MiB, 4 * MiB), exposed_s=(10 * ms, 2 * ms, 0.0),
+                       exposed_w_s=(4 * ms, 2 * ms, 0.0))
+    assert c.weight_share(0) == pytest.approx(0.4)
+    assert c.weight_share(MiB) == pytest.approx(3 / 6)        # (4 + 2) / 2 of (10 + 2) / 2
+    assert c.weight_share(2 * MiB) == pytest.approx(1.0)
+    assert c.weight_share(4 * MiB) == 0.0                     # nothing exposed
+    assert curve((0, 10), (4, 0)).weight_share(0) == 0.0      # not known: all B
+    # two blocks keeping 2 MiB together: 1 MiB each, 6 ms exposed each, half of it W's
+    assert weight_share([c, c], 2 * MiB) == pytest.approx(0.5)
+    # a ZBV stage plan prices the W part in W: the same costs with the share unknown put it all
+    # in B, and B is what the previous stage waits for
+    blocks = tuple(SegmentCost(name=f"blocks.{i}", forward_s=1 * ms, backward_s=2 * ms, curve=c,
+                               weight_backward_s=1 * ms, carry_bytes=0) for i in range(4))
+    costs = PipelineCosts(blocks=blocks)
+    mem = 4 * 2 * MiB  # stage 0 holds 4 micro-batches: 2 MiB each, 1 MiB per block
+    plan = plan_stages(costs, 4, 4, mem, "ZBVZeroBubble", ranks=2, pinned_cuts=[1, 2, 3])
+    unknown = plan_stages(PipelineCosts(blocks=tuple(
+        SegmentCost(name=b.name, forward_s=b.forward_s, backward_s=b.backward_s, weight_backward_s=b.weight_backward_s,
+                    curve=RecomputeCurve(kept_bytes=c.kept_bytes, exposed_s=c.exposed_s)) for b in blocks)),
+        4, 4, mem, "ZBVZeroBubble", ranks=2, pinned_cuts=[1, 2, 3])
+    s0 = plan.stages[0]
+    assert s0.recompute_s > 0 and s0.recompute_w_s == pytest.approx(s0.recompute_s * weight_share([c], s0.kept_bytes))
+    assert unknown.stages[0].recompute_w_s == 0.0
+    # stages 0-2 keep nothing (10 ms exposed, 4 of it W's): the step falls from 114 to 105 ms
+    assert plan.predicted_step_s < unknown.predicted_step_s

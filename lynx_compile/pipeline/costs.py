@@ -78,6 +78,7 @@ def profile_pipeline(module: nn.Module, example_inputs: Sequence[Any], options: 
     for b in range(n):
         points[b].append((full[b], 0.0))
     by_id = {u.id: u for u in problem.units}
+    solutions = [None]  # per point; None: the first point, nothing recomputed
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for frac in BUDGET_LADDER[1:]:
@@ -85,6 +86,7 @@ def profile_pipeline(module: nn.Module, example_inputs: Sequence[Any], options: 
                 sol = solve_heu(problem, int(frac * problem.reference_peak))
             except InfeasibleBudget:
                 break
+            solutions.append(sol)
             kept = [0] * n
             exposed = [0.0] * n
             for uid in sol.keep:
@@ -106,12 +108,15 @@ def profile_pipeline(module: nn.Module, example_inputs: Sequence[Any], options: 
     params, share = _forward_census(module, example_inputs, record.blocks)
     outputs = _block_output_bytes(problem, n)
     split = _splits_weights(options or {})
-    carry = carry_bytes(module, example_inputs, record.blocks) if split else [0] * (n + 1)
+    carry, w_only, read_in_b = (weight_split_census(module, example_inputs, record.blocks) if split
+                                else ([0] * (n + 1), frozenset(), frozenset()))
+    exposed_w = _weight_only_exposed(problem, solutions, w_only, read_in_b, n) if split else [[] for _ in range(n)]
     blocks = tuple(SegmentCost(
         name=path, forward_s=seg["blocks"].get(b, [0.0, 0.0])[0], backward_s=seg["blocks"].get(b, [0.0, 0.0])[1],
         weight_backward_s=share[path] * seg["blocks"].get(b, [0.0, 0.0])[1],
         param_bytes=params[path], activation_bytes=full[b],
-        curve=RecomputeCurve(kept_bytes=tuple(p[0] for p in points[b]), exposed_s=tuple(p[1] for p in points[b])),
+        curve=RecomputeCurve(kept_bytes=tuple(p[0] for p in points[b]), exposed_s=tuple(p[1] for p in points[b]),
+                             exposed_w_s=tuple(exposed_w[b])),
         output_bytes=outputs[b], carry_bytes=carry[b]) for b, path in enumerate(record.blocks))
     pre = SegmentCost(name="<pre>", forward_s=seg["pre"][0], backward_s=seg["pre"][1],
                       weight_backward_s=share["<pre>"] * seg["pre"][1],
@@ -125,6 +130,42 @@ def profile_pipeline(module: nn.Module, example_inputs: Sequence[Any], options: 
                           microbatch_size=int(example_inputs[0].shape[0]) if example_inputs else 1,
                           pinned_cuts=tuple(sorted(set(seg.get("pipe_splits", ())))), weight_split=split)
     return costs, list(record.blocks)
+
+
+def _weight_only_exposed(problem, solutions: Sequence[Any], w_only: frozenset[str], read_in_b: frozenset[str],
+                         n: int) -> list[list[float]]:
+    """Per block, per curve point (``solutions``: the HEU solution of each, None for the first),
+    the exposed recompute seconds of units only W needs: a unit whose every storage the traced
+    backward reads only in W (``w_only``; none in ``read_in_b``; from ``weight_split_census``), or an intermediate
+    (read by no backward op, only by recomputed units) whose every reader is such a unit."""
+    units = {u.id: u for u in problem.units}
+    readers: dict[int, list[int]] = {}
+    for u in problem.units:
+        for i in u.inputs:
+            readers.setdefault(i, []).append(u.id)
+
+    def mine(keys, u) -> bool:
+        return any(k == u.name or k.startswith(u.name + "[") for k in keys)
+
+    only_w = {u.id for u in problem.units if u.first_use is not None and mine(w_only, u) and not mine(read_in_b, u)}
+    changed = True
+    while changed:  # intermediates whose readers are all W's
+        changed = False
+        for u in problem.units:
+            if u.id not in only_w and u.first_use is None and readers.get(u.id) and \
+                    all(r in only_w for r in readers[u.id]):
+                only_w.add(u.id)
+                changed = True
+    out = [[] for _ in range(n)]
+    for sol in solutions:
+        per_block = [0.0] * n
+        for uid in (sol.demand if sol is not None else ()):
+            u = units[uid]
+            if u.block is not None and uid in only_w:
+                per_block[u.block] += u.compute_s
+        for b in range(n):
+            out[b].append(per_block[b])
+    return out
 
 
 def _splits_weights(options: dict[str, Any]) -> bool:
@@ -177,6 +218,17 @@ def traced_backward(module: nn.Module,
 def carry_bytes(module: nn.Module, example_inputs: Sequence[Any], block_paths: Sequence[str]) -> list[int]:
     """Per block of ``block_paths`` and, last, the post-block work: the bytes one micro-batch
     holds from B to W in a stage whose input has a gradient (module docstring)."""
+    return weight_split_census(module, example_inputs, block_paths)[0]
+
+
+def weight_split_census(module: nn.Module, example_inputs: Sequence[Any],
+                        block_paths: Sequence[str]) -> tuple[list[int], frozenset[str], frozenset[str]]:
+    """``carry_bytes``; the forward storages (``memory.simulate`` keys: an op's name, or
+    ``name[i]`` for output i of a multi-output op) that the traced backward reads only in W; and
+    those it reads in B. Read only in W:
+    saved tensors no op of B reads, such as the input of a linear layer (``dW = dy.T @ x``; B's
+    ``dx = dy @ W`` does not read x). A recompute of one of them runs in W
+    (``runtime.weight_split``), where a zero-bubble schedule may place it in a bubble."""
     from lynx_compile.memory.simulate import allocations, backward_inputs, storage_keys
     from lynx_compile.runtime.weight_split import ancestors, weight_side
 
@@ -184,7 +236,7 @@ def carry_bytes(module: nn.Module, example_inputs: Sequence[Any], block_paths: S
     n = len(block_paths)
     outs = list(bw.graph.output_node().args[0])
     if len(outs) != len(params):  # the outputs cannot be matched to parameters (as WeightDeferral would not)
-        return [0] * (n + 1)
+        return [0] * (n + 1), frozenset(), frozenset()
     seg = _backward_segments(fw, bw, block_paths)
     # B: what flows into the backward of an earlier segment (lowest segment reachable, users first)
     low: dict[fx.Node, float] = {}
@@ -199,6 +251,13 @@ def carry_bytes(module: nn.Module, example_inputs: Sequence[Any], block_paths: S
     keys = storage_keys(bw, input_keys)
     for node in bw.graph.nodes:
         size.update(allocations(node))
+    read_in_b: set[str] = set()
+    read_in_w: set[str] = set()
+    for ph in bw.graph.find_nodes(op="placeholder"):
+        if ph.name.startswith("tangents") or ph not in keys:
+            continue
+        for u in ph.users:
+            (read_in_w if u in w_set else read_in_b).add(keys[ph])
     out, seen = [0] * (n + 1), set()
     for c in carried:
         readers = [seg[u] for u in c.users if u in w_set and u in seg]
@@ -210,7 +269,7 @@ def carry_bytes(module: nn.Module, example_inputs: Sequence[Any], block_paths: S
             if key not in seen:
                 seen.add(key)
                 out[max(readers)] += size.get(key, 0)
-    return out
+    return out, frozenset(read_in_w - read_in_b), frozenset(read_in_b)
 
 
 def _backward_segments(fw: fx.GraphModule, bw: fx.GraphModule, block_paths: Sequence[str]) -> dict[fx.Node, int]:

@@ -77,6 +77,28 @@ class RecomputeCurve:
 
     kept_bytes: tuple[int, ...]
     exposed_s: tuple[float, ...]
+    exposed_w_s: tuple[float, ...] = ()
+    """Per point, the part of ``exposed_s`` that only the weight gradients need (W's recompute
+    under a zero-bubble schedule's B/W split; ``pipeline.costs``); empty: not known (all B)."""
+
+    def _interp(self, ys: Sequence[float], kept: float) -> float:
+        """Piecewise-linear interpolation of ``ys`` (one per point) at ``kept`` bytes over the
+        points sorted by bytes; clamped to the ends."""
+        pts = sorted(zip(self.kept_bytes, ys))
+        if kept <= pts[0][0]:
+            return pts[0][1]
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+            if kept <= x1:
+                return y0 if x1 == x0 else y0 + (y1 - y0) * (kept - x0) / (x1 - x0)
+        return pts[-1][1]
+
+    def weight_share(self, kept: float) -> float:
+        """The share of the exposed recompute at ``kept`` bytes that only W needs (0..1),
+        interpolated between the solved points; 0 when not known."""
+        if not self.exposed_w_s:
+            return 0.0
+        total = self._interp(self.exposed_s, kept)
+        return min(1.0, self._interp(self.exposed_w_s, kept) / total) if total > 0 else 0.0
 
     def hull(self) -> tuple[tuple[int, float], ...]:
         """Lower convex hull of the points (non-increasing, convex in bytes)."""
@@ -167,7 +189,8 @@ class PipelineCosts:
     def from_dict(cls, d: dict[str, Any]) -> "PipelineCosts":
         def seg(s):
             c = s.get("curve")
-            curve = RecomputeCurve(kept_bytes=tuple(c["kept_bytes"]), exposed_s=tuple(c["exposed_s"])) if c else None
+            curve = RecomputeCurve(kept_bytes=tuple(c["kept_bytes"]), exposed_s=tuple(c["exposed_s"]),
+                                   exposed_w_s=tuple(c.get("exposed_w_s", ()))) if c else None
             return SegmentCost(**{**s, "curve": curve})
         d = dict(d)
         d["blocks"] = tuple(seg(b) for b in d["blocks"])
@@ -197,6 +220,9 @@ class StageInfo:
     compute_s: float
     recompute_s: float
     """Exposed recompute per micro-batch."""
+    recompute_w_s: float = 0.0
+    """The part of ``recompute_s`` only the weight gradients need: it runs in W under the
+    zero-bubble schedules (``RecomputeCurve.exposed_w_s``; 0 elsewhere or when not known)."""
     fits: bool = True
     carry_bytes: int = 0
     """Bytes one micro-batch holds from its B to its W (zero-bubble schedules with lynx's B/W
@@ -387,13 +413,15 @@ class _Pricer:
             budget = self.allowance(i, segs, e, static)
             kept, exposed, fits, transient = allocate_with_transient(curves, budget - fixed - self.c.working_bytes)
         carry = self.carry(i, segs, e, kept + fixed)
+        split = self.schedule in ZERO_BUBBLE_SCHEDULES and self.c.weight_split
+        exposed_w = exposed * weight_share(curves, kept) if split else 0.0
         held = self.held(i)
         # the peak: the pair of held counts at which kept and carried bytes add up the most
         top, _, w_top = max((f * (kept + fixed) + w * carry, f, w) for f, w in held)  # ties: fewer carries
         peak = static + top + self.c.working_bytes + transient
         return StageInfo(index=i, blocks=(s, e), block_names=tuple(b.name for b in self.c.blocks[s:e]),
                          in_flight=k, static_bytes=static, budget_bytes=budget, kept_bytes=kept + fixed,
-                         peak_bytes=peak, compute_s=self.compute_s(i, s, e), recompute_s=exposed, fits=fits,
+                         peak_bytes=peak, compute_s=self.compute_s(i, s, e), recompute_s=exposed, recompute_w_s=exposed_w, fits=fits,
                          carry_bytes=carry, held=held, pending_w=w_top)
 
     def min_memory(self, i: int, s: int, e: int) -> int:
@@ -411,6 +439,19 @@ class _Pricer:
             return static + max((f + w) * need + w * grad for f, w in self.held(i))
         carry = self.carry(i, segs, e, 0)
         return static + max(f * need + w * carry for f, w in self.held(i))
+
+
+def weight_share(curves: Sequence[RecomputeCurve], kept: float) -> float:
+    """The share of the exposed recompute of blocks keeping ``kept`` bytes together (in equal
+    shares, as ``transient_bytes``) that only W needs (``RecomputeCurve.weight_share``, weighted
+    by each block's exposed seconds there); 0 without curves or when nothing is exposed."""
+    if not curves:
+        return 0.0
+    each = kept / len(curves)
+    total = sum(c._interp(c.exposed_s, each) for c in curves)
+    if total <= 0:
+        return 0.0
+    return min(1.0, sum(c.weight_share(each) * c._interp(c.exposed_s, each) for c in curves) / total)
 
 
 def transient_bytes(curves: Sequence[RecomputeCurve], kept: float) -> int:

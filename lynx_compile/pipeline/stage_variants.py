@@ -14,8 +14,9 @@ The variants of stage i, each one lynx compile of the stage:
     least     the curves' least peak x (1 + LEAST_SLACK)  every block at its curve's least point
 
 A variant's times: F as the stage plan; B = the backward less its weight share, plus the
-variant's exposed recompute (recompute priced in B, as ``step_time.simulate_stages``); W = the
-weight share. ``held_bytes`` = what it keeps (blocks + pre/post), ``carry_bytes`` =
+variant's exposed recompute that B needs; W = the weight share plus the exposed recompute only
+W needs (``plan_stages.weight_share`` of the curves' ``exposed_w_s``, as
+``step_time.simulate_stages``). ``held_bytes`` = what it keeps (blocks + pre/post), ``carry_bytes`` =
 ``_Pricer.carry`` at that. Variants equal in held bytes to a cheaper one are dropped.
 
 The rank's limit for the micro-batch walk: memory per device less the static bytes of every
@@ -29,7 +30,7 @@ from typing import Sequence
 
 from .microbatch_plan import StageVariant
 from .placement import default_ranks, stage_rank
-from .plan_stages import PipelineCosts, StagePlan, _Pricer, allocate_with_transient, transient_bytes
+from .plan_stages import PipelineCosts, StagePlan, _Pricer, allocate_with_transient, transient_bytes, weight_share
 from .step_time import stage_times
 
 LEAST_SLACK = 0.02
@@ -79,8 +80,9 @@ def stage_variants(plan: StagePlan, costs: PipelineCosts, *, ranks: int | None =
             held = kept + fixed
             if any(v.held_bytes <= held for v in mine):
                 continue  # as much memory as a variant that recomputes less
-            mine.append(StageVariant(name=name, forward_s=fwd[i], input_backward_s=bwd[i] - wgt[i] + exposed,
-                                     weight_backward_s=wgt[i], held_bytes=held,
+            in_w = exposed * weight_share(curves, kept) if costs.weight_split else 0.0
+            mine.append(StageVariant(name=name, forward_s=fwd[i], input_backward_s=bwd[i] - wgt[i] + exposed - in_w,
+                                     weight_backward_s=wgt[i] + in_w, held_bytes=held,
                                      carry_bytes=pr.carry(i, segs, e, held)))
             mine_budgets.append(budget)
             r = stage_rank(plan.schedule, i, p, ranks)

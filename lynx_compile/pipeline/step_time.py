@@ -36,12 +36,15 @@ def simulate_stages(stages, costs, schedule: str, num_microbatches: int, *, reco
                     ranks: int) -> float:
     """Step time of a ``StagePlan``'s stages priced from ``PipelineCosts``: ``simulate_actions``
     over torch's order for the zero-bubble schedules (``ranks``: the pipeline group size), else
-    ``simulate_pipeline``. Each stage's exposed recompute (``StageInfo.recompute_s``) runs in B:
-    the plan does not say which of it only W needs."""
+    ``simulate_pipeline``. Each stage's exposed recompute (``StageInfo.recompute_s``) runs in B,
+    except, under the zero-bubble schedules, the part only W needs (``StageInfo.recompute_w_s``),
+    which runs in W."""
     fwd, bwd, wgt, send = stage_times(stages, costs)
     rec = [st.recompute_s for st in stages]
     if schedule in ZERO_BUBBLE_SCHEDULES:
         orders = zero_bubble_orders(schedule, ranks, len(stages), num_microbatches)
-        return simulate_actions(orders, fwd, [b - w for b, w in zip(bwd, wgt)], wgt, send, recompute_b_s=rec,
+        rec_w = [st.recompute_w_s for st in stages]
+        return simulate_actions(orders, fwd, [b - w for b, w in zip(bwd, wgt)], wgt, send,
+                                recompute_b_s=[r - w for r, w in zip(rec, rec_w)], recompute_w_s=rec_w,
                                 recompute_in_wait=recompute_in_wait).step_s
     return simulate_pipeline(fwd, bwd, rec, send, schedule, num_microbatches, recompute_in_wait=recompute_in_wait)
