@@ -35,6 +35,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_pipeline import RESULTS, _launch_interleaved, _loss_diff, _medians, _reference_losses  # noqa: E402
 
 
+def _rank_activation(plan, costs, sv, walk) -> list[int]:
+    """Per rank, the walk's peak plus what the limit set aside (one micro-batch's working bytes
+    and a block backward's transient): the predicted activation peak, comparable with the
+    allocator's measured one (gradients, parameters and optimizer state in neither)."""
+    from lynx_compile.pipeline.placement import stage_rank
+
+    static = [0] * sv.ranks
+    for st in plan.stages:
+        static[stage_rank(plan.schedule, st.index, plan.num_stages, sv.ranks)] += st.static_bytes
+    return [w + (plan.memory_per_device - static[r] - sv.memory_limit[r]) for r, w in enumerate(walk)]
+
+
 def _uniform_walk(plan, costs):
     """Predicted (step s, per-rank peak B) of ``plan`` with every micro-batch of a stage at its
     allowance: the ``plan`` variant (``keep`` where the stage recomputes nothing) for all."""
@@ -50,7 +62,7 @@ def _uniform_walk(plan, costs):
         choice.append(tuple([v] * plan.num_microbatches))
     orders = zero_bubble_orders(plan.schedule, 2, plan.num_stages, plan.num_microbatches)
     step, peaks = replay(orders, sv.variants, tuple(choice), send_seconds(plan, costs))
-    return step, peaks, sv.memory_limit
+    return step, peaks, sv
 
 
 def main() -> None:
@@ -90,7 +102,7 @@ def main() -> None:
                                        ("ZBV per-mb", "ZBVZeroBubble", 4)):
             row = {"memory_level": level, "memory_MiB": round(memory / 2**20, 2), "row": name, "layers": "-",
                    "pred_step_ms": "-", "step_ms": "-", "launch_medians_ms": "-", "pred_rank_peak_MiB": "-",
-                   "rank_limit_MiB": "-", "measured_rank_peak_MiB": "-", "variants (stage: per micro-batch)": "-",
+                   "rank_limit_MiB": "-", "pred_rank_activation_MiB": "-", "measured_rank_peak_MiB": "-", "variants (stage: per micro-batch)": "-",
                    "max_rel_loss_diff": "-", "error": ""}
             rows.append(row)
             try:
@@ -102,9 +114,11 @@ def main() -> None:
             row["pred_step_ms"] = round(plan.predicted_step_in_wait_s * 1e3, 2)
             extra = ()
             if schedule == "ZBVZeroBubble":
-                _, peaks, limit = _uniform_walk(plan, costs)
+                _, peaks, sv = _uniform_walk(plan, costs)
                 row["pred_rank_peak_MiB"] = "/".join(f"{b / 2**20:.2f}" for b in peaks)
-                row["rank_limit_MiB"] = "/".join(f"{b / 2**20:.2f}" for b in limit)
+                row["rank_limit_MiB"] = "/".join(f"{b / 2**20:.2f}" for b in sv.memory_limit)
+                row["pred_rank_activation_MiB"] = "/".join(
+                    f"{b / 2**20:.2f}" for b in _rank_activation(plan, costs, sv, peaks))
             if name == "ZBV per-mb":
                 sv = stage_variants(plan, costs, ranks=2)
                 try:
@@ -115,6 +129,8 @@ def main() -> None:
                     continue
                 row["pred_step_ms"] = round(mbp.step_s * 1e3, 2)
                 row["pred_rank_peak_MiB"] = "/".join(f"{b / 2**20:.2f}" for b in mbp.peak_bytes)
+                row["pred_rank_activation_MiB"] = "/".join(
+                    f"{b / 2**20:.2f}" for b in _rank_activation(plan, costs, sv, mbp.peak_bytes))
                 row["variants (stage: per micro-batch)"] = " ".join(
                     f"{i}:" + "".join(sv.variants[i][v].name[0] for v in r) for i, r in enumerate(mbp.choice))
                 extra = (costs,)
@@ -149,7 +165,8 @@ def _write(args, top: int, rows: list[dict]) -> None:
             f"the largest stage peak of an unconstrained ZBV plan ({top / 2**20:.2f} MiB). pred_rank_peak_MiB: "
             f"each rank's activation walk (microbatch_plan.replay; ZBV: every micro-batch at its stage's "
             f"allowance), against rank_limit_MiB (memory per device less the rank's static bytes, one "
-            f"micro-batch's working bytes and a block's backward transient). measured_rank_peak_MiB: CPU "
+            f"micro-batch's working bytes and a block's backward transient); pred_rank_activation_MiB adds "
+            f"the working and transient bytes back (what the allocator measures). measured_rank_peak_MiB: CPU "
             f"allocator events over one more step, gradients left out. Variants: k = keep (nothing "
             f"recomputed), p = the stage plan's allowance, l = the least recompute-curve point.")
     cmd = (f"python benchmarks/bench_pipeline_microbatch.py --model {args.model} --layers {args.layers} "

@@ -294,3 +294,43 @@ def test_bad_input():
         plan_microbatches(orders, ok, [0.0] * 4, [10], solver="heu")
     with pytest.raises(ValueError, match=">= 0"):
         plan_microbatches(orders, ok[:3] + [[var("bad", 1, -1, 1, 1, 1)]], [0.0] * 4, [10, 10], solver="heu")
+
+
+def test_stage_variants_priced_from_the_curves_by_hand():
+    # one block per stage, ZBV, 4 stages on 2 ranks, 4 micro-batches; each block: F 1 ms, backward
+    # 3 ms of which W 1 ms; curve: 4 MiB kept exposes 0, 2 MiB 2 ms (1 of it W's), 0 MiB 6 ms
+    # (2 of it W's); no working, static or traced carry bytes
+    from lynx_compile.pipeline.plan_stages import PipelineCosts, RecomputeCurve, SegmentCost, plan_stages
+    from lynx_compile.pipeline.stage_variants import stage_variants
+
+    MiB, ms = 2**20, 1e-3
+    c = RecomputeCurve(kept_bytes=(4 * MiB, 2 * MiB, 0), exposed_s=(0.0, 2 * ms, 6 * ms),
+                       exposed_w_s=(0.0, 1 * ms, 2 * ms))
+    blocks = tuple(SegmentCost(name=f"blocks.{i}", forward_s=1 * ms, backward_s=3 * ms, weight_backward_s=1 * ms,
+                               curve=c, activation_bytes=4 * MiB) for i in range(4))
+    costs = PipelineCosts(blocks=blocks)
+    plan = plan_stages(costs, 4, 4, 10 * MiB, "ZBVZeroBubble", ranks=2, pinned_cuts=[1, 2, 3])
+    sv = stage_variants(plan, costs, ranks=2)
+    for s, vs in enumerate(sv.variants):
+        by = {v.name: v for v in vs}
+        # keep: 4 MiB, B = 3 - 1 = 2 ms, W = 1 ms; the first stage's B computes no input
+        # gradient, so its W carries all it keeps (its output's gradient is 0 B here)
+        keep = by["keep"]
+        assert (keep.held_bytes, keep.input_backward_s, keep.weight_backward_s) == (4 * MiB, 2 * ms, 1 * ms)
+        assert keep.carry_bytes == (4 * MiB if s == 0 else 0)
+        for v in vs:
+            # on the curve's lower segment (0..2 MiB) k MiB kept expose 6 - 2k ms, 2 - k/2 of them W's
+            k = v.held_bytes / MiB
+            if k <= 2:
+                exposed, in_w = (6 - 2 * k) * ms, (2 - k / 2) * ms
+                assert v.input_backward_s == pytest.approx(2 * ms + exposed - in_w)
+                assert v.weight_backward_s == pytest.approx(1 * ms + in_w)
+        # the least point: nothing kept, B 2 + 4 ms, W 1 + 2 ms
+        assert any(v.held_bytes == 0 and v.input_backward_s == pytest.approx(6 * ms) for v in vs)
+    for vs in sv.variants:  # no variant matched or beaten in held, carry, B and W at once
+        keys = [(v.held_bytes, v.carry_bytes, v.input_backward_s, v.weight_backward_s) for v in vs]
+        assert len(set(keys)) == len(keys)
+        assert not any(a != b and all(x <= y for x, y in zip(a, b)) for a in keys for b in keys)
+    # the ranks' limits: 10 MiB less the largest transient, a whole block (4 MiB) brought back
+    # while the least variant's backward runs
+    assert sv.memory_limit == (6 * MiB, 6 * MiB)

@@ -9,8 +9,8 @@ from _dist import run_ranks
 from test_pipeline import BATCH, MICRO, _batch, _check, _loss_fn, _model
 
 LEVEL = 1.2
-"""Memory per device as a multiple of the largest stage peak without recompute: the plan mixes
-variants (measured on gpt-tiny, 4 layers: stage 0 keeps micro-batch 1 and recomputes 0, 2, 3)."""
+"""Memory per device as a multiple of the largest stage peak without recompute: one where the plan
+mixes variants on gpt-tiny with 4 layers (asserted below)."""
 
 
 def _memory(schedule):

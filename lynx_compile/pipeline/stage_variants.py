@@ -12,12 +12,15 @@ The variants of stage i, each one lynx compile of the stage:
     keep      None (policy "none": recompute nothing)  every block at its curve's largest point
     plan      a_i (the stage plan's allowance)         allocate_with_transient(a_i), as plan_stages
     least     the curves' least peak x (1 + LEAST_SLACK)  every block at its curve's least point
+    curve<k>  the stage's bytes at the profile's k-th    allocate_with_transient, as above
+              budget-ladder point (strictly between)
 
 A variant's times: F as the stage plan; B = the backward less its weight share, plus the
 variant's exposed recompute that B needs; W = the weight share plus the exposed recompute only
 W needs (``plan_stages.weight_share`` of the curves' ``exposed_w_s``, as
 ``step_time.simulate_stages``). ``held_bytes`` = what it keeps (blocks + pre/post), ``carry_bytes`` =
-``_Pricer.carry`` at that. Variants equal in held bytes to a cheaper one are dropped.
+``_Pricer.carry`` at that. A variant another one matches or beats in held bytes, carry, B and W
+at once is dropped (each variant a stage uses is one more compile of it).
 
 The rank's limit for the micro-batch walk: memory per device less the static bytes of every
 stage on the rank, less one micro-batch's working bytes and the largest transient of a block's
@@ -75,15 +78,23 @@ def stage_variants(plan: StagePlan, costs: PipelineCosts, *, ranks: int | None =
         kept, exposed, fits, tr = allocate_with_transient(curves, least_budget - room)
         if fits:
             rows.append(("least", least_budget, kept, exposed, tr))
-        mine, mine_budgets = [], []
-        for name, budget, kept, exposed, tr in sorted(rows, key=lambda r: r[3]):
+        for k in range(len(curves[0].kept_bytes) if curves else 0):  # the profile's ladder points
+            point = sum(c.kept_bytes[k] for c in curves)
+            if least < point < most:
+                budget = int(point + room + transient_bytes(curves, point))
+                kept, exposed, fits, tr = allocate_with_transient(curves, budget - room)
+                if fits:
+                    rows.append((f"curve{k}", budget, kept, exposed, tr))
+        priced = []
+        for name, budget, kept, exposed, tr in rows:
             held = kept + fixed
-            if any(v.held_bytes <= held for v in mine):
-                continue  # as much memory as a variant that recomputes less
             in_w = exposed * weight_share(curves, kept) if costs.weight_split else 0.0
-            mine.append(StageVariant(name=name, forward_s=fwd[i], input_backward_s=bwd[i] - wgt[i] + exposed - in_w,
-                                     weight_backward_s=wgt[i] + in_w, held_bytes=held,
-                                     carry_bytes=pr.carry(i, segs, e, held)))
+            priced.append((StageVariant(name=name, forward_s=fwd[i], input_backward_s=bwd[i] - wgt[i] + exposed - in_w,
+                                        weight_backward_s=wgt[i] + in_w, held_bytes=held,
+                                        carry_bytes=pr.carry(i, segs, e, held)), budget, tr))
+        mine, mine_budgets = [], []
+        for v, budget, tr in _undominated(priced):
+            mine.append(v)
             mine_budgets.append(budget)
             r = stage_rank(plan.schedule, i, p, ranks)
             transient[r] = max(transient[r], tr)
@@ -94,6 +105,21 @@ def stage_variants(plan: StagePlan, costs: PipelineCosts, *, ranks: int | None =
         static[stage_rank(plan.schedule, st.index, p, ranks)] += st.static_bytes
     limit = tuple(plan.memory_per_device - static[r] - costs.working_bytes - transient[r] for r in range(ranks))
     return StageVariants(variants=tuple(variants), budgets=tuple(budgets), memory_limit=limit, ranks=ranks)
+
+
+def _undominated(priced):
+    """The (variant, budget, transient) rows no other row matches or beats in held bytes, carry
+    bytes, B seconds and W seconds at once (the first of equal rows stays), by B seconds."""
+    def key(v):
+        return (v.held_bytes, v.carry_bytes, v.input_backward_s, v.weight_backward_s)
+
+    out = []
+    for a, row in enumerate(priced):
+        ka = key(row[0])
+        if not any(all(x <= y for x, y in zip(key(other[0]), ka)) and (key(other[0]) != ka or b < a)
+                   for b, other in enumerate(priced) if b != a):
+            out.append(row)
+    return sorted(out, key=lambda r: (r[0].input_backward_s, r[0].weight_backward_s))
 
 
 def send_seconds(plan: StagePlan, costs: PipelineCosts) -> list[float]:
