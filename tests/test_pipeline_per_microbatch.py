@@ -8,20 +8,37 @@ import pytest
 from _dist import run_ranks
 from test_pipeline import BATCH, MICRO, _batch, _check, _loss_fn, _model
 
-LEVEL = 1.2
-"""Memory per device as a multiple of the largest stage peak without recompute: one where the plan
-mixes variants on gpt-tiny with 4 layers (asserted below)."""
+OPTIONS = {"solver": "heu", "hardware": "h100-sxm"}
+"""Analytic costs of a fixed profile: every process plans alike (the CPU profile is calibrated
+by timing, per process)."""
 
 
 def _memory(schedule):
-    """The memory per device of ``LEVEL``, planned in this process as every rank will."""
-    from lynx_compile.pipeline import plan_pipeline
+    """The largest memory per device (a multiple of the largest stage peak without recompute,
+    downwards) at which the per-micro-batch plan mixes variants, planned in this process as every
+    rank will."""
+    from lynx_compile.pipeline import StagePlanError, plan_pipeline, plan_stages
+    from lynx_compile.pipeline.microbatch_plan import MicrobatchPlanError, plan_microbatches
+    from lynx_compile.pipeline.placement import zero_bubble_orders
+    from lynx_compile.pipeline.stage_variants import send_seconds, stage_variants
 
     model = _model()
     mb = (_batch(model)[: BATCH // MICRO],)
-    plan, _, _ = plan_pipeline(model, mb, num_stages=4, num_microbatches=MICRO, schedule=schedule,
-                               options={"solver": "heu"}, ranks=2)
-    return int(LEVEL * max(s.peak_bytes for s in plan.stages))
+    free, costs, _ = plan_pipeline(model, mb, num_stages=4, num_microbatches=MICRO, schedule=schedule,
+                                   options=OPTIONS, ranks=2)
+    top = max(s.peak_bytes for s in free.stages)
+    orders = zero_bubble_orders(schedule, 2, 4, MICRO)
+    for level in (1.6, 1.5, 1.4, 1.3, 1.2, 1.1, 1.0, 0.9, 0.8):
+        try:
+            plan = plan_stages(costs, 4, MICRO, int(level * top), schedule, ranks=2)
+            sv = stage_variants(plan, costs, ranks=2)
+            choice = plan_microbatches(orders, sv.variants, send_seconds(plan, costs), sv.memory_limit,
+                                       solver="auto").choice
+        except (StagePlanError, MicrobatchPlanError):
+            continue
+        if any(len(set(row)) > 1 for row in choice):
+            return int(level * top)
+    raise AssertionError("no memory level mixes variants")
 
 
 def _per_microbatch(rank, world, schedule, memory):
@@ -33,7 +50,7 @@ def _per_microbatch(rank, world, schedule, memory):
     ref = copy.deepcopy(model)
     idx = _batch(model)
     pl = lynx_compile.pipeline(model, (idx,), num_stages=4, num_microbatches=MICRO, loss_fn=_loss_fn,
-                               schedule=schedule, options={"solver": "heu"}, memory_per_device=memory,
+                               schedule=schedule, options=OPTIONS, memory_per_device=memory,
                                per_microbatch=True)
     steps = 2
     for _ in range(steps):

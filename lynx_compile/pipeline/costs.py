@@ -74,10 +74,25 @@ def profile_pipeline(module: nn.Module, example_inputs: Sequence[Any], options: 
                          "pipeline stages: put the layers in an nn.ModuleList (paths like layers.3)")
     n = len(record.blocks)
     points: list[list[tuple[int, float]]] = [[] for _ in range(n)]
-    full = {b: sum(u.nbytes for u in problem.units if u.block == b) for b in range(n)}
+    by_id = {u.id: u for u in problem.units}
+    readers: dict[int, list[int]] = {}
+    for u in problem.units:
+        for i in u.inputs:
+            readers.setdefault(i, []).append(u.id)
+
+    def saved(keep, recomputed: set[int]) -> list[int]:
+        """Per block, the bytes of the kept units a stage saves: those the backward reads, and
+        those a recomputed unit reads (an intermediate no op reads otherwise is not saved)."""
+        out = [0] * n
+        for uid in keep:
+            u = by_id[uid]
+            if u.block is not None and (u.first_use is not None or any(r in recomputed for r in readers.get(uid, ()))):
+                out[u.block] += u.nbytes
+        return out
+
+    full = dict(enumerate(saved([u.id for u in problem.units], set())))
     for b in range(n):
         points[b].append((full[b], 0.0))
-    by_id = {u.id: u for u in problem.units}
     solutions = [None]  # per point; None: the first point, nothing recomputed
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -87,12 +102,8 @@ def profile_pipeline(module: nn.Module, example_inputs: Sequence[Any], options: 
             except InfeasibleBudget:
                 break
             solutions.append(sol)
-            kept = [0] * n
+            kept = saved(sol.keep, set(sol.demand) | {uid for uid, _ in sol.window})
             exposed = [0.0] * n
-            for uid in sol.keep:
-                u = by_id[uid]
-                if u.block is not None:
-                    kept[u.block] += u.nbytes
             for uid in sol.demand:
                 u = by_id[uid]
                 if u.block is not None:
@@ -102,9 +113,10 @@ def profile_pipeline(module: nn.Module, example_inputs: Sequence[Any], options: 
     block_fw = [u.fw_pos for u in problem.units if u.block is not None]
     first_fw = min(block_fw) if block_fw else 0
     outside = [u for u in problem.units if u.block is None]
+    outside = [u for u in outside if u.first_use is not None]  # saved with nothing recomputed
     pre_act = sum(u.nbytes for u in outside if u.fw_pos < first_fw)
     post_act = sum(u.nbytes for u in outside if u.fw_pos >= first_fw)
-    working = max(0, problem.reference_peak - sum(u.nbytes for u in problem.units))
+    working = max(0, problem.reference_peak - sum(full.values()) - pre_act - post_act)
     params, share = _forward_census(module, example_inputs, record.blocks)
     outputs = _block_output_bytes(problem, n)
     split = _splits_weights(options or {})
