@@ -74,6 +74,14 @@ class LynxPipelineStage(PipelineStage):
         self.grad_wait_s = 0.0
         """Seconds then spent still waiting for gradients (0: the recompute covered the wait)."""
 
+    def _get_init_p2p_neighbors_ops(self) -> list:
+        """torch's warm-up transfers to the neighbouring stages, without those to a stage on this
+        same rank: torch 2.11's multi-stage schedules post them for every neighbour, and under the
+        V placement (ZBVZeroBubble: stages 1 and 2 on one rank of two) gloo cannot send to its
+        own rank ("Pair is not connected"); the pair is dropped on both sides, so the others
+        still match. torch 2.13 warms up without them."""
+        return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
+
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any):
         with microbatch(fwd_chunk_id):
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
