@@ -65,6 +65,11 @@ def _uniform_walk(plan, costs):
     return step, peaks, sv
 
 
+def _short(name: str) -> str:
+    """keep -> k, plan -> p, least -> l, curve<k> -> c<k>."""
+    return "c" + name[5:] if name.startswith("curve") else name[0]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gpt-small")
@@ -132,7 +137,7 @@ def main() -> None:
                 row["pred_rank_activation_MiB"] = "/".join(
                     f"{b / 2**20:.2f}" for b in _rank_activation(plan, costs, sv, mbp.peak_bytes))
                 row["variants (stage: per micro-batch)"] = " ".join(
-                    f"{i}:" + "".join(sv.variants[i][v].name[0] for v in r) for i, r in enumerate(mbp.choice))
+                    f"{i}:" + ",".join(_short(sv.variants[i][v].name) for v in r) for i, r in enumerate(mbp.choice))
                 extra = (costs,)
             runs.append((f"{name.replace(' ', '_')}_{level}", "lynx", True, memory, plan, len(rows) - 1, *extra))
     launched = _launch_interleaved(args, runs)
@@ -168,7 +173,8 @@ def _write(args, top: int, rows: list[dict]) -> None:
             f"micro-batch's working bytes and a block's backward transient); pred_rank_activation_MiB adds "
             f"the working and transient bytes back (what the allocator measures). measured_rank_peak_MiB: CPU "
             f"allocator events over one more step, gradients left out. Variants: k = keep (nothing "
-            f"recomputed), p = the stage plan's allowance, l = the least recompute-curve point.")
+            f"recomputed), p = the stage plan's allowance, l = the least recompute-curve point, c<k> = the "
+            f"stage's bytes at the profile's k-th budget-ladder point (pipeline.stage_variants).")
     cmd = (f"python benchmarks/bench_pipeline_microbatch.py --model {args.model} --layers {args.layers} "
            f"--levels {args.levels} --steps {args.steps} --repeats {args.repeats} --cost-source {args.cost_source}")
     lines = [head, "", f"Command: `{cmd}`", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]

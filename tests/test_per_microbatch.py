@@ -11,6 +11,12 @@ from lynx_compile.runtime.prefetch import microbatch
 from lynx_compile.runtime.weight_split import defer_weights
 
 
+def _fresh(**options):
+    """A backend of its own (``lynx_compile.backend`` returns one cached per options, whose
+    records other tests add to)."""
+    return lynx_compile.LynxBackend(lynx_compile.make_config(options))
+
+
 def _models():
     torch.manual_seed(0)
     model = build_model("gpt-tiny", dropout=0.0)
@@ -30,8 +36,8 @@ def test_each_microbatch_runs_its_variant_and_gradients_equal_eager(compiler):
     xs = [example_batch(model, 2) for _ in range(3)]
     for x in xs:
         ref(x).loss.backward()
-    keep = lynx_compile.backend(policy="none", compiler=compiler, weight_split=True)
-    full = lynx_compile.backend(policy="full", compiler=compiler, weight_split=True)
+    keep = _fresh(policy="none", compiler=compiler, weight_split=True)
+    full = _fresh(policy="full", compiler=compiler, weight_split=True)
     backend = PerMicrobatchBackend([keep, full], {0: 1, 1: 0, 2: 1})
     compiled = torch.compile(model, backend=backend)
 
@@ -70,8 +76,8 @@ def test_variants_save_their_own_tensors():
     # the micro-batch run by the full variant saves what full saves, the other what none saves
     model, _ = _models()
     x = example_batch(model, 2)
-    keep = lynx_compile.backend(policy="none", compiler="eager")
-    full = lynx_compile.backend(policy="full", compiler="eager")
+    keep = _fresh(policy="none", compiler="eager")
+    full = _fresh(policy="full", compiler="eager")
     backend = PerMicrobatchBackend([keep, full], {"a": 0, "b": 1})
     compiled = torch.compile(model, backend=backend)
     saved = {}
@@ -92,10 +98,10 @@ def test_untagged_calls_run_the_default_and_bad_indices_are_refused():
     model, ref = _models()
     x = example_batch(model, 2)
     ref(x).loss.backward()
-    backend = PerMicrobatchBackend([lynx_compile.backend(policy="none", compiler="eager"),
-                                    lynx_compile.backend(policy="full", compiler="eager")], {0: 0}, default=1)
+    backend = PerMicrobatchBackend([_fresh(policy="none", compiler="eager"),
+                                    _fresh(policy="full", compiler="eager")], {0: 0}, default=1)
     torch.compile(model, backend=backend)(x).loss.backward()
     assert backend.calls == {1: 1}
     assert _worst(model, ref) < 1e-5
     with pytest.raises(ValueError, match="out of range"):
-        PerMicrobatchBackend([lynx_compile.backend(policy="none")], {0: 1})
+        PerMicrobatchBackend([_fresh(policy="none")], {0: 1})

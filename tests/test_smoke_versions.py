@@ -106,8 +106,9 @@ def test_per_microbatch_variants_match_eager(reference, compiler):
     from lynx_compile.runtime.prefetch import microbatch
 
     model, x, ref_loss, ref_grads = reference
-    backend = PerMicrobatchBackend([lynx_compile.backend(policy=p, compiler=compiler) for p in ("none", "full")],
-                                   {0: 0, 1: 1})
+    # backends of their own: lynx_compile.backend returns one cached per options, shared with other tests
+    backend = PerMicrobatchBackend([lynx_compile.LynxBackend(lynx_compile.make_config({"policy": p, "compiler": compiler}))
+                                    for p in ("none", "full")], {0: 0, 1: 1})
     compiled = torch.compile(copy.deepcopy(model), backend=backend)
     for j in (0, 1):
         with microbatch(j):
