@@ -119,18 +119,24 @@ def worker(args) -> None:
 
 def _measured_peak(pl, batch) -> int:
     """One more pipeline step (no optimizer step) under the CPU allocator's events: this rank's
-    peak above the step's start, the gradients it leaves in ``.grad`` not counted (the
-    activation memory of ``lynx_compile.memory``). The gloo transfers' buffers count."""
+    peak above the step's start, gradients not counted (those left in ``.grad`` and those lynx's
+    backwards and W return before they are added there, as ``memory.measure_step``): the
+    activation memory of ``lynx_compile.memory``. The gloo transfers' buffers count."""
     import torch.distributed as dist
 
-    from lynx_compile.memory.measure import cpu_peak_bytes
+    from lynx_compile.memory import measure
 
     params = list(pl.parameters())
     for p in params:
         p.grad = None
     dist.barrier()
-    peak = cpu_peak_bytes(lambda: pl.step(batch, target=batch, losses=[]),
-                          exclude=lambda: {p.grad.data_ptr() for p in params if p.grad is not None})
+    measure.BACKWARD_OUTPUTS = set()  # what lynx's backwards and W return: gradients, as measure_step
+    try:
+        peak = measure.cpu_peak_bytes(
+            lambda: pl.step(batch, target=batch, losses=[]),
+            exclude=lambda: measure.BACKWARD_OUTPUTS | {p.grad.data_ptr() for p in params if p.grad is not None})
+    finally:
+        measure.BACKWARD_OUTPUTS = None
     for p in params:
         p.grad = None
     return peak

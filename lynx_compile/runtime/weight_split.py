@@ -225,6 +225,9 @@ class WeightDeferral:
         w, positions, carry = entry
         with torch.no_grad():
             grads = w(carry)
+        from lynx_compile.memory.measure import record_backward_outputs
+
+        record_backward_outputs(grads)  # gradients, not activations, in a running measurement
         for i, g in zip(positions, grads):
             p = self.params[i]()
             if p is None or g is None:
