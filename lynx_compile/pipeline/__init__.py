@@ -233,6 +233,10 @@ def pipeline(model: nn.Module, example_inputs: Sequence[Any], *, num_stages: int
         raise StagePlanError(f"schedule={schedule!r} is not valid; choose one of {sorted(SCHEDULES)}")
     if method not in METHODS:
         raise StagePlanError(f"method={method!r} is not valid; choose one of {sorted(METHODS)}")
+    if (options or {}).get("offload") and recompute_in_wait and (options or {}).get("compiler", "eager") == "eager":
+        raise StagePlanError("options offload=True and recompute_in_wait=True are not combined yet (the early "
+                             "recompute keeps saved tensors per micro-batch, offload moves them): pass "
+                             "recompute_in_wait=False (lynx train: --no-recompute-in-wait)")
     if not dist.is_initialized():
         raise RuntimeError("lynx_compile.pipeline needs torch.distributed initialized (launch with torchrun "
                            "and call torch.distributed.init_process_group)")

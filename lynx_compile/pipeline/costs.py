@@ -65,7 +65,7 @@ def profile_pipeline(module: nn.Module, example_inputs: Sequence[Any], options: 
     from lynx_compile.remat.problem import InfeasibleBudget
 
     opts = {k: v for k, v in (options or {}).items()
-            if k in ("cost_source", "hardware", "link", "measure_repeats", "windows", "compiler")}
+            if k in ("cost_source", "hardware", "link", "measure_repeats", "windows", "compiler", "offload")}
     records = plan_model(module, tuple(example_inputs), policy="lynx", check_plan_agreement=False, **opts)
     record = records[0]
     problem, seg = record.problem, record.segment_costs
@@ -108,6 +108,10 @@ def profile_pipeline(module: nn.Module, example_inputs: Sequence[Any], options: 
                 u = by_id[uid]
                 if u.block is not None:
                     exposed[u.block] += u.compute_s
+            for uid in sol.offload:  # option offload: on the host, not kept; its copies' exposed time
+                u = by_id[uid]
+                if u.block is not None:
+                    exposed[u.block] += u.offload_exposed_s
             for b in range(n):
                 points[b].append((kept[b], exposed[b]))
     block_fw = [u.fw_pos for u in problem.units if u.block is not None]
