@@ -351,14 +351,23 @@ def _schedule_row(level, memory, schedule, stages, plan, res=None, error="", wai
     return row
 
 
-def _write_schedules(args, top: int, rows: list[dict]) -> None:
+def write_table(name: str, head: str, cmd: str, cols: list[str], rows: list[dict]) -> None:
+    """``results/<name>.csv`` and ``results/<name>.md`` (``head``, the command, a markdown table of
+    ``cols``), the markdown also printed."""
     os.makedirs(RESULTS, exist_ok=True)
-    cols = list(rows[0])
-    name = "pipeline_schedules" if args.compiler == "eager" else f"pipeline_schedules_{args.compiler}"
     with open(os.path.join(RESULTS, f"{name}.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols)
         w.writeheader()
         w.writerows(rows)
+    lines = [head, "", f"Command: `{cmd}`", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def _write_schedules(args, top: int, rows: list[dict]) -> None:
+    name = "pipeline_schedules" if args.compiler == "eager" else f"pipeline_schedules_{args.compiler}"
     head = (f"{time.strftime('%Y-%m-%d')}; {platform.machine()}, {os.cpu_count()} cores; python "
             f"{platform.python_version()}, torch {torch.__version__}. 2 processes (gloo, CPU), {args.model} with "
             f"{args.layers} layers, batch {args.batch_size} in {args.microbatches} micro-batches; per schedule the "
@@ -385,11 +394,7 @@ def _write_schedules(args, top: int, rows: list[dict]) -> None:
     cmd = (f"python benchmarks/bench_pipeline.py --model {args.model} --layers {args.layers} --levels {args.levels} "
            f"--schedules {args.schedules} --steps {args.steps} --repeats {args.repeats} "
            f"--cost-source {args.cost_source}" + (f" --compiler {args.compiler}" if args.compiler != "eager" else ""))
-    lines = [head, "", f"Command: `{cmd}`", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
-    with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_table(name, head, cmd, list(rows[0]), rows)
 
 
 def _row(level, memory, method, wait, plan, res=None, error="") -> dict:
@@ -423,11 +428,6 @@ def _row(level, memory, method, wait, plan, res=None, error="") -> dict:
 
 
 def _write(args, top: int, rows: list[dict]) -> None:
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "pipeline.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=[c for c in rows[0] if c != "error"] + ["error"])
-        w.writeheader()
-        w.writerows(rows)
     head = (f"{time.strftime('%Y-%m-%d')}; {platform.machine()}, {os.cpu_count()} cores; python "
             f"{platform.python_version()}, torch {torch.__version__}. PP=2 (2 processes, gloo), "
             f"{args.model} with {args.layers} layers, batch {args.batch_size} in {args.microbatches} micro-batches, "
@@ -440,14 +440,9 @@ def _write(args, top: int, rows: list[dict]) -> None:
             f"the largest unconstrained stage peak the planner predicts ({top / 2**20:.1f} MiB, stage 0). "
             f"Peaks per stage are PREDICTED (CPU has no allocator peak): planner, and compiled = static + "
             f"(in-flight - 1) x saved + one micro-batch's exact simulated peak.")
-    cols = [c for c in rows[0] if c != "error"] + ["error"]
-    lines = [head, "", f"Command: `python benchmarks/bench_pipeline.py --model {args.model} --layers {args.layers} "
-             f"--levels {args.levels} --cost-source {args.cost_source}`", "",
-             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
-    with open(os.path.join(RESULTS, "pipeline.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    cmd = (f"python benchmarks/bench_pipeline.py --model {args.model} --layers {args.layers} "
+           f"--levels {args.levels} --cost-source {args.cost_source}")
+    write_table("pipeline", head, cmd, [c for c in rows[0] if c != "error"] + ["error"], rows)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ and against 1F1B, on 2 gloo CPU ranks. Not a test: it measures and writes
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import platform
 import statistics
@@ -32,19 +31,14 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_pipeline import RESULTS, _launch_interleaved, _loss_diff, _medians, _reference_losses  # noqa: E402
+from bench_pipeline import _launch_interleaved, _loss_diff, _medians, _reference_losses, write_table  # noqa: E402
 
 
-def _rank_activation(plan, costs, sv, walk) -> list[int]:
-    """Per rank, the walk's peak plus what the limit set aside (one micro-batch's working bytes
-    and a block backward's transient): the predicted activation peak, comparable with the
-    allocator's measured one (gradients, parameters and optimizer state in neither)."""
-    from lynx_compile.pipeline.placement import stage_rank
-
-    static = [0] * sv.ranks
-    for st in plan.stages:
-        static[stage_rank(plan.schedule, st.index, plan.num_stages, sv.ranks)] += st.static_bytes
-    return [w + (plan.memory_per_device - static[r] - sv.memory_limit[r]) for r, w in enumerate(walk)]
+def _rank_activation(sv, walk) -> str:
+    """Per rank, the walk's peak plus what the limit set aside (``StageVariants.reserved_bytes``):
+    the predicted activation peak, comparable with the allocator's measured one (gradients,
+    parameters and optimizer state in neither), in MiB joined by '/'."""
+    return "/".join(f"{(w + r) / 2**20:.2f}" for w, r in zip(walk, sv.reserved_bytes))
 
 
 def _uniform_walk(plan, costs):
@@ -89,7 +83,7 @@ def main() -> None:
     from lynx_compile.pipeline import StagePlanError, plan_pipeline, plan_stages
     from lynx_compile.pipeline.microbatch_plan import MicrobatchPlanError, plan_microbatches
     from lynx_compile.pipeline.placement import zero_bubble_orders
-    from lynx_compile.pipeline.stage_variants import send_seconds, stage_variants
+    from lynx_compile.pipeline.stage_variants import send_seconds
 
     torch.manual_seed(0)
     model = build_model(args.model, n_layers=args.layers, dropout=0.0)
@@ -122,10 +116,8 @@ def main() -> None:
                 _, peaks, sv = _uniform_walk(plan, costs)
                 row["pred_rank_peak_MiB"] = "/".join(f"{b / 2**20:.2f}" for b in peaks)
                 row["rank_limit_MiB"] = "/".join(f"{b / 2**20:.2f}" for b in sv.memory_limit)
-                row["pred_rank_activation_MiB"] = "/".join(
-                    f"{b / 2**20:.2f}" for b in _rank_activation(plan, costs, sv, peaks))
-            if name == "ZBV per-mb":
-                sv = stage_variants(plan, costs, ranks=2)
+                row["pred_rank_activation_MiB"] = _rank_activation(sv, peaks)
+            if name == "ZBV per-mb":  # sv: this plan's variants, from _uniform_walk above
                 try:
                     mbp = plan_microbatches(orders, sv.variants, send_seconds(plan, costs), sv.memory_limit,
                                             solver="auto")
@@ -134,8 +126,7 @@ def main() -> None:
                     continue
                 row["pred_step_ms"] = round(mbp.step_s * 1e3, 2)
                 row["pred_rank_peak_MiB"] = "/".join(f"{b / 2**20:.2f}" for b in mbp.peak_bytes)
-                row["pred_rank_activation_MiB"] = "/".join(
-                    f"{b / 2**20:.2f}" for b in _rank_activation(plan, costs, sv, mbp.peak_bytes))
+                row["pred_rank_activation_MiB"] = _rank_activation(sv, mbp.peak_bytes)
                 row["variants (stage: per micro-batch)"] = " ".join(
                     f"{i}:" + ",".join(_short(sv.variants[i][v].name) for v in r) for i, r in enumerate(mbp.choice))
                 extra = (costs,)
@@ -155,12 +146,6 @@ def main() -> None:
 
 
 def _write(args, top: int, rows: list[dict]) -> None:
-    os.makedirs(RESULTS, exist_ok=True)
-    cols = list(rows[0])
-    with open(os.path.join(RESULTS, "pipeline_per_microbatch.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols)
-        w.writeheader()
-        w.writerows(rows)
     head = (f"{time.strftime('%Y-%m-%d')}; {platform.machine()}, {os.cpu_count()} cores; python "
             f"{platform.python_version()}, torch {torch.__version__}. 2 processes (gloo, CPU), {args.model} with "
             f"{args.layers} layers, batch {args.batch_size} in {args.microbatches} micro-batches, lynx per stage "
@@ -177,11 +162,7 @@ def _write(args, top: int, rows: list[dict]) -> None:
             f"stage's bytes at the profile's k-th budget-ladder point (pipeline.stage_variants).")
     cmd = (f"python benchmarks/bench_pipeline_microbatch.py --model {args.model} --layers {args.layers} "
            f"--levels {args.levels} --steps {args.steps} --repeats {args.repeats} --cost-source {args.cost_source}")
-    lines = [head, "", f"Command: `{cmd}`", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
-    with open(os.path.join(RESULTS, "pipeline_per_microbatch.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_table("pipeline_per_microbatch", head, cmd, list(rows[0]), rows)
 
 
 if __name__ == "__main__":

@@ -63,8 +63,19 @@ def _pipeline_matches(rank, world, stages, schedule, options, memory, export=Fal
     user_model = _NoStageMethod(model, marker=export == "marker") if export else model
     pl = lynx_compile.pipeline(user_model, (idx,), num_stages=stages, num_microbatches=MICRO, loss_fn=_loss_fn,
                                schedule=schedule, options=options, memory_per_device=memory)
+    return {**_steps_against_reference(pl, ref, idx, prefix="m."),
+            "stages": sorted(pl.modules), "early": pl.early_recomputes, "layers": pl.plan.layers_per_stage,
+            "pinned": pl.plan.pinned_cuts, "graphs": [len(pl.backends[i].records) for i in sorted(pl.backends)],
+            "deferred": sum(s.deferred_weights for s in pl.stages)}
+
+
+def _steps_against_reference(pl, ref, idx, steps=2, prefix=""):
+    """Train ``pl`` for ``steps`` steps on ``idx`` (the last with every graph, and a split
+    backward, compiled) and compare it with ``ref`` in one process: {"worst": the largest
+    relative gradient difference over this rank's parameters (named in ``ref`` after removing
+    ``prefix``), "losses": the last step's micro-batch losses, "want": ``ref``'s (last stage only)}."""
     losses = []
-    for _ in range(2):  # the second step runs with every graph (and the split backward) compiled
+    for _ in range(steps):
         for p in pl.parameters():
             p.grad = None
         losses = []
@@ -75,13 +86,10 @@ def _pipeline_matches(rank, world, stages, schedule, options, memory, export=Fal
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
     worst = 0.0
     for name, p in pl.named_parameters():
-        r = ref_params[name.removeprefix("m.")].grad
+        r = ref_params[name.removeprefix(prefix)].grad
         worst = max(worst, ((p.grad - r).abs().max() / r.abs().max().clamp_min(1e-12)).item())
-    got_losses = [float(x) for x in losses]
-    return {"worst": worst, "losses": got_losses, "want": [float(w) for w in want] if pl.is_last else [],
-            "stages": sorted(pl.modules), "early": pl.early_recomputes, "layers": pl.plan.layers_per_stage,
-            "pinned": pl.plan.pinned_cuts, "graphs": [len(pl.backends[i].records) for i in sorted(pl.backends)],
-            "deferred": sum(s.deferred_weights for s in pl.stages)}
+    return {"worst": worst, "losses": [float(x.detach()) for x in losses],
+            "want": [float(w.detach()) for w in want] if pl.is_last else []}
 
 
 def _check(results, stages):
@@ -286,21 +294,9 @@ def _offload_pipeline(rank, world, memory):
     pl = lynx_compile.pipeline(model, (idx,), num_stages=2, num_microbatches=MICRO, loss_fn=_loss_fn,
                                schedule="1F1B", options={"solver": "heu", "offload": True},
                                memory_per_device=memory, recompute_in_wait=False)
-    for _ in range(2):
-        for p in pl.parameters():
-            p.grad = None
-        losses = []
-        pl.step(idx, target=idx, losses=losses)
-    mb = BATCH // MICRO
-    want = [ref(idx[i * mb:(i + 1) * mb]).loss for i in range(MICRO)]
-    (sum(want) / MICRO).backward()
-    ref_params = dict(ref.named_parameters(remove_duplicate=False))
-    worst = max(((p.grad - ref_params[n].grad).abs().max() / ref_params[n].grad.abs().max().clamp_min(1e-12)).item()
-                for n, p in pl.named_parameters())
+    compared = _steps_against_reference(pl, ref, idx)
     offloaded = sum(r.decisions.get("offload", {}).get("tensors", 0) for b in pl.backends.values() for r in b.records)
-    return {"worst": worst, "losses": [float(x.detach()) for x in losses],
-            "want": [float(w.detach()) for w in want] if pl.is_last else [], "stages": sorted(pl.modules),
-            "layers": pl.plan.layers_per_stage, "offloaded": offloaded,
+    return {**compared, "stages": sorted(pl.modules), "layers": pl.plan.layers_per_stage, "offloaded": offloaded,
             "recomputed": sum(len(r.plan.recomputed) for b in pl.backends.values() for r in b.records if r.plan)}
 
 

@@ -6,7 +6,7 @@ chose."""
 import pytest
 
 from _dist import run_ranks
-from test_pipeline import BATCH, MICRO, _batch, _check, _loss_fn, _model
+from test_pipeline import BATCH, MICRO, _batch, _check, _loss_fn, _model, _steps_against_reference
 
 OPTIONS = {"solver": "heu", "hardware": "h100-sxm"}
 """Analytic costs of a fixed profile: every process plans alike (the CPU profile is calibrated
@@ -53,21 +53,10 @@ def _per_microbatch(rank, world, schedule, memory):
                                schedule=schedule, options=OPTIONS, memory_per_device=memory,
                                per_microbatch=True)
     steps = 2
-    for _ in range(steps):
-        for p in pl.parameters():
-            p.grad = None
-        losses = []
-        pl.step(idx, target=idx, losses=losses)
-    mb = BATCH // MICRO
-    want = [ref(idx[i * mb:(i + 1) * mb]).loss for i in range(MICRO)]
-    (sum(want) / MICRO).backward()
-    ref_params = dict(ref.named_parameters(remove_duplicate=False))
-    worst = max(((p.grad - ref_params[n].grad).abs().max() / ref_params[n].grad.abs().max().clamp_min(1e-12)).item()
-                for n, p in pl.named_parameters())
+    compared = _steps_against_reference(pl, ref, idx, steps=steps)
     choice = pl.microbatch_plan.choice
     ran = {i: {k: n for k, n in pl.backends[i].runs.items() if k[0] is not None} for i in pl.backends}
-    return {"worst": worst, "losses": [float(x.detach()) for x in losses], "want": [float(w.detach()) for w in want] if pl.is_last else [],
-            "stages": sorted(pl.modules), "layers": pl.plan.layers_per_stage, "ran": ran,
+    return {**compared, "stages": sorted(pl.modules), "layers": pl.plan.layers_per_stage, "ran": ran,
             "choice": [list(row) for row in choice], "steps": steps,
             "deferred": sum(s.deferred_weights for s in pl.stages),
             "table": pl.microbatch_plan.table(pl.stage_variants.variants)}

@@ -75,10 +75,7 @@ def profile_pipeline(module: nn.Module, example_inputs: Sequence[Any], options: 
     n = len(record.blocks)
     points: list[list[tuple[int, float]]] = [[] for _ in range(n)]
     by_id = {u.id: u for u in problem.units}
-    readers: dict[int, list[int]] = {}
-    for u in problem.units:
-        for i in u.inputs:
-            readers.setdefault(i, []).append(u.id)
+    readers = _unit_readers(problem)
 
     def saved(keep, recomputed: set[int]) -> list[int]:
         """Per block, the bytes of the kept units a stage saves: those the backward reads, and
@@ -116,8 +113,7 @@ def profile_pipeline(module: nn.Module, example_inputs: Sequence[Any], options: 
                 points[b].append((kept[b], exposed[b]))
     block_fw = [u.fw_pos for u in problem.units if u.block is not None]
     first_fw = min(block_fw) if block_fw else 0
-    outside = [u for u in problem.units if u.block is None]
-    outside = [u for u in outside if u.first_use is not None]  # saved with nothing recomputed
+    outside = [u for u in problem.units if u.block is None and u.first_use is not None]  # saved, nothing recomputed
     pre_act = sum(u.nbytes for u in outside if u.fw_pos < first_fw)
     post_act = sum(u.nbytes for u in outside if u.fw_pos >= first_fw)
     working = max(0, problem.reference_peak - sum(full.values()) - pre_act - post_act)
@@ -126,7 +122,8 @@ def profile_pipeline(module: nn.Module, example_inputs: Sequence[Any], options: 
     split = _splits_weights(options or {})
     carry, w_only, read_in_b = (weight_split_census(module, example_inputs, record.blocks) if split
                                 else ([0] * (n + 1), frozenset(), frozenset()))
-    exposed_w = _weight_only_exposed(problem, solutions, w_only, read_in_b, n) if split else [[] for _ in range(n)]
+    exposed_w = (_weight_only_exposed(problem, solutions, w_only, read_in_b, n, readers) if split
+                 else [[] for _ in range(n)])
     blocks = tuple(SegmentCost(
         name=path, forward_s=seg["blocks"].get(b, [0.0, 0.0])[0], backward_s=seg["blocks"].get(b, [0.0, 0.0])[1],
         weight_backward_s=share[path] * seg["blocks"].get(b, [0.0, 0.0])[1],
@@ -148,17 +145,23 @@ def profile_pipeline(module: nn.Module, example_inputs: Sequence[Any], options: 
     return costs, list(record.blocks)
 
 
-def _weight_only_exposed(problem, solutions: Sequence[Any], w_only: frozenset[str], read_in_b: frozenset[str],
-                         n: int) -> list[list[float]]:
-    """Per block, per curve point (``solutions``: the HEU solution of each, None for the first),
-    the exposed recompute seconds of units only W needs: a unit whose every storage the traced
-    backward reads only in W (``w_only``; none in ``read_in_b``; from ``weight_split_census``), or an intermediate
-    (read by no backward op, only by recomputed units) whose every reader is such a unit."""
-    units = {u.id: u for u in problem.units}
+def _unit_readers(problem) -> dict[int, list[int]]:
+    """Unit id -> the ids of the units whose recomputation reads it (``Unit.inputs`` inverted)."""
     readers: dict[int, list[int]] = {}
     for u in problem.units:
         for i in u.inputs:
             readers.setdefault(i, []).append(u.id)
+    return readers
+
+
+def _weight_only_exposed(problem, solutions: Sequence[Any], w_only: frozenset[str], read_in_b: frozenset[str],
+                         n: int, readers: dict[int, list[int]]) -> list[list[float]]:
+    """Per block, per curve point (``solutions``: the HEU solution of each, None for the first),
+    the exposed recompute seconds of units only W needs: a unit whose every storage the traced
+    backward reads only in W (``w_only``; none in ``read_in_b``; from ``weight_split_census``), or an intermediate
+    (read by no backward op, only by recomputed units) whose every reader (``readers``,
+    ``_unit_readers``) is such a unit."""
+    units = {u.id: u for u in problem.units}
 
     def mine(keys, u) -> bool:
         return any(k == u.name or k.startswith(u.name + "[") for k in keys)

@@ -49,6 +49,9 @@ class StageVariants:
     budgets: tuple[tuple[int | None, ...], ...]
     memory_limit: tuple[int, ...]
     """Per rank: bytes for the activations its stages hold (``microbatch_plan``'s walk)."""
+    reserved_bytes: tuple[int, ...]
+    """Per rank: what the limit sets aside beside the walk (one micro-batch's working bytes and the
+    largest block-backward transient); walk + reserved is the predicted activation peak."""
     ranks: int
 
 
@@ -103,8 +106,10 @@ def stage_variants(plan: StagePlan, costs: PipelineCosts, *, ranks: int | None =
     static = [0] * ranks
     for st in plan.stages:
         static[stage_rank(plan.schedule, st.index, p, ranks)] += st.static_bytes
-    limit = tuple(plan.memory_per_device - static[r] - costs.working_bytes - transient[r] for r in range(ranks))
-    return StageVariants(variants=tuple(variants), budgets=tuple(budgets), memory_limit=limit, ranks=ranks)
+    reserved = tuple(costs.working_bytes + transient[r] for r in range(ranks))
+    limit = tuple(plan.memory_per_device - static[r] - reserved[r] for r in range(ranks))
+    return StageVariants(variants=tuple(variants), budgets=tuple(budgets), memory_limit=limit,
+                         reserved_bytes=reserved, ranks=ranks)
 
 
 def _undominated(priced):

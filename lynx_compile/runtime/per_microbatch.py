@@ -41,14 +41,20 @@ class PerMicrobatchBackend:
         self.backends = list(backends)
         self.assign = dict(assign)
         self.default = default
-        self.calls: Counter[int] = Counter()
-        """Forward calls per variant index (what ran, for tests and reports)."""
         self.runs: Counter[tuple[Any, int]] = Counter()
         """Forward calls per (micro-batch key, variant index); untagged calls (a schedule's shape
         inference) under key None."""
 
     def __repr__(self) -> str:
         return f"PerMicrobatchBackend({len(self.backends)} variants, assign={self.assign})"
+
+    @property
+    def calls(self) -> Counter[int]:
+        """Forward calls per variant index (what ran, for tests and reports)."""
+        out: Counter[int] = Counter()
+        for (_, v), n in self.runs.items():
+            out[v] += n
+        return out
 
     @property
     def planning_group(self):
@@ -76,12 +82,11 @@ class PerMicrobatchBackend:
             copy = fx.GraphModule(gm, graph)
             copy.meta = dict(getattr(gm, "meta", {}))
             compiled[v] = self.backends[v](copy, list(example_inputs), **kwargs)  # called as fn(*args)
-        assign, default, calls, runs = self.assign, self.default, self.calls, self.runs
+        assign, default, runs = self.assign, self.default, self.runs
 
         def run(*args: Any) -> Any:
             key = current_microbatch()
             v = assign.get(key, default)
-            calls[v] += 1
             runs[key, v] += 1
             return compiled[v](*args)
 
