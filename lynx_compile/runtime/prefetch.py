@@ -15,7 +15,8 @@ early run until ``main`` uses it, so it costs memory the plan did not budget for
 the stage's headroom under its memory per device.
 
 ``GraphRuntime`` keeps, per micro-batch key, the saved tensors the compiled forward produced
-and the early ``pre`` outputs. The key is whatever ``microbatch(key)`` set around the forward
+and the early ``pre`` outputs, until that micro-batch's backward (or early run) takes them;
+a graph with no early prefix keeps nothing. The key is whatever ``microbatch(key)`` set around the forward
 and backward calls (``LynxPipelineStage`` sets its chunk id); outside such a block nothing is
 captured and the backward runs ``pre`` then ``main`` inline.
 """
@@ -158,7 +159,20 @@ class GraphRuntime:
     def wrap_backward(self, bw: fx.GraphModule, compile_fn: Callable, byte_limit: float | None) -> Callable:
         self.split = split_backward(bw, byte_limit)
         if self.split is None:
-            return compile_fn(bw)
+            # Nothing to run early: the forward captures nothing from now on, and what it captured
+            # before this (lazy) compile goes at each micro-batch's backward. Kept, it held every
+            # micro-batch's saved tensors past its backward, to the next step's forward.
+            self.fw_positions = ()
+            whole = compile_fn(bw)
+
+            def run_whole(args: list) -> Any:
+                key = _KEY.get()
+                if key is not None:
+                    self.captured.pop(key, None)
+                return whole(args)
+
+            run_whole._boxed_call = True  # type: ignore[attr-defined]
+            return run_whole
         pre = self.split.pre
         main = compile_fn(self.split.main)
         pre_inputs = self.split.pre_inputs
