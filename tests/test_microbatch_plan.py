@@ -17,15 +17,17 @@ MicrobatchPlanError, StageVariant, plan_microbatches, replay = (
     mp.MicrobatchPlanError, mp.StageVariant, mp.plan_microbatches, mp.replay)
 
 
-def var(name, F, B, W, held, carry):
+def var(name, F, B, W, held, carry, fresh=None):
     return StageVariant(name=name, forward_s=F, input_backward_s=B, weight_backward_s=W, held_bytes=held,
-                        carry_bytes=carry)
+                        carry_bytes=carry, fresh_bytes=fresh)
 
 
-def alive_reference(order, held, carry):
+def alive_reference(order, held, carry, fresh=None):
     """Peak of one rank by intervals over its action positions: micro-batch (s, j) holds
-    ``held[s]`` from its F to its B (both included: B reads what F kept) and ``carry[s]`` from its
-    B to its W (W excluded: the carry dies as W ends, and nothing is counted inside W)."""
+    ``held[s]`` from its F to its B (both included: B reads what F kept), ``fresh[s]`` (default
+    ``carry[s]``) at its B (what B creates of the carry; the rest is held bytes) and ``carry[s]``
+    after its B until its W (W excluded: the carry dies as W ends, and nothing is counted inside W)."""
+    fresh = carry if fresh is None else fresh
     at = {a: k for k, a in enumerate(order)}
     total = [0] * len(order)
     for (kind, s, j), k in at.items():
@@ -33,7 +35,8 @@ def alive_reference(order, held, carry):
             for t in range(k, at["B", s, j] + 1):
                 total[t] += held[s]
         elif kind == "B":
-            for t in range(k, at["W", s, j]):
+            total[k] += fresh[s]
+            for t in range(k + 1, at["W", s, j]):
                 total[t] += carry[s]
     return max(total, default=0)
 
@@ -50,10 +53,14 @@ def test_replay_with_one_variant_is_simulate_actions(schedule, ranks, stages, m)
     for _ in range(5):
         F, B, W, send = ([rng.uniform(0.1, 2.0) for _ in range(stages)] for _ in range(4))
         held, carry = [rng.randint(0, 50) for _ in range(stages)], [rng.randint(0, 50) for _ in range(stages)]
+        fresh = [rng.randint(0, c) for c in carry]
         variants = [[var("only", F[s], B[s], W[s], held[s], carry[s])] for s in range(stages)]
         step, peaks = replay(orders, variants, tuple((0,) * m for _ in range(stages)), send)
         assert step == simulate_actions(orders, F, B, W, send).step_s  # the same loop, bit for bit
         assert peaks == tuple(alive_reference(order, held, carry) for order in orders)
+        variants = [[var("only", F[s], B[s], W[s], held[s], carry[s], fresh[s])] for s in range(stages)]
+        _, peaks = replay(orders, variants, tuple((0,) * m for _ in range(stages)), send)
+        assert peaks == tuple(alive_reference(order, held, carry, fresh) for order in orders)
 
 
 def test_peak_against_held_microbatches():
@@ -81,27 +88,35 @@ def test_peak_zbv_rank_0_by_hand():
         F00 F01 F02 | F30 B30 W30 F31 B31 W31 | F03 B00 W00 | F32 B32 W32 B01 ...
         h0 2h0 3h0  | 3h0+h3, at B30 3h0+h3+c3  | 4h0, at B00 4h0+c0 | 3h0+h3+c3 at B32 ...
 
-    later points hold less (B01: 3h0 + c0, B33: 2h0 + h3 + c3). Peak: max(4h0 + c0, 3h0 + h3 + c3)."""
+    later points hold less (B01: 3h0 + c0, B33: 2h0 + h3 + c3). Peak: max(4h0 + c0, 3h0 + h3 + c3).
+    When a B creates only f of its carry (the rest is held bytes W reads), f replaces c at the B
+    points: max(4h0 + f0, 3h0 + h3 + f3)."""
     orders = zero_bubble_orders("ZBVZeroBubble", 2, 4, 4)
     keep = tuple((0,) * 4 for _ in range(4))
     for (h0, c0, h3, c3), want in [((3, 2, 5, 4), 18), ((3, 2, 1, 1), 14)]:
         variants = [[var("a", 1, 1, 1, h0, c0)], [var("b", 1, 1, 1, 0, 0)], [var("c", 1, 1, 1, 0, 0)],
                     [var("d", 1, 1, 1, h3, c3)]]
         assert replay(orders, variants, keep, [0.0] * 4)[1][0] == want == max(4 * h0 + c0, 3 * h0 + h3 + c3)
+    for (h0, c0, f0, h3, c3, f3), want in [((3, 2, 1, 5, 4, 0), 14), ((3, 2, 2, 1, 1, 0), 14), ((3, 9, 0, 1, 1, 1), 12)]:
+        variants = [[var("a", 1, 1, 1, h0, c0, f0)], [var("b", 1, 1, 1, 0, 0)], [var("c", 1, 1, 1, 0, 0)],
+                    [var("d", 1, 1, 1, h3, c3, f3)]]
+        assert replay(orders, variants, keep, [0.0] * 4)[1][0] == want == max(4 * h0 + f0, 3 * h0 + h3 + f3)
 
 
 # ---------------------------------------------------------------- 2. brute force
 
 
-def two_variants(stages, seed):
-    """keep, and recompute-w: W longer, held and carry smaller (as dropping what only W reads)."""
+def two_variants(stages, seed, fresh=False):
+    """keep, and recompute-w: W longer, held and carry smaller (as dropping what only W reads).
+    ``fresh``: each B creates only part of its carry (the rest is held bytes)."""
     rng = random.Random(seed)
     out = []
     for _ in range(stages):
         F, B, W = rng.choice([0.5, 1.0, 1.5]), rng.choice([0.5, 1.0, 1.5]), rng.choice([0.0, 0.5, 1.0])
         h, c = rng.randint(6, 12), rng.randint(3, 8)
-        out.append([var("keep", F, B, W, h, c), var("recompute-w", F, B, W + rng.choice([0.25, 0.5, 1.0]),
-                                                    h - rng.randint(2, 5), c - rng.randint(1, 3))])
+        W2, h2, c2 = W + rng.choice([0.25, 0.5, 1.0]), h - rng.randint(2, 5), c - rng.randint(1, 3)
+        f, f2 = (rng.randint(0, c), rng.randint(0, c2)) if fresh else (None, None)
+        out.append([var("keep", F, B, W, h, c, f), var("recompute-w", F, B, W2, h2, c2, f2)])
     return out
 
 
@@ -122,6 +137,7 @@ CASES = {
     "zbv-2x4-m2-w-free": (("ZBVZeroBubble", 2, 4, 2), two_variants(4, 2), [0.0] * 4),
     "izb-2x4-m2": (("InterleavedZeroBubble", 2, 4, 2), two_variants(4, 3), [0.2] * 4),
     "zbv-2x4-m2-three": (("ZBVZeroBubble", 2, 4, 2), three_variants(4, 4), [0.1] * 4),
+    "zbv-2x4-m3-fresh": (("ZBVZeroBubble", 2, 4, 3), two_variants(4, 5, fresh=True), [0.1, 0.0, 0.25, 0.0]),
 }
 
 

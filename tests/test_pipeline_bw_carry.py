@@ -54,7 +54,8 @@ def _gpt_tiny():
 
 def _runtime_carry(stage, x):
     """One micro-batch through ``stage`` compiled by lynx (eager, nothing recomputed), its
-    backward in B only: (bytes ``WeightDeferral`` holds for W, bytes the plan saves).
+    backward in B only: (bytes ``WeightDeferral`` holds for W, bytes the plan saves, bytes of
+    the held carry that the forward saved: the rest B created).
 
     Measured as distinct storages' ``untyped_storage().nbytes()`` (``pending_bytes``): a carried
     view (``view``, ``t``) keeps its whole storage alive and two views of one storage hold it
@@ -66,27 +67,40 @@ def _runtime_carry(stage, x):
     stage.zero_grad(set_to_none=True)  # the stages share the model's modules
     backend = lynx_compile.LynxBackend(lynx_compile.make_config({"compiler": "eager", "policy": "none"}))
     stage.compile(backend=backend)
-    with microbatch(1):
+    kept: list[torch.Tensor] = []  # what the compiled forward saves for the backward, held here so
+    # that no storage B allocates can reuse one of their addresses
+
+    def pack(t):
+        kept.append(t)
+        return t
+
+    with microbatch(1), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = stage(x)
     with microbatch(1), defer_weights(1):
         out.backward(torch.randn_like(out))
     held = sum(d.pending_bytes(1) for d in backend.weight_deferrals if 1 in d.pending)
+    params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
+    carried = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+               for d in backend.weight_deferrals for t in d.pending.get(1, (0, 0, []))[2]}
+    saved = {t.untyped_storage().data_ptr() for t in kept}
+    carried_saved = sum(n for ptr, n in carried.items() if ptr in saved and ptr not in params)
     # layer norm's backward (dx, dgamma, dbeta) runs in B; W gets dgamma and dbeta, not the tuple
     assert all(isinstance(t, torch.Tensor) for d in backend.weight_deferrals for t in d.pending.get(1, (0, 0, []))[2])
     assert all(p.grad is None for p in stage.parameters())  # W has not run: the carry is what is held
     assert backend.run_weights(1) >= 1
     torch.compiler.reset()
-    return held, backend.plans[-1].saved_bytes
+    return held, backend.plans[-1].saved_bytes, carried_saved
 
 
 @pytest.mark.timeout(120)
 def test_carry_bytes_equal_the_runtime_carry():
     from lynx_compile.pipeline import _Forward
-    from lynx_compile.pipeline.costs import carry_bytes
+    from lynx_compile.pipeline.costs import weight_split_census
 
     model, idx = _gpt_tiny()
     n = len(model.blocks)
-    carry = carry_bytes(_Forward(model, model.logits), (idx,), [f"_fn.__self__.blocks.{i}" for i in range(n)])
+    census = weight_split_census(_Forward(model, model.logits), (idx,), [f"_fn.__self__.blocks.{i}" for i in range(n)])
+    carry, carry_saved = census.carry, census.carry_saved
     inputs = {}
     hooks = [b.register_forward_pre_hook(lambda m, a, i=i: inputs.setdefault(i, a[0].detach().clone()))
              for i, b in enumerate(model.blocks)]
@@ -95,15 +109,20 @@ def test_carry_bytes_equal_the_runtime_carry():
     for h in hooks:
         h.remove()
     # a middle stage (block 1 alone) and the last stage (last block + final norm and LM head,
-    # whose W reads the logits' gradient): the profile's bytes are the real carry's
-    middle, _ = _runtime_carry(model.pipeline_stage(1, 2, first=False, last=False), inputs[1].requires_grad_())
+    # whose W reads the logits' gradient): the profile's bytes are the real carry's, and so is
+    # the part of it the forward saved (a B adds only the rest: StageVariant.fresh)
+    middle, _, middle_saved = _runtime_carry(model.pipeline_stage(1, 2, first=False, last=False),
+                                             inputs[1].requires_grad_())
     assert carry[1] == middle > 0
-    last, _ = _runtime_carry(model.pipeline_stage(n - 1, n, first=False, last=True), inputs[n - 1].requires_grad_())
+    assert carry_saved[1] == middle_saved and 0 < middle_saved < middle
+    last, _, last_saved = _runtime_carry(model.pipeline_stage(n - 1, n, first=False, last=True),
+                                         inputs[n - 1].requires_grad_())
     assert carry[n - 1] + carry[n] == last
+    assert carry_saved[n - 1] + carry_saved[n] == last_saved
     # the first stage's B computes no input gradient (token ids), so W carries everything its
     # backward reads: the saved tensors, the output's gradient and the ids (the planner counts
     # the kept bytes and the gradient there)
-    first, saved = _runtime_carry(model.pipeline_stage(0, 1, first=True, last=False), idx)
+    first, saved, _ = _runtime_carry(model.pipeline_stage(0, 1, first=True, last=False), idx)
     assert first == saved + idx.numel() * idx.element_size() + inputs[1].numel() * inputs[1].element_size()
 
 
@@ -219,7 +238,8 @@ def test_recompute_only_w_needs_is_the_weight_matmuls_inputs():
     n = len(model.blocks)
     wrapped = _Forward(model, model.logits)
     paths = [f"_fn.__self__.blocks.{i}" for i in range(n)]
-    _, w_only, read_in_b = weight_split_census(wrapped, (idx,), paths)
+    census = weight_split_census(wrapped, (idx,), paths)
+    w_only, read_in_b = census.w_only, census.read_in_b
     storages = {k for k in w_only if not k.startswith("primals")}  # parameters are no storages of the step
     norms = {k for k in storages if k.startswith("native_layer_norm")}
     assert len(norms) == 2 * n + 1 and all(k.endswith("[0]") for k in norms)  # output 0, not mean / rstd

@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.fx as fx
@@ -120,8 +120,8 @@ def profile_pipeline(module: nn.Module, example_inputs: Sequence[Any], options: 
     params, share = _forward_census(module, example_inputs, record.blocks)
     outputs = _block_output_bytes(problem, n)
     split = _splits_weights(options or {})
-    carry, w_only, read_in_b = (weight_split_census(module, example_inputs, record.blocks) if split
-                                else ([0] * (n + 1), frozenset(), frozenset()))
+    carry, carry_saved, w_only, read_in_b = (weight_split_census(module, example_inputs, record.blocks) if split
+                                             else ([0] * (n + 1), [0] * (n + 1), frozenset(), frozenset()))
     exposed_w = (_weight_only_exposed(problem, solutions, w_only, read_in_b, n, readers) if split
                  else [[] for _ in range(n)])
     blocks = tuple(SegmentCost(
@@ -130,13 +130,15 @@ def profile_pipeline(module: nn.Module, example_inputs: Sequence[Any], options: 
         param_bytes=params[path], activation_bytes=full[b],
         curve=RecomputeCurve(kept_bytes=tuple(p[0] for p in points[b]), exposed_s=tuple(p[1] for p in points[b]),
                              exposed_w_s=tuple(exposed_w[b])),
-        output_bytes=outputs[b], carry_bytes=carry[b]) for b, path in enumerate(record.blocks))
+        output_bytes=outputs[b], carry_bytes=carry[b], carry_saved_bytes=carry_saved[b])
+        for b, path in enumerate(record.blocks))
     pre = SegmentCost(name="<pre>", forward_s=seg["pre"][0], backward_s=seg["pre"][1],
                       weight_backward_s=share["<pre>"] * seg["pre"][1],
                       param_bytes=params["<pre>"], activation_bytes=pre_act)
     post = SegmentCost(name="<post>", forward_s=seg["post"][0], backward_s=seg["post"][1],
                        weight_backward_s=share["<post>"] * seg["post"][1],
-                       param_bytes=params["<post>"], activation_bytes=post_act, carry_bytes=carry[n])
+                       param_bytes=params["<post>"], activation_bytes=post_act, carry_bytes=carry[n],
+                       carry_saved_bytes=carry_saved[n])
     costs = PipelineCosts(blocks=blocks, pre=pre, post=post, working_bytes=working,
                           state_bytes_per_param_byte=state_bytes_per_param_byte,
                           p2p_bytes_per_s=_p2p_bandwidth(options or {}),
@@ -237,12 +239,24 @@ def traced_backward(module: nn.Module,
 def carry_bytes(module: nn.Module, example_inputs: Sequence[Any], block_paths: Sequence[str]) -> list[int]:
     """Per block of ``block_paths`` and, last, the post-block work: the bytes one micro-batch
     holds from B to W in a stage whose input has a gradient (module docstring)."""
-    return weight_split_census(module, example_inputs, block_paths)[0]
+    return weight_split_census(module, example_inputs, block_paths).carry
+
+
+class WeightSplitCensus(NamedTuple):
+    """What ``weight_split_census`` reads off the traced backward."""
+
+    carry: list[int]
+    """Per block, and last the post-block work: ``SegmentCost.carry_bytes``."""
+    carry_saved: list[int]
+    """The part of ``carry`` that is saved forward tensors: alive from F anyway, so B adds only
+    the rest (``SegmentCost.carry_saved_bytes``)."""
+    w_only: frozenset[str]
+    read_in_b: frozenset[str]
 
 
 def weight_split_census(module: nn.Module, example_inputs: Sequence[Any],
-                        block_paths: Sequence[str]) -> tuple[list[int], frozenset[str], frozenset[str]]:
-    """``carry_bytes``; the forward storages (``memory.simulate`` keys: an op's name, or
+                        block_paths: Sequence[str]) -> WeightSplitCensus:
+    """``carry_bytes`` and its saved part; the forward storages (``memory.simulate`` keys: an op's name, or
     ``name[i]`` for output i of a multi-output op) that the traced backward reads only in W; and
     those it reads in B. Read only in W:
     saved tensors no op of B reads, such as the input of a linear layer (``dW = dy.T @ x``; B's
@@ -255,7 +269,7 @@ def weight_split_census(module: nn.Module, example_inputs: Sequence[Any],
     n = len(block_paths)
     outs = list(bw.graph.output_node().args[0])
     if len(outs) != len(params):  # the outputs cannot be matched to parameters (as WeightDeferral would not)
-        return [0] * (n + 1), frozenset(), frozenset()
+        return WeightSplitCensus([0] * (n + 1), [0] * (n + 1), frozenset(), frozenset())
     seg = _backward_segments(fw, bw, block_paths)
     # B: what flows into the backward of an earlier segment (lowest segment reachable, users first)
     low: dict[fx.Node, float] = {}
@@ -277,7 +291,9 @@ def weight_split_census(module: nn.Module, example_inputs: Sequence[Any],
             continue
         for u in ph.users:
             (read_in_w if u in w_set else read_in_b).add(keys[ph])
-    out, seen = [0] * (n + 1), set()
+    saved_keys = {keys[ph] for ph in bw.graph.find_nodes(op="placeholder")
+                  if ph in keys and not ph.name.startswith("tangents")}  # a view B takes of one shares it
+    out, saved, seen = [0] * (n + 1), [0] * (n + 1), set()
     for c in carried:
         readers = [seg[u] for u in c.users if u in w_set and u in seg]
         readers += [seg[c]] if c in root_set and c in seg else []  # a weight gradient B computed
@@ -288,7 +304,9 @@ def weight_split_census(module: nn.Module, example_inputs: Sequence[Any],
             if key not in seen:
                 seen.add(key)
                 out[max(readers)] += size.get(key, 0)
-    return out, frozenset(read_in_w - read_in_b), frozenset(read_in_b)
+                if key in saved_keys:
+                    saved[max(readers)] += size.get(key, 0)
+    return WeightSplitCensus(out, saved, frozenset(read_in_w - read_in_b), frozenset(read_in_b))
 
 
 def _backward_segments(fw: fx.GraphModule, bw: fx.GraphModule, block_paths: Sequence[str]) -> dict[fx.Node, int]:

@@ -156,6 +156,9 @@ class SegmentCost:
     counted. Exact for the traced backward, which recomputes nothing (``pipeline.costs``). Not
     used for the first stage, whose B has no input gradient to compute: its W runs the whole
     backward, so it carries all the stage keeps plus its output gradient (``_Pricer.carry``)."""
+    carry_saved_bytes: int = 0
+    """The part of ``carry_bytes`` that is saved forward tensors (a linear layer's input): the
+    micro-batch holds them from its F anyway, so its B adds only the rest (``_Pricer.fresh``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -383,6 +386,17 @@ class _Pricer:
         if i == 0:
             return kept + (self.c.blocks[e - 1].output_bytes if self.p > 1 else 0)
         return sum(g.carry_bytes for g in segs)
+
+    def fresh(self, i: int, segs: Sequence[SegmentCost], e: int) -> int:
+        """Of ``carry``, the bytes B creates while the micro-batch's kept bytes are still alive
+        (the rest of the carry is kept bytes W reads): the first stage's output gradient (its B
+        computes nothing); elsewhere the segments' carry less its saved part (the output
+        gradients B computes for W, e.g. each linear's dy)."""
+        if self.schedule not in ZERO_BUBBLE_SCHEDULES or not self.c.weight_split:
+            return 0
+        if i == 0:
+            return self.c.blocks[e - 1].output_bytes if self.p > 1 else 0
+        return sum(g.carry_bytes - g.carry_saved_bytes for g in segs)
 
     def allowance(self, i: int, segs: Sequence[SegmentCost], e: int, static: int) -> int:
         """Stage i's ``budget_bytes``: the largest per-micro-batch peak b with, at every pair

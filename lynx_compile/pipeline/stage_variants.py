@@ -94,7 +94,8 @@ def stage_variants(plan: StagePlan, costs: PipelineCosts, *, ranks: int | None =
             in_w = exposed * weight_share(curves, kept) if costs.weight_split else 0.0
             priced.append((StageVariant(name=name, forward_s=fwd[i], input_backward_s=bwd[i] - wgt[i] + exposed - in_w,
                                         weight_backward_s=wgt[i] + in_w, held_bytes=held,
-                                        carry_bytes=pr.carry(i, segs, e, held)), budget, tr))
+                                        carry_bytes=pr.carry(i, segs, e, held),
+                                        fresh_bytes=pr.fresh(i, segs, e)), budget, tr))
         mine, mine_budgets = [], []
         for v, budget, tr in _undominated(priced):
             mine.append(v)
