@@ -153,39 +153,50 @@ def _costs(carry, act=1.0, grad=0.5, times=(4, 4, 2, 2, 4)):
 
 def test_zbv_plan_re_split_or_refused_with_the_carry():
     """5 blocks (F + B = 4, 4, 2, 2, 4 ms) on ZBV, 2 ranks, 4 stages, 4 micro-batches; each keeps
-    1 MiB, carries 3 MiB, its output gradient is 0.5 MiB. Memory a stage needs, pairs from
-    ``test_held_counts_zbv_p2_s4_m4_by_hand`` (the first stage: (f + w) x kept + w x gradient):
+    1 MiB, carries 3 MiB, its output gradient is 0.5 MiB, no parameters. The stages a rank holds
+    share its memory (``pipeline.rank_memory``): after each action of the rank (torch's order,
+    ``test_held_counts_zbv_p2_s4_m4_by_hand``), stage s holds f_s micro-batches (kept k_s) and w_s
+    carries (the first stage's: its kept bytes + 0.5). With a, b, c, d blocks on stages 0..3:
 
-                one block                            two blocks (kept 2, carry 6)
-      stage 0   max(4, 3 + 1 + 0.5) = 4.5            max(8, 6 + 2 + 0.5) = 8.5
-      stage 1   max(3, 2 + 3, 2 x 3) = 6             max(6, 4 + 6, 12) = 12
-      stage 2   max(2, 1 + 3) = 4                    max(4, 2 + 6) = 8
-      stage 3   max(1, 3) = 3                        max(2, 6) = 6
+      rank 0 (stages 0, 3): F30 (3,0 | 1,0) 3a + d, B30 (3,0 | 0,1) 3a + 3d, B00 (3,1 | 0,0) 4a + 0.5
+                            -> max(3a + 3d, 4a + 0.5)
+      rank 1 (stages 1, 2): F21 2b + 2c, B20 2b + 4c, B10 5b + c, B13 (0,2 | 0,1) 6b + 3c
+                            -> max(2b + 4c, 6b + 3c)
+      without the carry (B frees):  rank 0 max(3a + d, 4a),  rank 1 max(2b + 2c, 3b + c)
 
-    Without the carry the needs are 4, 3, 2, 1 (x2 for two blocks). The fastest split doubles
-    stage 2 (blocks 2 + 3: every stage 4 ms); it needs 4 MiB without the carry, 8 with it. At
-    6 MiB only stage 3 may hold two blocks (needs: 4.5, 6, 4, 6): blocks 3 + 4, 6 ms."""
+    split (a b c d)   with carry: rank 0 / 1   without: rank 0 / 1   slowest stage
+    2 1 1 1            9 / 9                    8 / 4                8 ms
+    1 2 1 1            6 / 15                   4 / 7                8 ms
+    1 1 2 1            6 / 12                   4 / 6                4 ms
+    1 1 1 2            9 / 9                    5 / 4                6 ms
+
+    Without the carry 6 MiB fits 1 1 2 1 (4 ms). With it, nothing fits below 9 MiB; at 9 MiB
+    1 1 1 2 (6 ms) and 2 1 1 1 (8 ms) fit, and 1 1 2 1, which fits each stage alone (stage 2: 8),
+    does not fit rank 1 (12). Each stage alone would have fitted 6 MiB (needs 4.5, 6, 4, 6)."""
     plain = dataclasses.replace(_costs(3.0), weight_split=False)
     before = plan_stages(plain, 4, 4, 6 * MiB, "ZBVZeroBubble", ranks=2)
     assert before.layers_per_stage == (1, 1, 2, 1) and before.bottleneck_s == pytest.approx(4 * ms)
-    after = plan_stages(_costs(3.0), 4, 4, 6 * MiB, "ZBVZeroBubble", ranks=2)
+    assert before.rank_peak_bytes == (4 * MiB, 6 * MiB)
+    after = plan_stages(_costs(3.0), 4, 4, 9 * MiB, "ZBVZeroBubble", ranks=2)
     assert after.fits and after.layers_per_stage == (1, 1, 1, 2) and after.bottleneck_s == pytest.approx(6 * ms)
-    # the re-split plan's stages, by hand: carries, pairs, peaks (kept + carried at the joint max)
+    assert after.rank_peak_bytes == (9 * MiB, 9 * MiB)
+    # each stage by itself, by hand: carries, pairs, peaks (kept + carried at the joint max)
     st = after.stages
     assert [s.carry_bytes for s in st] == [int(1.5 * MiB), 3 * MiB, 3 * MiB, 6 * MiB]
     # stage 0: max(4 x 1, 3 x 1 + 1.5); 1: max(3, 2 + 3, 2 x 3); 2: max(2, 1 + 3); 3: max(2, 6)
     assert [s.peak_bytes for s in st] == [int(4.5 * MiB), 6 * MiB, 4 * MiB, 6 * MiB]
     assert [s.pending_w for s in st] == [1, 2, 1, 1]
     assert st[1].held == ((3, 0), (2, 1), (0, 2))
-    # stage 0's allowance: (6 - 0.5) / 4 per micro-batch (the carry counted at a whole allowance)
-    assert st[0].budget_bytes == int(5.5 * MiB) // 4
-    # the same split priced without the carry fits in 4 MiB; with it, nothing fits below 6 MiB
-    with pytest.raises(StagePlanError, match=rf"needs {6 * MiB} B"):
-        plan_stages(_costs(3.0), 4, 4, 6 * MiB - 1, "ZBVZeroBubble", ranks=2)
-    assert plan_stages(plain, 4, 4, 4 * MiB, "ZBVZeroBubble", ranks=2).fits
-    # a split the user pins (the old one) is priced and reported as not fitting
-    pinned = plan_stages(_costs(3.0), 4, 4, 6 * MiB, "ZBVZeroBubble", ranks=2, pinned_cuts=[1, 2, 4])
-    assert not pinned.fits and [s.fits for s in pinned.stages] == [True, True, False, True]
+    with pytest.raises(StagePlanError, match=rf"smallest split needs {9 * MiB} B"):
+        plan_stages(_costs(3.0), 4, 4, 9 * MiB - 1, "ZBVZeroBubble", ranks=2)
+    # without the carry the least is 1 1 1 2's 5 MiB
+    assert plan_stages(plain, 4, 4, 5 * MiB, "ZBVZeroBubble", ranks=2).layers_per_stage == (1, 1, 1, 2)
+    with pytest.raises(StagePlanError, match=rf"smallest split needs {5 * MiB} B"):
+        plan_stages(plain, 4, 4, 5 * MiB - 1, "ZBVZeroBubble", ranks=2)
+    # a split the user pins (the stage-by-stage one) is priced and reported as not fitting its rank
+    pinned = plan_stages(_costs(3.0), 4, 4, 9 * MiB, "ZBVZeroBubble", ranks=2, pinned_cuts=[1, 2, 4])
+    assert not pinned.fits and [s.fits for s in pinned.stages] == [True, False, False, True]
+    assert pinned.rank_peak_bytes[1] == 12 * MiB and any("ranks [1]" in note for note in pinned.notes)
 
 
 def test_one_f_one_b_plans_unchanged_by_carries():
@@ -209,10 +220,11 @@ def test_one_f_one_b_plans_unchanged_by_carries():
 
 
 def test_stage_info_round_trips_and_shows_the_carry():
-    plan = plan_stages(_costs(3.0), 4, 4, 6 * MiB, "ZBVZeroBubble", ranks=2)
+    plan = plan_stages(_costs(3.0), 4, 4, 9 * MiB, "ZBVZeroBubble", ranks=2)
     back = StagePlan.from_dict(json.loads(plan.to_json()))
     assert back == plan and back.stages[1].held == ((3, 0), (2, 1), (0, 2))
     assert "W-carry 3.0 MiB/mb x2 at peak" in plan.table()
+    assert "device peak per rank (its stages together): 9.0 MiB, 9.0 MiB" in plan.table()
     costs = _costs(3.0)
     assert PipelineCosts.from_dict(json.loads(json.dumps(costs.to_dict()))) == costs
     # plans written before the carry load with none

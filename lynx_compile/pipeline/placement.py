@@ -76,6 +76,25 @@ def zero_bubble_orders(schedule: str, ranks: int, num_stages: int,
     return tuple(tuple(("B" if kind == "I" else kind, s, j) for kind, s, j in actions) for actions in raw)
 
 
+@lru_cache(maxsize=64)
+def rank_orders(schedule: str, ranks: int, num_stages: int,
+                num_microbatches: int) -> tuple[tuple[tuple[str, int, int], ...], ...]:
+    """Per rank, its actions under torch's multi-stage ``schedule`` in torch's order:
+    ``zero_bubble_orders`` for the zero-bubble schedules; for ``Interleaved1F1B`` its forwards
+    and whole backwards (``B``)."""
+    if schedule in ZERO_BUBBLE_SCHEDULES:
+        return zero_bubble_orders(schedule, ranks, num_stages, num_microbatches)
+    if schedule != "Interleaved1F1B":
+        raise ValueError(f"{schedule!r} runs one stage per rank; its order is not needed")
+    from lynx_compile import _compat
+
+    why = check_placement(schedule, num_stages, ranks)
+    if why:
+        raise ValueError(why)
+    raw = _compat.pipeline_schedule_actions(schedule_class(schedule), ranks, num_stages // ranks, num_microbatches)
+    return tuple(tuple(actions) for actions in raw)
+
+
 def in_flight(schedule: str, num_stages: int, num_microbatches: int, stage: int, ranks: int | None = None) -> int:
     """Micro-batches whose activations stage ``stage`` holds at its peak (between a micro-batch's
     forward and its backward, B under the zero-bubble schedules; what a deferred W keeps from B,

@@ -48,15 +48,20 @@ with and without recompute run while the stage waits for its gradient.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from typing import Any, Literal, Sequence
 
 from lynx_compile.report import human_bytes
 
-from .placement import ZERO_BUBBLE_SCHEDULES, default_ranks, in_flight
+from .placement import ZERO_BUBBLE_SCHEDULES, default_ranks, in_flight, rank_orders, stage_rank
+from .rank_memory import Option, StageShare, rank_bytes, rank_points, share_rank
+
+SHARE_GRID = 32
+"""Allowances per stage ``rank_memory.share_rank`` tries, evenly spaced (besides the curves' points)."""
 
 Schedule = Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"]
 SCHEDULES: frozenset[str] = frozenset({"GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"})
@@ -259,6 +264,9 @@ class StagePlan:
     """Cuts the user pinned (argument or ``pipe_split()`` markers); the rest were chosen."""
     marker_cuts: tuple[int, ...] = ()
     """The pinned cuts that are ``pipe_split()`` markers in the model (torch splits there itself)."""
+    rank_peak_bytes: tuple[int, ...] = ()
+    """Predicted device peak of each rank (pipeline group rank), its stages together over torch's
+    order (``rank_memory``); one stage per rank: that stage's ``peak_bytes``."""
 
     @property
     def cuts(self) -> tuple[str, ...]:
@@ -294,6 +302,7 @@ class StagePlan:
         d["notes"] = tuple(d.get("notes", ()))
         d["pinned_cuts"] = tuple(d.get("pinned_cuts", ()))
         d["marker_cuts"] = tuple(d.get("marker_cuts", ()))
+        d["rank_peak_bytes"] = tuple(d.get("rank_peak_bytes", ()))
         return cls(**d)
 
     def table(self) -> str:
@@ -309,6 +318,9 @@ class StagePlan:
                          f"budget/mb {budget} peak {s.peak_bytes / 2**20:.1f} MiB compute "
                          f"{s.compute_s * 1e3:.2f} ms recompute {s.recompute_s * 1e3:.2f} ms"
                          f"{'' if s.fits else '  DOES NOT FIT'}")
+        if len(self.rank_peak_bytes) < len(self.stages):  # several stages per rank
+            lines.append("  device peak per rank (its stages together): "
+                         + ", ".join(f"{b / 2**20:.1f} MiB" for b in self.rank_peak_bytes))
         return "\n".join(lines)
 
 
@@ -413,7 +425,8 @@ class _Pricer:
             return -1
         return min((room - w * carry) // f for f, w in pairs if f)
 
-    def _price(self, i: int, s: int, e: int) -> StageInfo:
+    def _price(self, i: int, s: int, e: int, budget: int | None = None) -> StageInfo:
+        """Stage i = [s, e) at its allowance under ``memory`` (or at ``budget``, when given)."""
         segs = self.segments(i, s, e)
         k = in_flight(self.schedule, self.p, self.m, i, self.ranks)
         static = int(self.c.state_bytes_per_param_byte * sum(g.param_bytes for g in segs))
@@ -424,7 +437,7 @@ class _Pricer:
             budget, kept, exposed, fits = None, full_keep, 0.0, True
             transient = transient_bytes(curves, kept)
         else:
-            budget = self.allowance(i, segs, e, static)
+            budget = self.allowance(i, segs, e, static) if budget is None else budget
             kept, exposed, fits, transient = allocate_with_transient(curves, budget - fixed - self.c.working_bytes)
         carry = self.carry(i, segs, e, kept + fixed)
         split = self.schedule in ZERO_BUBBLE_SCHEDULES and self.c.weight_split
@@ -453,6 +466,39 @@ class _Pricer:
             return static + max((f + w) * need + w * grad for f, w in self.held(i))
         carry = self.carry(i, segs, e, 0)
         return static + max(f * need + w * carry for f, w in self.held(i))
+
+
+    def share(self, info: StageInfo) -> StageShare:
+        """Stage ``info`` as ``rank_memory.share_rank`` sees it: priced at allowances from the
+        least it runs with (full recompute) to the most it had alone (no more than keeping
+        everything needs), ``SHARE_GRID`` apart and at the recompute curves' points."""
+        i, (s, e) = info.index, info.blocks
+        segs = self.segments(i, s, e)
+        fixed = sum(g.activation_bytes for g in segs if g.curve is None)
+        curves = [g.curve for g in segs if g.curve is not None]
+
+        def need(kept: int) -> int:
+            return kept + fixed + self.c.working_bytes + transient_bytes(curves, kept)
+
+        least = need(sum(c.min_bytes for c in curves))
+        alone = self.price(i, s, e).budget_bytes
+        full = need(sum(c.max_bytes for c in curves))
+        most = max(least, min(full, alone if alone is not None else full))
+        budgets = {least + (most - least) * k // SHARE_GRID for k in range(SHARE_GRID + 1)}
+        if curves and len({len(c.kept_bytes) for c in curves}) == 1:
+            budgets |= {need(sum(c.kept_bytes[k] for c in curves)) for k in range(len(curves[0].kept_bytes))}
+        options = []
+        for b in sorted(x for x in budgets if least <= x <= most):
+            st = self.price(i, s, e, b)
+            options.append(Option(budget=b, kept=st.kept_bytes, transient=self.transient(st), seconds=st.time_s))
+        grad = self.carry(i, segs, e, 0)
+        return StageShare(index=i, static=info.static_bytes, first=i == 0, carry=grad if i else 0,
+                          gradient=grad if i == 0 else 0, options=tuple(options))
+
+    def transient(self, st: StageInfo) -> int:
+        """The backward transient ``st``'s peak counts (its peak less static, working and held)."""
+        return st.peak_bytes - st.static_bytes - self.c.working_bytes - \
+            max(f * st.kept_bytes + w * st.carry_bytes for f, w in st.held)
 
 
 def weight_share(curves: Sequence[RecomputeCurve], kept: float) -> float:
@@ -601,12 +647,18 @@ def plan_stages(costs: PipelineCosts, num_stages: int, num_microbatches: int,
         if not cuts and p > 1 or (p == 1 and not pr.price(0, 0, n).fits):
             least = _dp(pr, timed(lambda i, s, e: float(pr.min_memory(i, s, e))))
             need = max(pr.min_memory(i, s, e) for i, (s, e) in enumerate(_ranges(least, n)))
-            raise StagePlanError(
-                f"memory_per_device={memory_per_device} B ({human_bytes(memory_per_device)}) is too small "
-                f"for any split of {n} blocks into {p} stages with {m} micro-batches ({schedule}): even with "
-                f"full recompute the smallest split needs {need} B ({human_bytes(need)}) on its fullest "
-                f"device. Give each device at least that, use more stages, or a smaller micro-batch.")
+            if pr.ranks < p:
+                need = max(need, _joint_search(pr, allowed, [least])[1] or 0)
+            raise _too_small(pr, need)
     stages = tuple(pr.price(i, s, e) for i, (s, e) in enumerate(_ranges(cuts, n)))
+    stages, rank_peaks, over = _share_ranks(pr, stages)
+    if over and method == "lynx" and len(pins) < p - 1:  # a split the user fixed is reported, not refused
+        # the programme priced each stage as if alone on its device: search the splits whose
+        # stages fit their ranks together
+        found, need = _joint_search(pr, allowed, [cuts, _dp(pr, timed(lambda i, s, e: float(pr.min_memory(i, s, e))))])
+        if found is None:
+            raise _too_small(pr, need)
+        cuts, (stages, rank_peaks, over) = found
     from .step_time import simulate_stages
 
     step = simulate_stages(stages, costs, schedule, m, recompute_in_wait=False, ranks=pr.ranks)
@@ -615,12 +667,117 @@ def plan_stages(costs: PipelineCosts, num_stages: int, num_microbatches: int,
     if not all(s.fits for s in stages):
         bad = [s.index for s in stages if not s.fits]
         notes.append(f"stages {bad} do not fit memory_per_device={memory_per_device} B even with full recompute")
+    if over:
+        notes.append(f"ranks {over} do not fit memory_per_device={memory_per_device} B with their stages together")
     if pins:
         notes.append(f"pinned cuts at blocks {pins}")
     return StagePlan(method=method, schedule=schedule, num_stages=p, num_microbatches=m,
                      memory_per_device=memory_per_device, stages=stages, predicted_step_s=step,
                      predicted_step_in_wait_s=step_wait, notes=tuple(notes), pinned_cuts=tuple(pins),
-                     marker_cuts=tuple(sorted(costs.pinned_cuts)))
+                     marker_cuts=tuple(sorted(costs.pinned_cuts)), rank_peak_bytes=rank_peaks)
+
+
+def _too_small(pr: _Pricer, need: int) -> StagePlanError:
+    shared = f", the stages of a rank together on {pr.ranks} ranks" if pr.ranks < pr.p else ""
+    return StagePlanError(
+        f"memory_per_device={pr.memory} B ({human_bytes(pr.memory)}) is too small for any split of {pr.n} blocks "
+        f"into {pr.p} stages with {pr.m} micro-batches ({pr.schedule}{shared}): even with full recompute the "
+        f"smallest split needs {need} B ({human_bytes(need)}) on its fullest device. Give each device at least "
+        f"that, use more stages, or a smaller micro-batch.")
+
+
+def _rank_walk(pr: _Pricer) -> list:
+    """``rank_memory.rank_points`` of torch's order (W's dropped when the stages do not split B from W)."""
+    orders = rank_orders(pr.schedule, pr.ranks, pr.p, pr.m)
+    if not (pr.schedule in ZERO_BUBBLE_SCHEDULES and pr.c.weight_split):
+        orders = tuple(tuple(a for a in order if a[0] != "W") for order in orders)
+    return rank_points(orders)
+
+
+def _rank_of(pr: _Pricer, stages: Sequence[StageInfo], r: int) -> list[StageInfo]:
+    return [st for st in stages if stage_rank(pr.schedule, st.index, pr.p, pr.ranks) == r]
+
+
+def _share_ranks(pr: _Pricer, stages: tuple[StageInfo, ...]) -> tuple[tuple[StageInfo, ...], tuple[int, ...], list[int]]:
+    """Stages that share a rank fitted to its memory together (``rank_memory``): (the stages,
+    re-priced at their shared allowances where those are lower; the predicted device peak of each
+    rank; the ranks that do not fit even at full recompute, whose stages are marked as not fitting).
+    One stage per rank: the stages as they are, and their peaks."""
+    if pr.ranks >= pr.p:
+        return stages, tuple(st.peak_bytes for st in stages), []
+    points = _rank_walk(pr)
+    out, peaks, over = list(stages), [], []
+    for r in range(pr.ranks):
+        mine = _rank_of(pr, stages, r)
+        if pr.memory is not None and _rank_peak(pr, points[r], mine) > pr.memory:
+            chosen = share_rank(points[r], [pr.share(st) for st in mine], pr.memory, pr.c.working_bytes)
+            if chosen is None:
+                over.append(r)
+                for st in mine:
+                    out[st.index] = replace(st, fits=False)
+            else:
+                for st in mine:
+                    if chosen[st.index].budget != st.budget_bytes:
+                        out[st.index] = pr.price(st.index, *st.blocks, chosen[st.index].budget)
+        peaks.append(_rank_peak(pr, points[r], [out[st.index] for st in mine]))
+    return tuple(out), tuple(peaks), over
+
+
+def _rank_peak(pr: _Pricer, points, mine: Sequence[StageInfo]) -> int:
+    """Predicted device peak of one rank (``rank_memory``): its stages' static bytes, the most
+    their kept and carried bytes add up to at a point of the rank's walk, the working bytes and
+    the largest transient."""
+    held = max((sum(pt[st.index][0] * st.kept_bytes + pt[st.index][1] * st.carry_bytes for st in mine)
+                for pt in points), default=0)
+    return sum(st.static_bytes for st in mine) + held + pr.c.working_bytes + max(pr.transient(st) for st in mine)
+
+
+SEARCH_LIMIT = 20000
+"""Splits ``_joint_search`` enumerates at most; above, the neighbours of its starting splits."""
+
+
+def _joint_search(pr: _Pricer, allowed, starts: Sequence[Sequence[int]]):
+    """The split (with stages sharing ranks, ``_share_ranks``) least in (slowest stage, summed
+    stage time) among those whose ranks fit memory at full recompute: every split when there are at
+    most ``SEARCH_LIMIT``, else those with each cut of a split in ``starts`` moved by at most 2
+    (1 when that is too many). Splits are tried in the order of their stages priced alone, which
+    sharing can only slow down, until none left can beat the best. Returns ((cuts, shared), least
+    memory per device any split needed)."""
+    n, p = pr.n, pr.p
+    if math.comb(n - 1, p - 1) <= SEARCH_LIMIT:
+        splits = itertools.combinations(range(1, n), p - 1)
+    else:
+        reach = 2 if 5 ** (p - 1) * len(starts) <= SEARCH_LIMIT else 1
+        splits = {tuple(c + d for c, d in zip(start, moves))
+                  for start in starts if start for moves in itertools.product(range(-reach, reach + 1), repeat=p - 1)}
+        splits = sorted(c for c in splits if all(a < b for a, b in zip((0,) + c, c + (n,))))
+    points = _rank_walk(pr)
+    rows, least_need = [], None
+    for cuts in splits:
+        ranges = _ranges(cuts, n)
+        if not all(allowed(i, s, e) for i, (s, e) in enumerate(ranges)):
+            continue
+        infos = tuple(pr.price(i, s, e) for i, (s, e) in enumerate(ranges))
+        need = 0
+        for r in range(pr.ranks):
+            shares = [pr.share(st) for st in _rank_of(pr, infos, r)]
+            need = max(need, sum(sh.static for sh in shares)
+                       + rank_bytes(points[r], shares, {sh.index: sh.options[0] for sh in shares}, pr.c.working_bytes))
+        least_need = need if least_need is None else min(least_need, need)
+        if need <= pr.memory:
+            rows.append(((max(st.time_s for st in infos), sum(st.time_s for st in infos)), tuple(cuts), infos))
+    rows.sort(key=lambda row: row[0])
+    best, best_key = None, None
+    for key, cuts, infos in rows:
+        if best_key is not None and key >= best_key:
+            break
+        shared = _share_ranks(pr, infos)
+        if shared[2]:
+            continue
+        got = (max(st.time_s for st in shared[0]), sum(st.time_s for st in shared[0]))
+        if best_key is None or got < best_key:
+            best, best_key = (list(cuts), shared), got
+    return best, least_need
 
 
 def _ranges(cuts: Sequence[int], n: int) -> list[tuple[int, int]]:
