@@ -293,8 +293,8 @@ def pipeline_costs(prof: LayerProfile, cluster, layout: Layout):
 
 def schedule_rows(cache: dict, args) -> list[dict]:
     """``--schedules``: one row per pipelined configuration, micro-batch and schedule
-    (``SCHEDULE_ASSUMPTIONS``). A rank holding two stages plans each under half its memory:
-    ``plan_stages`` prices a stage as if it had the device alone."""
+    (``SCHEDULE_ASSUMPTIONS``). A rank holding two stages fits them to its memory together
+    (``plan_stages``' rank sharing, ``pipeline.rank_memory``)."""
     from lynx_compile.pipeline.placement import stage_rank
     from lynx_compile.pipeline.plan_stages import StagePlanError, plan_stages
 
@@ -312,7 +312,7 @@ def schedule_rows(cache: dict, args) -> list[dict]:
                 row = {"config": f"{model} ({tp}/{pp}/{dp})", "cluster": cluster, "microbatch": mb,
                        "microbatches": m, "schedule": schedule, "stages": v * pp}
                 try:
-                    plan = plan_stages(costs, v * pp, m, c.memory_bytes // v, schedule, method="lynx", ranks=pp)
+                    plan = plan_stages(costs, v * pp, m, c.memory_bytes, schedule, method="lynx", ranks=pp)
                 except StagePlanError as e:
                     rows.append({**row, "error": str(e).split(":")[0][:80]})
                     continue
@@ -414,8 +414,8 @@ SCHEDULE_ASSUMPTIONS = (
     "Per schedule, lynx's recompute-aware stage cuts (plan_stages, method lynx, Lynx-OPT's per-layer recompute "
     "curve) and the step sim.pipeline replays: 1F1B one stage per rank; ZBVZeroBubble two per rank in a V, torch's "
     "own action order, each backward split into B (input gradients, with the tensor-parallel collectives) and W = "
-    "3h/(6h+s) of a layer's backward compute (half the LM head's). A rank holding two stages plans each under half "
-    "its memory. recompute_ms_per_mb: exposed recompute summed over the stages. Bubble: 1 - the busiest rank's work "
+    "3h/(6h+s) of a layer's backward compute (half the LM head's). A rank holding two stages fits them to its "
+    "memory together (pipeline.rank_memory). recompute_ms_per_mb: exposed recompute summed over the stages. Bubble: 1 - the busiest rank's work "
     "/ the step. step_s and tokens_per_s: the pipeline alone (no data-parallel all-reduce, no optimizer step).")
 
 

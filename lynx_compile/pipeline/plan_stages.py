@@ -6,9 +6,12 @@ Why recompute-aware: under 1F1B, stage i keeps ``k_i = min(p - i, m)`` micro-bat
 in flight (GPipe: all m), so with the same memory per device early stages must drop more
 activations and recompute them. Balancing on compute alone leaves those stages slowest. The
 zero-bubble schedules' counts are derived from torch's schedule definitions in :func:`in_flight`
-(ZBV: as 1F1B over all 2P stages; InterleavedZeroBubble: torch's order replayed); like the
-interleaved schedule, each stage is priced as if it had the device to itself (the stages a rank
-holds are not summed).
+(ZBV: as 1F1B over all 2P stages; InterleavedZeroBubble: torch's order replayed). Where a rank
+holds several stages (ZBVZeroBubble, InterleavedZeroBubble, Interleaved1F1B) the programme prices
+each stage as if it had the device to itself; the stages of a rank are then fitted to it together
+over torch's order (``rank_memory``, ``_share_ranks``: their allowances lowered where their sum
+would exceed it), and when the programme's split cannot fit that way the splits are searched
+(``_joint_search``). ``StagePlan.rank_peak_bytes`` is each rank's predicted device peak.
 
 The model (per stage i holding blocks S_i, pre-block work on stage 0, post-block work on the last):
 
