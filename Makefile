@@ -5,7 +5,7 @@ PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install install-test demo test bench plan clean
+.PHONY: install install-test demo test bench plan clean gpu-wheels
 
 install:
 	@$(PYTHON) -c "import torch, sys; v = tuple(map(int, torch.__version__.split('+')[0].split('.')[:2])); sys.exit(0 if (2, 11) <= v <= (2, 13) else 1)" 2>/dev/null \
@@ -31,6 +31,19 @@ test: install-test
 
 bench: install
 	$(PYTHON) benchmarks/bench_policies.py
+
+# Wheels the lent GPU machines (Python 3.12, x86-64, no network) lack, for `benchmarks/gpu_session.sh`
+# (device calls name ".whl" in carry). Their only other requirement, numpy, is already there (as are
+# torch, triton, pytest, pytest-timeout, pytest-xdist, matplotlib, transformers). Pinned to the
+# versions installed here; one version of each, or the install there stops.
+GPU_WHEELS ?= pyomo==6.10.1 highspy==1.16.0
+
+gpu-wheels:
+	rm -rf .whl && mkdir -p .whl
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl $(GPU_WHEELS)
+	@ls .whl && du -sh .whl
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache

@@ -4,6 +4,8 @@ References: plain ``torch.compile`` (Inductor, no lynx) from the same seed — w
 Inductor draws its own Philox numbers, so eager is no reference there, but Inductor without any
 recompute is: every lynx policy must give its loss and gradients, which only holds when every
 recomputed dropout mask equals the forward's. With dropout 0, eager is the reference (≤1e-5).
+The dropout-replay and dropout-0 tests also run on CUDA (ids ``[<name>-cuda]``, skipped without a
+GPU; ``benchmarks/gpu_session.sh checks`` runs them on a lent GPU).
 """
 import copy
 
@@ -35,21 +37,40 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _on_devices(names):
+    """``(name, device)`` cases: the CPU cases keep their plain ids (``[full]``), the CUDA ones
+    add ``-cuda`` and are skipped without a GPU (``benchmarks/gpu_session.sh checks`` runs them)."""
+    return ([pytest.param(n, "cpu", id=n) for n in names]
+            + [pytest.param(n, "cuda", id=f"{n}-cuda", marks=NEEDS_CUDA) for n in names])
+
+
 @pytest.fixture(scope="module")
 def dropout_reference():
-    """gpt-tiny, dropout 0.1: plain torch.compile's loss and gradients, seed 7."""
-    torch.manual_seed(0)
-    model = build_model("gpt-tiny", dropout=0.1)
-    x = example_batch(model, 2, generator=torch.Generator().manual_seed(1))
-    torch.compiler.reset()
-    ref = _step(torch.compile(copy.deepcopy(model)), x, seed=7)
-    return model, x, ref
+    """gpt-tiny, dropout 0.1: plain torch.compile's loss and gradients, seed 7, per device
+    (``dropout_reference(device)``; computed on first use). Weights and batch are built on the
+    CPU, so every device starts from the same ones."""
+    cache = {}
+
+    def get(device):
+        if device not in cache:
+            torch.manual_seed(0)
+            model = build_model("gpt-tiny", dropout=0.1).to(device)
+            x = example_batch(model, 2, generator=torch.Generator().manual_seed(1)).to(device)
+            torch.compiler.reset()
+            ref = _step(torch.compile(copy.deepcopy(model)), x, seed=7)
+            cache[device] = model, x, ref
+        return cache[device]
+
+    return get
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(OPTIONS))
-def test_dropout_masks_replay_under_inductor(dropout_reference, name):
-    model, x, (ref_loss, ref_grads) = dropout_reference
+@pytest.mark.parametrize("name,device", _on_devices(list(OPTIONS)))
+def test_dropout_masks_replay_under_inductor(dropout_reference, name, device):
+    model, x, (ref_loss, ref_grads) = dropout_reference(device)
     backend = lynx_compile.backend(**OPTIONS[name])
     torch.compiler.reset()
     loss, grads = _step(torch.compile(copy.deepcopy(model), backend=backend), x, seed=7)
@@ -64,11 +85,11 @@ def test_dropout_masks_replay_under_inductor(dropout_reference, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["full", "lynx@0.7"])
-def test_dropout0_gradients_equal_eager_under_inductor(name):
+@pytest.mark.parametrize("name,device", _on_devices(["full", "lynx@0.7"]))
+def test_dropout0_gradients_equal_eager_under_inductor(name, device):
     torch.manual_seed(0)
-    model = build_model("llama-tiny", dropout=0.0)
-    x = example_batch(model, 2, generator=torch.Generator().manual_seed(1))
+    model = build_model("llama-tiny", dropout=0.0).to(device)
+    x = example_batch(model, 2, generator=torch.Generator().manual_seed(1)).to(device)
     ref_loss, ref_grads = _step(copy.deepcopy(model), x, seed=3)
     torch.compiler.reset()
     loss, grads = _step(torch.compile(copy.deepcopy(model), backend="lynx", options=OPTIONS[name]), x, seed=3)
