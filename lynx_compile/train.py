@@ -60,6 +60,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU: delay collectives to this link's time (name in LINKS or 'alpha_s,bytes_per_s')")
     p.add_argument("--fuse-kernels", action="store_true", help="fused Triton recompute kernels (LynxConfig.fuse_kernels)")
     p.add_argument("--side-stream", action="store_true", help="recompute on a secondary CUDA stream (LynxConfig.side_stream)")
+    p.add_argument("--offload", action="store_true",
+                   help="policy lynx may also offload saved activations to host memory (LynxConfig.offload); "
+                   "with --pp also --no-recompute-in-wait")
     p.add_argument("--steps", type=int, default=10, help="training steps (the first compiles)")
     p.add_argument("--batch-size", type=int, default=4, help="global batch size (sequences per step)")
     p.add_argument("--seq-len", type=int, default=None, help="override the preset's sequence length")
@@ -305,7 +308,8 @@ def _record_plans(result: TrainResult, backend) -> None:
     plans = backend.plans
     result.plans = [{"policy": p.policy, "peak_bytes": p.peak_bytes,
                      "reference_peak_bytes": p.reference_peak_bytes, "exposed_s": p.exposed_s,
-                     "recompute_s": p.recompute_s, "windows": p.decisions.counts()["window"]}
+                     "recompute_s": p.recompute_s, "windows": p.decisions.counts()["window"],
+                     "offloaded": p.decisions.counts()["offload"]}
                     for p in plans]
     if plans:
         result.predicted_peak_bytes = max(p.peak_bytes for p in plans)
@@ -414,7 +418,8 @@ def _summary(result: TrainResult, args: argparse.Namespace, say: Callable[[str],
         say(f"plan {i}: predicted peak {p['peak_bytes'] / 2**20:.2f} MiB "
             f"({p['peak_bytes'] / max(1, p['reference_peak_bytes']):.2f} of no-recompute), recompute "
             f"{p['recompute_s'] * 1e3:.2f} ms, exposed {p['exposed_s'] * 1e3:.2f} ms, "
-            f"{p['windows']} units in windows")
+            f"{p['windows']} units in windows"
+            + (f", {p['offloaded']} offloaded to host" if args.offload else ""))
     if result.overlap:
         o = result.overlap
         say(f"overlap: {o['share'] * 100:.1f}% of {o['recompute_s'] * 1e3:.2f} ms recompute ran while a "

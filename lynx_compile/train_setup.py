@@ -38,7 +38,8 @@ def backend_options(args: argparse.Namespace) -> dict:
             "link": args.link, "hardware": args.hardware, "plan_cache": False,
             "cost_source": args.cost_source,
             "trace_recompute": bool(args.trace), "windows": not args.no_windows,
-            "fuse_kernels": args.fuse_kernels, "side_stream": args.side_stream}
+            "fuse_kernels": args.fuse_kernels, "side_stream": args.side_stream,
+            "offload": getattr(args, "offload", False)}
     if args.memory_budget is not None:
         opts["memory_budget"] = args.memory_budget
     if args.compiler is not None:

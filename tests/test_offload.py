@@ -191,3 +191,22 @@ def test_offload_under_inductor_trains_like_eager_and_waits_before_each_use(monk
         assert all(j > i for j in readers), (buf, lines[min(readers)])
         assert readers, f"{buf} is never read"
     assert 0 < waits <= backend.records[-1].decisions["offload"]["tensors"]
+
+
+def test_lynx_train_offload_flag_trains_like_one_process_and_reports_offload(monkeypatch):
+    # `lynx train --offload` (one process): the backend option reaches policy lynx, the losses
+    # equal the same steps trained without lynx, and the plan line says how many units went to host
+    import argparse
+
+    from lynx_compile.train import add_train_arguments, train
+
+    _fast_host_link(monkeypatch)
+    p = argparse.ArgumentParser()
+    add_train_arguments(p)
+    args = p.parse_args(["--model", "gpt-tiny", "--steps", "2", "--batch-size", "2", "--dropout", "0",
+                         "--memory-budget", "0.65", "--offload", "--check", "--solver", "heu", "--compiler", "eager"])
+    lines = []
+    result = train(args, say=lines.append)
+    assert result.losses == pytest.approx(result.reference_losses, rel=1e-5)
+    assert result.plans and all(p["offloaded"] > 0 for p in result.plans), result.plans
+    assert any(line.startswith("plan 0:") and line.endswith("offloaded to host") for line in lines), lines
