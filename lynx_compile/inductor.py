@@ -62,7 +62,7 @@ import torch.fx as fx
 
 from lynx_compile import _compat
 from lynx_compile.config import LynxConfig
-from lynx_compile.memory.simulate import aliased_input
+from lynx_compile.memory.simulate import aliased_input, splits_late_addmm
 from lynx_compile.passes import GraphRecord
 
 log = logging.getLogger("lynx_compile")
@@ -117,14 +117,9 @@ def split_late_addmm(graph: fx.Graph) -> None:
         if n.kwargs or len(n.args) != 3 or not all(isinstance(x, fx.Node) for x in n.args):
             continue
         inp, a, b = n.args
-        later = a if order[a] >= order[b] else b
-        if order[inp] < order[later]:
+        if not splits_late_addmm(order, inp, a, b, _nbytes(n.meta.get("val")), order[n]):
             continue
-        out = _nbytes(n.meta.get("val"))
-        freed = sum(_nbytes(x.meta.get("val")) for x in {a, b}
-                    if all(order.get(u, -1) <= order[n] for u in x.users))
-        if out >= freed:
-            continue
+        later = max(a, b, key=order.get)
         with graph.inserting_after(later):
             mm = graph.call_function(aten.mm.default, (a, b))
         with graph.inserting_before(n):

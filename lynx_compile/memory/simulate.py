@@ -233,6 +233,17 @@ def _expands_to(t: torch.Tensor, out: torch.Tensor) -> bool:
         return False
 
 
+def splits_late_addmm(pos: dict[fx.Node, int], inp: fx.Node, a: fx.Node, b: fx.Node, out_bytes: int,
+                      at: int) -> bool:
+    """Whether ``inductor.split_late_addmm`` moves the matmul ``a @ b``, added to ``inp`` at
+    position ``at``, back to where its operands are ready: ``inp`` comes after both, and the
+    matmul's output (``out_bytes``) is smaller than the operands it frees (those read nowhere after
+    ``at``). The one rule for the pass and for this model of it (``late_addmms``)."""
+    later = max(a, b, key=pos.get)
+    freed = sum(_bytes(x) for x in {a, b} if all(pos.get(u, -1) <= at for u in x.users))
+    return pos[inp] >= pos[later] and out_bytes < freed
+
+
 def late_addmms(nodes: list[fx.Node]) -> set[fx.Node]:
     """The matmuls Inductor computes at the ``add`` that reads them: its post-grad pattern turns
     ``add(mm(a, b), inp)`` into ``addmm(inp, a, b)`` at the add (mm read only there, one dtype,
@@ -258,9 +269,7 @@ def late_addmms(nodes: list[fx.Node]) -> set[fx.Node]:
                 continue
             if out.device.type == "cuda" and all(torch.Tag.pointwise in _tags(u) for u in add.users):
                 continue  # Inductor keeps it unfused on a GPU
-            later = max(a, b, key=pos.get)
-            freed = sum(_bytes(x) for x in {a, b} if all(pos.get(u, -1) <= pos[add] for u in x.users))
-            if pos[inp] >= pos[later] and _bytes(mm) < freed:
+            if splits_late_addmm(pos, inp, a, b, _bytes(mm), pos[add]):
                 continue  # lynx splits it: the matmul runs where its operands are ready
             late.add(mm)
             break
