@@ -62,14 +62,14 @@ def test_two_stages_share_a_rank_as_brute_force_does():
         best = None
         for oa, ob in itertools.product(a.options, b.options):
             chosen = {0: oa, 3: ob}
-            if rank_bytes(points, [a, b], chosen, working=2) <= memory:
+            if rank_bytes(points, [a, b], chosen) <= memory:
                 t = oa.seconds + ob.seconds
                 best = t if best is None else min(best, t)
-        got = share_rank(points, [a, b], memory, working=2)
+        got = share_rank(points, [a, b], memory)
         if best is None:
             assert got is None, memory
         else:
-            assert rank_bytes(points, [a, b], got, working=2) <= memory
+            assert rank_bytes(points, [a, b], got) <= memory
             assert got[0].seconds + got[3].seconds == pytest.approx(best), memory
 
 
@@ -79,12 +79,12 @@ def test_three_stages_fit_and_beat_the_least_options():
           _stage(4, {1: 3.0, 2: 1.5, 4: 0.0}, carry=1)]
     least = {s.index: s.options[0] for s in st}
     most = {s.index: s.options[-1] for s in st}
-    lo, hi = rank_bytes(points, st, least, 0), rank_bytes(points, st, most, 0)
+    lo, hi = rank_bytes(points, st, least), rank_bytes(points, st, most)
     for memory in range(lo, hi + 1, max(1, (hi - lo) // 7)):
-        got = share_rank(points, st, memory, working=0)
-        assert rank_bytes(points, st, got, 0) <= memory
+        got = share_rank(points, st, memory)
+        assert rank_bytes(points, st, got) <= memory
         assert sum(o.seconds for o in got.values()) <= sum(o.seconds for o in least.values())
-    assert share_rank(points, st, lo - 1, working=0) is None
+    assert share_rank(points, st, lo - 1) is None
 
 
 @pytest.mark.parametrize("schedule,ranks,stages", [("ZBVZeroBubble", 2, 4), ("InterleavedZeroBubble", 2, 4),

@@ -712,8 +712,8 @@ def _share_ranks(pr: _Pricer, stages: tuple[StageInfo, ...]) -> tuple[tuple[Stag
     out, peaks, over = list(stages), [], []
     for r in range(pr.ranks):
         mine = _rank_of(pr, stages, r)
-        if pr.memory is not None and _rank_peak(pr, points[r], mine) > pr.memory:
-            chosen = share_rank(points[r], [pr.share(st) for st in mine], pr.memory, pr.c.working_bytes)
+        if pr.memory is not None and _rank_bound(points[r], mine) > pr.memory:
+            chosen = share_rank(points[r], [pr.share(st) for st in mine], pr.memory)
             if chosen is None:
                 over.append(r)
                 for st in mine:
@@ -724,6 +724,17 @@ def _share_ranks(pr: _Pricer, stages: tuple[StageInfo, ...]) -> tuple[tuple[Stag
                         out[st.index] = pr.price(st.index, *st.blocks, chosen[st.index].budget)
         peaks.append(_rank_peak(pr, points[r], [out[st.index] for st in mine]))
     return tuple(out), tuple(peaks), over
+
+
+def _rank_bound(points, mine: Sequence[StageInfo]) -> int:
+    """The rank's fit test at its stages' allowances (``rank_memory``: each micro-batch in flight
+    at its stage's whole allowance), statics included."""
+    shares = [StageShare(index=st.index, static=st.static_bytes, first=st.index == 0,
+                         carry=st.carry_bytes if st.index else 0,
+                         gradient=max(0, st.carry_bytes - st.kept_bytes) if st.index == 0 else 0, options=())
+              for st in mine]
+    chosen = {st.index: Option(budget=st.budget_bytes, kept=st.kept_bytes, transient=0, seconds=0.0) for st in mine}
+    return sum(st.static_bytes for st in mine) + rank_bytes(points, shares, chosen)
 
 
 def _rank_peak(pr: _Pricer, points, mine: Sequence[StageInfo]) -> int:
@@ -765,7 +776,7 @@ def _joint_search(pr: _Pricer, allowed, starts: Sequence[Sequence[int]]):
         for r in range(pr.ranks):
             shares = [pr.share(st) for st in _rank_of(pr, infos, r)]
             need = max(need, sum(sh.static for sh in shares)
-                       + rank_bytes(points[r], shares, {sh.index: sh.options[0] for sh in shares}, pr.c.working_bytes))
+                       + rank_bytes(points[r], shares, {sh.index: sh.options[0] for sh in shares}))
         least_need = need if least_need is None else min(least_need, need)
         if need <= pr.memory:
             rows.append(((max(st.time_s for st in infos), sum(st.time_s for st in infos)), tuple(cuts), infos))

@@ -8,19 +8,22 @@ over torch's own action order and, where they exceed the device, lowers their al
 they fit, keeping the bytes where they save the most recompute.
 
 After each action of the rank (``rank_points``: F adds a micro-batch in flight, B turns it into a
-W-carry, W frees the carry; without W's B frees it), stage s holds ``f_s`` micro-batches of its
-kept bytes ``k_s`` and ``w_s`` carries (the first stage's carry is its kept bytes plus its output
-gradient ``g``: its B computes nothing, its W reads all it keeps). At every point::
+W-carry, W frees the carry; without W's B frees it), stage s holds ``f_s`` micro-batches and
+``w_s`` carries. The fit test is the stage planner's own (``plan_stages._Pricer.allowance``),
+summed over the rank point by point: each micro-batch in flight counts at the stage's whole
+allowance ``b_s`` (its lynx ``memory_budget``, which bounds one micro-batch's forward + backward
+peak, not what it saves: a stage compiled at ``b`` may keep close to ``b``; measured on gpt-small,
+a ZBV stage at a 5.49 MiB allowance kept 4.9 MiB per micro-batch where the planner's curves
+expected 2.6), a carry at its bytes, and the first stage's carry at ``b`` plus its output
+gradient ``g`` (its B computes nothing, its W reads all it keeps). At every point::
 
-    sum_s (f_s x k_s + w_s x carry_s) + working + the largest transient <= memory - sum_s static_s
-    (the first stage: (f + w) x k + w x g)
+    sum_s coef_s x b_s + const_s <= memory - sum_s static_s
+    coef = f, const = w x carry            (the first stage: coef = f + w, const = w x g)
 
-the predicted device peak of the rank (``plan_stages``'s per-stage peak, summed point by point),
-as the per-micro-batch walk (``microbatch_plan``) counts it. A stage's kept bytes and transient
-follow its allowance (its lynx ``memory_budget``) through its recompute curves; ``share_rank``
-picks one allowance per stage among a few (``StageShare.options``: from the least the stage runs
-with, full recompute, to the most it had alone), minimizing the summed stage time (one rank runs
-all its stages' work). Pure (no torch).
+``share_rank`` picks one allowance per stage among a few (``StageShare.options``: from the least
+the stage runs with, full recompute, to the most it had alone), minimizing the summed stage time
+(one rank runs all its stages' work). ``StagePlan.rank_peak_bytes`` counts what the planner
+expects each micro-batch to keep instead (lower). Pure (no torch).
 """
 from __future__ import annotations
 
@@ -79,21 +82,18 @@ class StageShare:
     """Sorted by budget, the first the least the stage runs with, the last the most it had alone."""
 
     def held(self, f: int, w: int, o: Option) -> int:
-        """Bytes the stage holds with f micro-batches in flight and w carries, at option ``o``."""
+        """The most the stage may hold with f micro-batches in flight and w carries at option ``o``."""
         if self.first:
-            return (f + w) * o.kept + w * self.gradient
-        return f * o.kept + w * self.carry
+            return (f + w) * o.budget + w * self.gradient
+        return f * o.budget + w * self.carry
 
 
-def rank_bytes(points: Sequence[Counts], stages: Sequence[StageShare], chosen: Mapping[int, Option],
-               working: int) -> int:
-    """The rank's predicted activation peak at the ``chosen`` options (statics excluded)."""
-    held = max((sum(st.held(*pt[st.index], chosen[st.index]) for st in stages) for pt in points), default=0)
-    return held + working + max((chosen[st.index].transient for st in stages), default=0)
+def rank_bytes(points: Sequence[Counts], stages: Sequence[StageShare], chosen: Mapping[int, Option]) -> int:
+    """The most the rank's stages may hold at any point at the ``chosen`` options (statics excluded)."""
+    return max((sum(st.held(*pt[st.index], chosen[st.index]) for st in stages) for pt in points), default=0)
 
 
-def share_rank(points: Sequence[Counts], stages: Sequence[StageShare], memory: int,
-               working: int) -> dict[int, Option] | None:
+def share_rank(points: Sequence[Counts], stages: Sequence[StageShare], memory: int) -> dict[int, Option] | None:
     """An option per stage of one rank that fits ``memory`` at every point (module docstring),
     the summed stage time least among those tried: the most options when they fit; else from the
     least ones, for each pair of stages, every option of one with the largest of the other that
@@ -101,7 +101,7 @@ def share_rank(points: Sequence[Counts], stages: Sequence[StageShare], memory: i
     room = memory - sum(st.static for st in stages)
 
     def fits(chosen: Mapping[int, Option]) -> bool:
-        return rank_bytes(points, stages, chosen, working) <= room
+        return rank_bytes(points, stages, chosen) <= room
 
     most = {st.index: st.options[-1] for st in stages}
     if fits(most):
