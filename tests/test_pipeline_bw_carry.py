@@ -224,7 +224,7 @@ def test_stage_info_round_trips_and_shows_the_carry():
     back = StagePlan.from_dict(json.loads(plan.to_json()))
     assert back == plan and back.stages[1].held == ((3, 0), (2, 1), (0, 2))
     assert "W-carry 3.0 MiB/mb x2 at peak" in plan.table()
-    assert "device peak per rank (its stages together): 9.0 MiB, 9.0 MiB" in plan.table()
+    assert "device peak per rank (its stages together): 9.0 MiB, 9.0 MiB (fit test" in plan.table()
     costs = _costs(3.0)
     assert PipelineCosts.from_dict(json.loads(json.dumps(costs.to_dict()))) == costs
     # plans written before the carry load with none

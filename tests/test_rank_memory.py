@@ -115,3 +115,24 @@ def test_plans_fit_each_rank_where_stages_priced_alone_overran(schedule, ranks, 
             assert base <= plan.rank_peak_bytes[r] <= base + max(s.peak_bytes for s in mine)
         fitted += 1
     assert fitted >= 2 and len(free.rank_peak_bytes) == ranks
+
+
+def test_rank_bound_is_the_fit_test_and_within_memory():
+    # the plan's rank bound: every micro-batch in flight at its stage's whole allowance, by hand
+    # from the stages (one stage per rank under 1F1B: the stage's held pairs; ZBV: torch's order)
+    costs = brute_costs()
+    for schedule, stages, ranks in [("1F1B", 3, 3), ("Interleaved1F1B", 4, 2)]:
+        free = plan_stages(costs, stages, 4, None, schedule, ranks=ranks)
+        assert free.rank_bound_bytes == ()  # no memory limit: no fit test
+        memory = int(0.8 * max(free.rank_peak_bytes))
+        plan = plan_stages(costs, stages, 4, memory, schedule, ranks=ranks)
+        orders = rank_orders(schedule, ranks, stages, 4) if ranks < stages else None
+        for r in range(ranks):
+            mine = [s for s in plan.stages if stage_rank(schedule, s.index, stages, ranks) == r]
+            if orders is None:
+                (st,) = mine
+                want = st.static_bytes + st.in_flight * st.budget_bytes
+            else:
+                want = sum(s.static_bytes for s in mine) + interval_peak(
+                    orders[r], {s.index: s.budget_bytes for s in plan.stages}, {}, split=False)
+            assert plan.rank_bound_bytes[r] == want <= memory

@@ -288,9 +288,9 @@ def pipeline(model: nn.Module, example_inputs: Sequence[Any], *, num_stages: int
         wait = recompute_in_wait and stage_opts.get("compiler", "eager") == "eager"
         if wait:
             stage_opts["recompute_in_wait"] = True
-            if memory_per_device is not None:  # the headroom of this rank (its stages together)
-                peak = plan.rank_peak_bytes[rank] if len(plan.rank_peak_bytes) == size else info.peak_bytes
-                stage_opts["recompute_in_wait_bytes"] = max(0, memory_per_device - peak)
+            if memory_per_device is not None:  # the headroom the rank's fit test leaves (its stages together)
+                bound = plan.rank_bound_bytes[rank] if len(plan.rank_bound_bytes) == size else info.peak_bytes
+                stage_opts["recompute_in_wait_bytes"] = max(0, memory_per_device - bound)
         if mb_plan is not None:
             backend = _per_microbatch_backend(stage_opts, variants.budgets[i], mb_plan.choice[i])
         else:

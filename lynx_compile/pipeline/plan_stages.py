@@ -269,7 +269,12 @@ class StagePlan:
     """The pinned cuts that are ``pipe_split()`` markers in the model (torch splits there itself)."""
     rank_peak_bytes: tuple[int, ...] = ()
     """Predicted device peak of each rank (pipeline group rank), its stages together over torch's
-    order (``rank_memory``); one stage per rank: that stage's ``peak_bytes``."""
+    order (``rank_memory``), from the bytes the planner expects each micro-batch to keep; one
+    stage per rank: that stage's ``peak_bytes``."""
+    rank_bound_bytes: tuple[int, ...] = ()
+    """Each rank's fit test at the plan's allowances (every micro-batch in flight at its stage's
+    whole allowance, ``rank_memory``), at most ``memory_per_device`` when the plan fits; () without
+    a memory limit. What is left under ``memory_per_device`` is the headroom early recompute may use."""
 
     @property
     def cuts(self) -> tuple[str, ...]:
@@ -306,6 +311,7 @@ class StagePlan:
         d["pinned_cuts"] = tuple(d.get("pinned_cuts", ()))
         d["marker_cuts"] = tuple(d.get("marker_cuts", ()))
         d["rank_peak_bytes"] = tuple(d.get("rank_peak_bytes", ()))
+        d["rank_bound_bytes"] = tuple(d.get("rank_bound_bytes", ()))
         return cls(**d)
 
     def table(self) -> str:
@@ -322,8 +328,11 @@ class StagePlan:
                          f"{s.compute_s * 1e3:.2f} ms recompute {s.recompute_s * 1e3:.2f} ms"
                          f"{'' if s.fits else '  DOES NOT FIT'}")
         if len(self.rank_peak_bytes) < len(self.stages):  # several stages per rank
+            bound = (" (fit test, every micro-batch in flight at its whole allowance: "
+                     + ", ".join(f"{b / 2**20:.1f} MiB" for b in self.rank_bound_bytes) + ")"
+                     if self.rank_bound_bytes else "")
             lines.append("  device peak per rank (its stages together): "
-                         + ", ".join(f"{b / 2**20:.1f} MiB" for b in self.rank_peak_bytes))
+                         + ", ".join(f"{b / 2**20:.1f} MiB" for b in self.rank_peak_bytes) + bound)
         return "\n".join(lines)
 
 
@@ -677,7 +686,8 @@ def plan_stages(costs: PipelineCosts, num_stages: int, num_microbatches: int,
     return StagePlan(method=method, schedule=schedule, num_stages=p, num_microbatches=m,
                      memory_per_device=memory_per_device, stages=stages, predicted_step_s=step,
                      predicted_step_in_wait_s=step_wait, notes=tuple(notes), pinned_cuts=tuple(pins),
-                     marker_cuts=tuple(sorted(costs.pinned_cuts)), rank_peak_bytes=rank_peaks)
+                     marker_cuts=tuple(sorted(costs.pinned_cuts)), rank_peak_bytes=rank_peaks,
+                     rank_bound_bytes=_rank_bounds(pr, stages))
 
 
 def _too_small(pr: _Pricer, need: int) -> StagePlanError:
@@ -724,6 +734,17 @@ def _share_ranks(pr: _Pricer, stages: tuple[StageInfo, ...]) -> tuple[tuple[Stag
                         out[st.index] = pr.price(st.index, *st.blocks, chosen[st.index].budget)
         peaks.append(_rank_peak(pr, points[r], [out[st.index] for st in mine]))
     return tuple(out), tuple(peaks), over
+
+
+def _rank_bounds(pr: _Pricer, stages: Sequence[StageInfo]) -> tuple[int, ...]:
+    """``StagePlan.rank_bound_bytes``: ``_rank_bound`` of every rank (one stage per rank: over the
+    stage's own ``held`` pairs)."""
+    if pr.memory is None:
+        return ()
+    if pr.ranks >= pr.p:
+        return tuple(_rank_bound([{st.index: pair} for pair in st.held], [st]) for st in stages)
+    points = _rank_walk(pr)
+    return tuple(_rank_bound(points[r], _rank_of(pr, stages, r)) for r in range(pr.ranks))
 
 
 def _rank_bound(points, mine: Sequence[StageInfo]) -> int:
