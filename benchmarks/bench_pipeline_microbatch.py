@@ -82,7 +82,7 @@ def main() -> None:
     from lynx_compile.models import build_model, example_batch
     from lynx_compile.pipeline import StagePlanError, plan_pipeline, plan_stages
     from lynx_compile.pipeline.microbatch_plan import MicrobatchPlanError, plan_microbatches
-    from lynx_compile.pipeline.placement import zero_bubble_orders
+    from lynx_compile.pipeline.placement import stage_rank, zero_bubble_orders
     from lynx_compile.pipeline.stage_variants import send_seconds
 
     torch.manual_seed(0)
@@ -101,7 +101,8 @@ def main() -> None:
                                        ("ZBV per-mb", "ZBVZeroBubble", 4)):
             row = {"memory_level": level, "memory_MiB": round(memory / 2**20, 2), "row": name, "layers": "-",
                    "pred_step_ms": "-", "step_ms": "-", "launch_medians_ms": "-", "pred_rank_peak_MiB": "-",
-                   "rank_limit_MiB": "-", "pred_rank_activation_MiB": "-", "measured_rank_peak_MiB": "-", "variants (stage: per micro-batch)": "-",
+                   "rank_limit_MiB": "-", "pred_rank_activation_MiB": "-", "planner_rank_activation_MiB": "-",
+                   "measured_rank_peak_MiB": "-", "variants (stage: per micro-batch)": "-",
                    "max_rel_loss_diff": "-", "error": ""}
             rows.append(row)
             try:
@@ -110,6 +111,11 @@ def main() -> None:
                 row["error"] = str(e)[:160]
                 continue
             row["layers"] = "/".join(map(str, plan.layers_per_stage))
+            static = [0, 0]
+            for st in plan.stages:
+                static[stage_rank(schedule, st.index, stages, 2)] += st.static_bytes
+            row["planner_rank_activation_MiB"] = "/".join(f"{(pk - sb) / 2**20:.2f}"
+                                                          for pk, sb in zip(plan.rank_peak_bytes, static))
             row["pred_step_ms"] = round(plan.predicted_step_in_wait_s * 1e3, 2)
             extra = ()
             if schedule == "ZBVZeroBubble":
@@ -156,7 +162,9 @@ def _write(args, top: int, rows: list[dict]) -> None:
             f"each rank's activation walk (microbatch_plan.replay; ZBV: every micro-batch at its stage's "
             f"allowance), against rank_limit_MiB (memory per device less the rank's static bytes, one "
             f"micro-batch's working bytes and a block's backward transient); pred_rank_activation_MiB adds "
-            f"the working and transient bytes back (what the allocator measures). measured_rank_peak_MiB: CPU "
+            f"the working and transient bytes back (what the allocator measures). planner_rank_activation_MiB: "
+            f"the stage plan's device peak per rank (StagePlan.rank_peak_bytes: its stages together, "
+            f"pipeline.rank_memory) less the rank's static bytes. measured_rank_peak_MiB: CPU "
             f"allocator events over one more step, gradients left out. Variants: k = keep (nothing "
             f"recomputed), p = the stage plan's allowance, l = the least recompute-curve point, c<k> = the "
             f"stage's bytes at the profile's k-th budget-ladder point (pipeline.stage_variants).")
