@@ -2,11 +2,19 @@
 
     results = run_ranks(check_something, 2, "gpt")   # check_something(rank, 2, "gpt") per rank
 
-``fn`` must be a module-level function (it is pickled by name into spawned processes; the tests
-directory is on ``sys.path`` in the children because spawn copies the parent's). Each child sets
-one intra-op thread, joins a gloo process group on 127.0.0.1, runs ``fn`` and sends back its
-pickled result or its traceback. The parent kills every child and raises AssertionError on the
-first failing rank, on a child that dies without reporting, or when ``timeout_s`` runs out.
+``fn`` must be a module-level function (it is pickled by name, and unpickled in each child once
+the child has the parent's ``sys.path``, environment and working directory of the moment). Each
+child sets one intra-op thread, joins a gloo process group on 127.0.0.1, runs ``fn`` and sends
+back its pickled result or its traceback. The parent kills every child and raises AssertionError
+on the first failing rank, on a child that dies without reporting, or when ``timeout_s`` runs out.
+
+On Linux the children are forked from a fork server that imported torch, dynamo, Inductor and
+lynx_compile once per pytest process (``PRELOAD``) instead of being spawned as fresh interpreters:
+spawn paid those imports (several seconds of CPU) again in every rank of every call, and a 4-rank
+call on two cores paid them twice over. Nothing else is shared between calls: each child is a
+fresh fork of the server, which only imports modules (it runs no test, collective or compile).
+What a module reads from the environment when it is imported is read in the server, which
+starts with the environment of the first call. Elsewhere the children are spawned.
 """
 from __future__ import annotations
 
@@ -24,6 +32,27 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+PRELOAD = ("torch._dynamo", "torch._inductor.compile_fx", "lynx_compile", "lynx_compile.models", "pyomo.environ")
+"""What the fork server imports (besides torch, which this module imports) before it forks any
+child: nearly all of what a child imports (dynamo and Inductor alone take seconds)."""
+
+_SERVER_FLAG = "LYNX_TESTS_DIST_FORKSERVER"
+"""Set only in the fork server's environment: this module, imported there, then imports PRELOAD."""
+
+
+def _preload() -> None:
+    """In the fork server: import PRELOAD. A module that fails to import is left to the children
+    (each then reports its own error); the server must not die of it."""
+    for name in PRELOAD:
+        try:
+            __import__(name)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+if os.environ.pop(_SERVER_FLAG, None):
+    _preload()
+
 # How long other ranks may keep reporting after the first failure, so that the report shows
 # every rank's error (the first one is usually the cause, the rest its consequences).
 _GRACE_S = 1.0
@@ -36,9 +65,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn: Callable, rank: int, world_size: int, port: int, timeout_s: float,
-           results: Any, args: tuple) -> None:
+def mp_context():
+    """The multiprocessing context ``run_ranks`` starts children with (for tests that start their
+    own): on Linux the fork server's, running with this module (so PRELOAD) imported and the
+    parent's ``sys.path`` (test modules importable), else spawn's."""
+    if not sys.platform.startswith("linux"):
+        return mp.get_context("spawn")
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    # The server is a fresh interpreter (``python -c``); before Python 3.13 it ignores the sys.path
+    # multiprocessing hands it, so it gets the parent's through PYTHONPATH, set while it starts.
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", _SERVER_FLAG)}
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    os.environ[_SERVER_FLAG] = "1"
     try:
+        forkserver.ensure_running()  # a no-op while it runs
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return ctx
+
+
+def _child(payload: bytes, parent: tuple, rank: int, world_size: int, port: int, timeout_s: float,
+           results: Any) -> None:
+    try:
+        # as a spawned child has them: the parent's path, environment and directory of the moment
+        sys_path, environ, cwd = parent
+        sys.path[:] = sys_path
+        for key in set(os.environ) - set(environ):
+            del os.environ[key]
+        os.environ.update(environ)
+        os.chdir(cwd)
+        fn, args = pickle.loads(payload)
         torch.set_num_threads(1)
         if sys.platform.startswith("linux"):
             # Keep gloo on loopback: the hostname may resolve to an address that is not.
@@ -65,13 +128,15 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120)
     if a child dies without a result, or with the missing ranks after ``timeout_s`` seconds
     (which also bounds the process group's collective timeout). Children are always killed.
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp_context()
     results = ctx.Queue()
     port = free_port()
+    payload = pickle.dumps((fn, args))  # unpickled in the child once sys.path is the parent's
+    parent = (list(sys.path), dict(os.environ), os.getcwd())
     procs = [
         # Not daemonic, so fn may start processes of its own (e.g. inductor's compile workers);
         # the finally below kills the children on every way out.
-        ctx.Process(target=_child, args=(fn, rank, world_size, port, timeout_s, results, args))
+        ctx.Process(target=_child, args=(payload, parent, rank, world_size, port, timeout_s, results))
         for rank in range(world_size)
     ]
     try:

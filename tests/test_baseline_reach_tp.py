@@ -6,8 +6,8 @@ higher and exposes no more recompute. And lynx at memory_budget=0.5 plans (the i
 BudgetError there on a 2-rank DTensor model) and the compiled step's gradients equal eager's on
 that rank. With several ranks torch's min-cut was no seed at all (its partition may differ per
 rank), so at torch@0.5's peak (0.49 of the no-recompute peak, below what lynx's optimizer
-reaches) lynx fell back to full: 246 us of exposed recompute against torch's 114 us. One spawn
-of both ranks runs everything (start-up would dominate otherwise).
+reaches) lynx fell back to full: 246 us of exposed recompute against torch's 114 us. One run
+of both ranks does everything.
 """
 from __future__ import annotations
 

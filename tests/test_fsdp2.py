@@ -136,11 +136,26 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("mode", ["whole", "per_block"])
-def test_fsdp2_trains_with_single_process_losses_and_recomputes_in_blocks(mode):
+MODES = ("whole", "per_block")
+
+
+def _train_modes(rank: int, world: int) -> dict:
+    """``_train_policies`` for each mode, one after the other in this rank's process."""
+    return {mode: _train_policies(rank, world, mode) for mode in MODES}
+
+
+@pytest.fixture(scope="module")
+def fsdp2_runs() -> list[dict]:
+    """Each rank's ``_train_modes``: one run of 2 ranks for both modes (a process's first
+    Inductor compile pays for warming Inductor up; if the run fails, both modes fail with it)."""
+    return run_ranks(_train_modes, 2, timeout_s=1100)
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("mode", MODES)
+def test_fsdp2_trains_with_single_process_losses_and_recomputes_in_blocks(mode, fsdp2_runs):
     ref_losses, ref_params = _reference()
-    results = run_ranks(_train_policies, 2, mode, timeout_s=570)
+    results = [r[mode] for r in fsdp2_runs]
     for policy in [p for p in POLICIES if p in results[0]]:
         runs = [r[policy] for r in results]
         for step, (got, want) in enumerate(zip(runs[0]["losses"], ref_losses)):

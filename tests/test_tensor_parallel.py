@@ -2,7 +2,7 @@
 
 Every rank builds the full model with the same seed, runs it as the reference, then builds it
 again, shards it and checks loss and reassembled gradients against the reference. Each test is
-one spawn of all ranks (process start-up dominates the runtime), grouping several checks.
+one run of all ranks (``_dist.run_ranks``), grouping several checks.
 """
 from __future__ import annotations
 

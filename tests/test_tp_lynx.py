@@ -1,8 +1,9 @@
 """lynx on tensor-parallel graphs, real gloo ranks: same numbers as one process, recompute
 placed inside the collectives' windows, ranks that agree on the plan, failures that say who.
 
-Each test is one spawn of all ranks; inside it every rank runs several configurations in turn
-(process start-up and compilation dominate the runtime).
+Each test is one run of all ranks (``_dist.run_ranks``); inside it every rank runs several
+configurations in turn (compilation dominates the runtime). The Inductor tests share one run
+(``inductor_runs``): each process's first Inductor compile pays for warming Inductor up.
 """
 from __future__ import annotations
 
@@ -13,10 +14,9 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import lynx_compile
-from _dist import free_port, run_ranks
+from _dist import free_port, mp_context, run_ranks
 from lynx_compile.distributed.tensor_parallel import (
     full_gradients,
     sync_sequence_parallel_grads,
@@ -87,11 +87,25 @@ def _lynx_tp_matches(rank, world, configs, compiler="eager"):
     return out
 
 
+TP_CONFIGS = {
+    2: [("gpt", False), ("gpt", True), ("llama", False), ("llama", True)],
+    4: [("gpt", False), ("llama", True)],
+}
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("tp", [2, 4])
 def test_lynx_tensor_parallel_matches_single_process(tp):
-    configs = [("gpt", False), ("gpt", True), ("llama", False), ("llama", True)]
-    results = run_ranks(_lynx_tp_matches, tp, configs, timeout_s=380)
+    """lynx's plan on the sharded graph gives the single-process loss and gradients, fits the
+    budget, recomputes inside the collectives' windows, and is the same plan on every rank.
+
+    TP=2 runs every model with and without sequence parallelism. TP=4 runs two of the four
+    (Megatron-style GPT, sequence-parallel Llama with one kv head per rank): what four ranks add
+    is the four-way shards of both models and both collective patterns (all-reduce; all-gather
+    and reduce-scatter) and the plan agreed on by four ranks, which those two cover; lynx's
+    passes see the same ops at either degree (only the shapes differ), and each of four
+    processes on two cores plans at half speed, so the other two doubled the test's time."""
+    results = run_ranks(_lynx_tp_matches, tp, TP_CONFIGS[tp], timeout_s=380)
     for per_rank in zip(*results):
         # every rank ran the same plan
         assert len({r["fingerprint"] for r in per_rank}) == 1, per_rank
@@ -178,7 +192,7 @@ def _train_until_rank1_dies(rank, world, port, path):
 
 @pytest.mark.timeout(120)
 def test_a_dead_rank_is_named_by_the_survivors(tmp_path):
-    ctx = mp.get_context("spawn")
+    ctx = mp_context()
     port = free_port()
     path = str(tmp_path / "rank0.txt")
     procs = [ctx.Process(target=_train_until_rank1_dies, args=(r, 2, port, path)) for r in range(2)]
@@ -198,11 +212,35 @@ def test_a_dead_rank_is_named_by_the_survivors(tmp_path):
     assert float(elapsed) < 60  # well within the 30 s process-group timeout plus start-up
 
 
-@pytest.mark.timeout(600)
-def test_lynx_tensor_parallel_under_inductor_matches_single_process():
+def _inductor_ranks(rank, world):
+    """What the Inductor tests below check, one after another in one process per rank:
+    ``matches`` (``_lynx_tp_matches`` under Inductor), then ``windows`` and ``no_windows``
+    (``_inductor_window_code`` with windows on and off). A part that raises stops the rank (the
+    others would wait in its collectives), naming the part."""
+    parts = {"matches": (_lynx_tp_matches, ([("gpt", False), ("llama", True)], "inductor")),
+             "windows": (_inductor_window_code, (True,)),
+             "no_windows": (_inductor_window_code, (False,))}
+    out = {}
+    for name, (fn, args) in parts.items():
+        try:
+            out[name] = fn(rank, world, *args)
+        except Exception as e:
+            raise RuntimeError(f"part {name!r} of _inductor_ranks failed on rank {rank}") from e
+    return out
+
+
+@pytest.fixture(scope="module")
+def inductor_runs():
+    """Rank 0's and 1's ``_inductor_ranks`` results: one run of 2 ranks for the module's
+    Inductor tests (if it fails, each of them fails with its error)."""
+    return run_ranks(_inductor_ranks, 2, timeout_s=1100)
+
+
+@pytest.mark.timeout(1200)
+def test_lynx_tensor_parallel_under_inductor_matches_single_process(inductor_runs):
     """TP=2 on gloo with the default compiler (Inductor): Megatron-style GPT and sequence-
     parallel Llama give the single-process loss and gradients, with recompute inside the budget."""
-    results = run_ranks(_lynx_tp_matches, 2, [("gpt", False), ("llama", True)], "inductor", timeout_s=580)
+    results = [r["matches"] for r in inductor_runs]
     for per_rank in zip(*results):
         r = per_rank[0]
         assert r["peak_fraction"] <= BUDGET + 0.02 and r["recomputed"], r
@@ -245,32 +283,35 @@ def _inductor_window_code(rank, world, windows, pin=True):
             real_pin(graph)
 
     lynx_inductor.pin_windows = counting_pin
-    cfg = CONFIGS["gpt"]
-    torch.manual_seed(0)
-    model = tensor_parallelize(build_model(cfg), dist.group.WORLD)
-    torch._dynamo.reset()
-    backend = lynx_compile.backend(policy="lynx", memory_budget=WINDOW_BUDGET, solver="highs", plan_cache=False,
-                                   hardware="cpu", link="pcie4", windows=windows)
-    compiled = torch.compile(model, backend=backend)
-    # no FX-graph cache: an earlier test compiling the same graph would serve it without running
-    # the post-grad passes (the code is the same; the count above would be empty)
-    with torch._inductor.config.patch(fx_graph_cache=False):
-        _, codes = run_and_get_code(lambda: compiled(_batch(cfg)).loss.backward())
+    try:
+        cfg = CONFIGS["gpt"]
+        torch.manual_seed(0)
+        model = tensor_parallelize(build_model(cfg), dist.group.WORLD)
+        torch._dynamo.reset()
+        backend = lynx_compile.backend(policy="lynx", memory_budget=WINDOW_BUDGET, solver="highs",
+                                       plan_cache=False, hardware="cpu", link="pcie4", windows=windows)
+        compiled = torch.compile(model, backend=backend)
+        # no FX-graph cache: an earlier compile of the same graph (in this process, or an earlier
+        # test or run) would serve it without running the post-grad passes (the code is the same;
+        # the count above would be empty)
+        with torch._inductor.config.patch(fx_graph_cache=False):
+            _, codes = run_and_get_code(lambda: compiled(_batch(cfg)).loss.backward())
+    finally:
+        lynx_inductor.pin_windows = real_pin
     moved = backend.records[-1].decisions.get("recompute_nodes_in_windows", 0)
     return {"inside": _kernels_inside_windows(codes[-1]), "moved": moved, "window_matmuls": window_matmuls,
             "matmuls_inside": _kernels_inside_windows(codes[-1], ("extern_kernels.",)),
             "ordered": codes[-1].count("Unsorted Source Nodes")}
 
 
-@pytest.mark.timeout(600)
-def test_inductor_keeps_recompute_inside_the_windows():
+@pytest.mark.timeout(1200)
+def test_inductor_keeps_recompute_inside_the_windows(inductor_runs):
     """Under Inductor, lynx's ``pin_windows`` post-grad pass adds ordering edges (torch's
     ``control_deps``): the wait runs after the window's recomputes, which run after the issue.
     Checked on the generated backward: every recomputed matmul the plan put in a window is an
     extern-kernel call between a collective's issue and its wait, and more kernels run inside
     windows than without them."""
-    with_windows = run_ranks(_inductor_window_code, 2, True, timeout_s=280)[0]
-    without = run_ranks(_inductor_window_code, 2, False, timeout_s=280)[0]
+    with_windows, without = inductor_runs[0]["windows"], inductor_runs[0]["no_windows"]
     assert with_windows["moved"] > 0 and without["moved"] == 0, (with_windows, without)
     assert with_windows["inside"] > without["inside"], (with_windows, without)
     assert with_windows["window_matmuls"] and with_windows["ordered"] > 0, with_windows
