@@ -28,7 +28,7 @@ def _memory(schedule):
                                    options=OPTIONS, ranks=2)
     top = max(s.peak_bytes for s in free.stages)
     orders = zero_bubble_orders(schedule, 2, 4, MICRO)
-    for level in (1.6, 1.5, 1.4, 1.3, 1.2, 1.1, 1.0, 0.9, 0.8):
+    for level in [k / 20 for k in range(40, 15, -1)]:  # 2.0 ... 0.8 (the stage plan refuses ZBV below ~1.05)
         try:
             plan = plan_stages(costs, 4, MICRO, int(level * top), schedule, ranks=2)
             sv = stage_variants(plan, costs, ranks=2)
