@@ -11,6 +11,14 @@ HiGHS's optimum).
 HiGHS runs through Pyomo's ``pyomo.contrib.solver`` interface (highspy 1.15), GLPK through the
 classic ``SolverFactory("glpk")`` shell interface; both load the incumbent when the time limit
 stops them, which ``solve_milp`` reports as status "feasible" with a note.
+
+Determinism (every rank of a torchrun job must reach the same plan, whatever its
+``PYTHONHASHSEED``): the models are built in unit-id order, i.e. graph order, and every HiGHS
+run is seeded (``SOLVER_SEED``, its ``random_seed`` option) rather than left to whatever a
+HiGHS options file or a Pyomo default says. GLPK's branch and bound draws no random numbers
+(``glpsol --seed`` only seeds MathProg models; lynx hands it an LP file), so it needs no seed.
+A solve stopped by its time limit is the one thing left that depends on the process: its
+incumbent depends on how fast the machine got there (status "feasible", with a note).
 """
 from __future__ import annotations
 
@@ -28,6 +36,8 @@ from typing import Callable, NamedTuple
 HIGHS_INSTALL = "pip install highspy"
 GLPK_INSTALL = "apt-get install -y glpk-utils"
 SOLVERS = ("highs", "glpk", "heu")
+SOLVER_SEED = 0
+"""HiGHS's ``random_seed`` in every lynx solve (Lynx-OPT and Lynx-HEU's small MILPs alike)."""
 
 
 class SolverChoice(NamedTuple):
@@ -208,7 +218,8 @@ def _run_highs(M, time_limit_s, mip_gap, progress: _Progress) -> Outcome:
         # log_to_console False: HiGHS prints nothing itself (its log comes through on_log)
         res = opt.solve(M, time_limit=time_limit_s, rel_gap=mip_gap, abs_gap=1e-7, load_solutions=False,
                         raise_exception_on_nonoptimal_result=False,
-                        solver_options={"mip_feasibility_tolerance": 1e-9, "log_to_console": False})
+                        solver_options={"mip_feasibility_tolerance": 1e-9, "log_to_console": False,
+                                        "random_seed": SOLVER_SEED})
     tc = res.termination_condition
     if tc in (TC.provenInfeasible, TC.infeasibleOrUnbounded):
         return Outcome("infeasible")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from .evaluate import DEMAND, KEEP, NONE, WINDOW, ProblemArrays
+from .milp_solvers import SOLVER_SEED
 
 RANKS = 2            # window ranks per position (the latest eligible windows)
 TIE_BREAK = 1e-6     # as in milp.py: prefer fewer kept bytes among equal-time plans
@@ -228,6 +229,7 @@ def solve_positions(arr: ProblemArrays, positions: list[np.ndarray], budget: int
 
     h = _quiet_highs(highspy)
     h.setOptionValue("output_flag", False)
+    h.setOptionValue("random_seed", SOLVER_SEED)          # same plan in every process
     h.setOptionValue("time_limit", float(time_limit_s))
     h.setOptionValue("mip_rel_gap", GAP)
     h.setOptionValue("mip_max_nodes", MAX_NODES)
