@@ -378,8 +378,9 @@ def summary(rows: Sequence[dict]) -> list[str]:
         if r["budget"] in ("none", "-"):
             continue
         head = f"{r['model']} {r['style']} {r['compiler']} budget {r['budget']}"
-        if r["budget"] == "min":
-            head += f" (= {r['budget_value']:g})" if r.get("budget_value") is not None else ""
+        if r["budget"] == "min" and r.get("budget_value") is not None:
+            head += f" (= {r['budget_value']:g}" + ("" if r.get("refusals") else
+                                                   ": the probe itself was accepted, nothing lower tried") + ")"
         if r["result"] != "ok":
             lines.append(f"{head}: {r['result'][:200]}")
             continue
@@ -453,7 +454,7 @@ def write(out: str, stem: str, rows: Sequence[dict], argv: Sequence[str], notes:
              "max over graphs. See `benchmarks/bench_budget.py` for the details.", ""]
     if not done:
         lines += [f"**Partial: the run was still going (or was stopped) when this was written; "
-                  f"{len(pending)} rows had not run (listed at the end).**", ""]
+                  f"{len(pending)} rows of its selection had not run (listed at the end).**", ""]
     lines += [markdown_table(table, MD_COLUMNS)]
     failed = [r for r in rows if r["result"] != "ok" or r.get("refusals")]
     if failed:
@@ -468,12 +469,14 @@ def write(out: str, stem: str, rows: Sequence[dict], argv: Sequence[str], notes:
     lines += [f"- {ln}" for ln in summary(table)] or ["- (nothing)"]
     if notes:
         lines += ["", *(f"Note: {n}" for n in notes)]
-    if not done and pending:
-        lines += ["", "Not run (model, style, compiler, budget):", "",
+    if pending:
+        lines += ["", f"Not run ({len(pending)} of the selection; model, style, compiler, budget):", "",
                   ", ".join(" ".join(p) for p in pending)]
     text = "\n".join(lines) + "\n"
-    with open(os.path.join(out, stem + ".md"), "w") as f:
+    tmp = os.path.join(out, f".{stem}.md.tmp")
+    with open(tmp, "w") as f:
         f.write(text)
+    os.replace(tmp, os.path.join(out, stem + ".md"))
     return text
 
 
@@ -513,8 +516,47 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--timeout", type=float, default=900, help="seconds per row process")
     p.add_argument("--out", default=RESULTS)
+    p.add_argument("--merge", type=lambda v: [x for x in v.split(",") if x], default=[], metavar="CSV,...",
+                   help="budget.csv files of earlier runs of this script: their rows join the table (a row "
+                        "run now replaces a merged one with the same model, style, compiler, budget); their "
+                        ".md's command, code and wall-time lines become notes")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: write the table of the --merge rows (rows of the selection that none "
+                        "of them has are listed as not run)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+INT_COLUMNS = ("graphs",)
+TEXT_COLUMNS = ("model", "style", "compiler", "budget", "result", "pred_graphs", "inductor_est_graphs", "tree",
+                "refusals")
+
+
+def load_rows(path: str) -> tuple[list[dict], list[str]]:
+    """Rows of an earlier run's CSV (numbers parsed back) and notes from its .md: the command,
+    the code line, the wall time."""
+    import csv
+
+    rows = []
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            row: dict[str, Any] = {}
+            for k, v in r.items():
+                if v == "":
+                    row[k] = None
+                elif k in TEXT_COLUMNS:
+                    row[k] = v
+                else:
+                    row[k] = int(float(v)) if k in INT_COLUMNS else float(v)
+            rows.append(row)
+    notes = []
+    md = os.path.splitext(path)[0] + ".md"
+    if os.path.exists(md):
+        with open(md) as f:
+            keep = [ln.strip() for ln in f if ln.startswith(("Command:", "Code measured:", "Note: wall time",
+                                                             "Note: code at the end", "**Partial"))]
+        notes.append(f"rows from `{path}`: " + " ".join(keep))
+    return rows, notes
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -539,16 +581,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     start, load = time.time(), os.getloadavg()
     rows: list[dict] = []
     notes: list[str] = []
-    if "torchtitan" in models:
+    key = lambda r: (r["model"], r["style"], r["compiler"], r["budget"])  # noqa: E731
+    for path in args.merge:
+        merged, more = load_rows(path)
+        rows += [r for r in merged if key(r) not in {key(x) for x in rows}]
+        notes += more
+    if args.merge:
+        info["git_state_start"] = ("rows from several runs (see the notes); this report written with "
+                                   + git_state())
+    if "torchtitan" in models and not any(r["model"] == "torchtitan" for r in rows):
         rows.append(torchtitan_row())
         print(f"torchtitan: {rows[-1]['result']}", file=sys.stderr)
     # compiler outermost (Inductor, the default, first), then style, then model: a run stopped
     # early has every model under the first styles rather than every style of the first models
     todo = [(m, st, c, b) for c in compilers for st in styles for m in models if m != "torchtitan" for b in budgets]
+    if args.report_only:
+        have = {key(r) for r in rows}
+        missing = [t for t in todo if t not in have]
+        order = {t: i for i, t in enumerate(todo)}
+        rows.sort(key=lambda r: order.get(key(r), -1))
+        print(write(args.out, stem, rows, argv, notes, env_line, done=True, pending=missing, **info))
+        return 0
     for i, (model, style, compiler, budget) in enumerate(todo):
         print(f"{model} {style} {compiler} {budget} ...", end=" ", file=sys.stderr, flush=True)
         row = measure(args, model, style, compiler, budget)
-        rows.append(row)
+        rows = [r for r in rows if key(r) != key(row)] + [row]
         print(row["result"][:300] if row["result"] != "ok" else
               f"act {row['act_MiB']:.4g} MiB, step {row['step_MiB']:.4g} MiB, {row['step_ms']:.4g} ms"
               f" ({row.get('wall_s', 0):.0f} s)", file=sys.stderr, flush=True)
