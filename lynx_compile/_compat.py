@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
 from typing import Any, Callable
 
 import torch
@@ -649,3 +650,18 @@ def min_cut_counts_script_objects_as_zero():
     if hasattr(_functorch_config, "unsafe_treat_script_objects_as_zero_size"):
         return _functorch_config.patch(unsafe_treat_script_objects_as_zero_size=True)
     return contextlib.nullcontext()
+
+
+def inductor_cache_dir() -> str:
+    """torch.compile's on-disk cache directory (``TORCHINDUCTOR_CACHE_DIR``, else torch's
+    default under the temp directory), where lynx keeps what must be the same in every process
+    of a machine (the calibrated CPU profile)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+    except ImportError:  # pragma: no cover - present on 2.11-2.13
+        import getpass
+        import tempfile
+
+        return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
+            tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    return cache_dir()

@@ -96,9 +96,11 @@ def realize(joint: fx.GraphModule, ctx: PassContext, decisions: Decisions, kw: d
     return Applied(decisions=decisions, fw=fw, bw=bw, mem=simulate_step(fw, bw, fused=inductor), record=ctx.record)
 
 
-def untagged_reference(joint: fx.GraphModule, joint_inputs: Any, kw: dict) -> StepMemory:
-    """The no-recompute reference: torch's default partition of the untagged joint (every
-    forward value the backward reads is saved). Budget fractions are fractions of its peak."""
+def untagged_reference(joint: fx.GraphModule, joint_inputs: Any, kw: dict, *, inductor: bool) -> StepMemory:
+    """The no-recompute reference of this compiler, whose peak budget fractions are of: the
+    untagged joint partitioned as ``partition_joint`` does (under Inductor torch.compile's own
+    min-cut partition, simulated as Inductor runs it: ``backend="inductor"``'s step; under the
+    eager compiler the default partition, every forward value the backward reads saved)."""
     clear_decision_tags(joint)
-    fw, bw = partition_joint(joint, joint_inputs, kw, inductor=False)
-    return simulate_step(fw, bw)
+    fw, bw = partition_joint(joint, joint_inputs, kw, inductor=inductor)
+    return simulate_step(fw, bw, fused=inductor)

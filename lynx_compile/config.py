@@ -9,9 +9,10 @@ import dataclasses
 import json
 import numbers
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
+
+from lynx_compile.budget import BUDGET_FORMS, check_budget, parse_budget  # noqa: F401 (re-exported)
 
 Policy = Literal["lynx", "none", "full", "selective", "torch"]
 Solver = Literal["auto", "glpk", "highs", "heu"]
@@ -35,10 +36,12 @@ class LynxConfig:
     ``activation_memory_budget`` (for side-by-side comparison)."""
 
     memory_budget: float | int | None = None
-    """Peak activation memory allowed: a float in (0, 1] is a fraction of the no-recompute
-    peak, an int is bytes per device. For ``torch`` it is handed to torch's
-    ``activation_memory_budget`` (default 1.0); for ``none``/``full``/``selective`` it is a check:
-    a plan predicted above the budget is an error naming the smallest reachable budget."""
+    """The step's peak activation memory allowed (``lynx_compile.budget``): the bytes a training
+    step allocates above what is allocated when it starts (parameter gradients aside). A float in (0, 1] is a fraction of the no-recompute peak of the
+    same compiler (under Inductor: torch.compile's own step); bytes are an int or a string with
+    a unit (``"48MiB"``, ``"2GiB"``; kept as int bytes). For ``torch`` a fraction is handed to
+    torch's ``activation_memory_budget`` (default 1.0); for ``none``/``full``/``selective`` it is
+    a check. A budget no plan reaches is a ``BudgetError`` naming the smallest reachable one."""
 
     solver: Solver = "auto"
     """Optimizer for ``policy="lynx"``: ``glpk`` / ``highs`` solve the MILP (Lynx-OPT), ``heu``
@@ -183,7 +186,7 @@ def make_config(options: dict[str, Any] | None = None) -> LynxConfig:
             raise ValueError(f"{key}={value!r} is not valid; choose one of {list(_choices(key))}")
     _check_types(options)
     if "memory_budget" in options:
-        options["memory_budget"] = _check_budget(options["memory_budget"])
+        options["memory_budget"] = check_budget(options["memory_budget"])
     if "disable_passes" in options:
         options["disable_passes"] = _check_passes(options["disable_passes"])
     if options.get("plan") is not None:
@@ -308,47 +311,6 @@ def check_plan_file(path: str, what: str = "plan") -> list[dict[str, Any]]:
         raise ValueError(f"{what}={path!r} is not a lynx plan file (expected a plan or a list of plans, "
                          f"each with a 'graph_hash'); {fix}")
     return plans
-
-
-BUDGET_FORMS = ("a fraction of the no-recompute peak in (0, 1] (e.g. 0.5), or bytes with a unit "
-                "(e.g. 48MiB, 2GiB, 512KB, 1000000B)")
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_BUDGET_RE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*")
-
-
-def parse_budget(text: str) -> float | int:
-    """A memory budget written by a person (command line): ``"0.5"`` → 0.5 (a fraction, float),
-    ``"48MiB"`` → 50331648 (bytes, int). Anything else — a bare number above 1 included
-    (``"2"`` is never meant as 2 bytes) — is a ``ValueError`` naming the accepted forms."""
-    m = _BUDGET_RE.fullmatch(text)
-    unit = m.group(2).lower() if m else ""
-    if m and not unit:
-        value = float(m.group(1))
-        if 0.0 < value <= 1.0:
-            return value
-        raise ValueError(f"memory budget {text!r} is not a fraction in (0, 1] (bytes need a unit); "
-                         f"use {BUDGET_FORMS}")
-    if m and unit in _UNITS:
-        nbytes = int(round(float(m.group(1)) * _UNITS[unit]))
-        if nbytes > 0:
-            return nbytes
-    raise ValueError(f"memory budget {text!r} is not understood; use {BUDGET_FORMS}")
-
-
-def _check_budget(budget: Any) -> float | int | None:
-    if budget is None:
-        return None
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise ValueError(f"memory_budget must be a float in (0, 1] or an int number of bytes, got {budget!r}")
-    if isinstance(budget, float):
-        if not 0.0 < budget <= 1.0:
-            raise ValueError(f"memory_budget={budget} as a fraction must lie in (0, 1]; "
-                             "pass an int for bytes per device")
-        return budget
-    if budget <= 0:
-        raise ValueError(f"memory_budget={budget} bytes must be positive")
-    return int(budget)
 
 
 def budget_argument(text: str) -> float | int:

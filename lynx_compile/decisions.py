@@ -20,7 +20,14 @@ from typing import Any, Iterator, Union
 
 
 class BudgetError(ValueError):
-    """The memory budget is below what the chosen policy (or any policy) reaches."""
+    """The memory budget is below what the chosen policy (or any policy) reaches. Raised through
+    ``lynx_compile.budget.budget_error``: ``smallest_bytes`` is the smallest peak known to be
+    reachable (None when not known), ``why`` the reason without the budget and the fix."""
+
+    def __init__(self, message: str, *, smallest_bytes: int | None = None, why: str = ""):
+        super().__init__(message)
+        self.smallest_bytes = smallest_bytes
+        self.why = why or message
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ The same model (same weights, same batch, dropout 0, fp32) runs forward + loss +
 
     eager                         eager, torch.utils.checkpoint per block
     torch.compile                 torch.compile + activation_memory_budget=0.5
-    lynx none / selective / full  lynx torch (budget 0.5)    lynx at budgets 0.7 and 0.5
+    lynx none / selective / full  lynx torch (budget 0.5)    lynx at budgets 0.7 and 0.6
 
 each measured the same way (``lynx_compile.variants.run_variant``, also what
 ``benchmarks/bench_step.py`` uses): the first step compiles and its gradients are compared with
@@ -30,7 +30,7 @@ from lynx_compile.report import environment, human_bytes, markdown_table
 from lynx_compile.variants import GRAD_RTOL, describe, plot_pareto, run_variant, under_inductor
 
 DEMO_VARIANTS = ("eager", "checkpoint", "inductor", "inductor-b0.5", "lynx-none", "lynx-selective", "lynx-full",
-                 "lynx-torch-b0.5", "lynx-b0.7", "lynx-b0.5")
+                 "lynx-torch-b0.5", "lynx-b0.7", "lynx-b0.6")
 DEMO_MODEL, DEMO_BATCH = "gpt-tiny", 2
 """The default size: the ten variants (eight compiles) take about 100 s on two busy CPU cores;
 the compiles are nearly all of it (a 4-layer model takes twice as long)."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from lynx_compile.apply import Applied, realize
+from lynx_compile.budget import Budget, budget_error
 from lynx_compile.config import LynxConfig
 from lynx_compile.decisions import KEEP, BudgetError, Decisions
 from lynx_compile.passes import PassContext
@@ -111,14 +112,13 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, base_fw: fx.GraphModule, 
                                   mip_gap=cfg.mip_gap, progress=lambda line: log.info("lynx: %s", line))
             except InfeasibleBudget as e:
                 if applied is not None:  # a re-solve round, not the budget itself
-                    need = max(applied.mem.peak_bytes, e.smallest) / problem.reference_peak
-                    raise BudgetError(
-                        f"memory_budget={cfg.memory_budget!r} ({budget} B) is at the edge of what can "
-                        f"be reached: the smallest reachable peak in the optimizer's model is "
-                        f"{e.smallest} B, and the plan solved for this budget peaked at "
-                        f"{applied.mem.peak_bytes} B when the rewritten graphs were simulated exactly. "
-                        f"Use memory_budget >= {need:.3f}.") from e
-                raise BudgetError(_infeasible_message(cfg, budget, e, problem)) from e
+                    raise budget_error(
+                        Budget.of(cfg.memory_budget), problem.reference_peak,
+                        max(applied.mem.peak_bytes, e.smallest),
+                        f"at the edge of what can be reached: the smallest reachable peak in the "
+                        f"optimizer's model is {e.smallest} B, and the plan solved for this budget peaked "
+                        f"at {applied.mem.peak_bytes} B when the rewritten graphs were simulated exactly") from e
+                raise _infeasible(cfg, e, problem) from e
             decisions, solver, status, exposed = unit_decisions(problem, index, sol), sol.solver, sol.status, sol.exposed_s
             solve_s += sol.solve_s
             model_peak = sol.peak_bytes
@@ -135,9 +135,8 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, base_fw: fx.GraphModule, 
         target = min(target, model_peak) - max(peak - budget, budget // 200)
         decisions = None
     else:
-        raise BudgetError(f"memory_budget={cfg.memory_budget!r} ({budget} B): after {MAX_ROUNDS} "
-                          f"rounds the best plan still peaks at {applied.mem.peak_bytes} B; use a budget "
-                          f">= {applied.mem.peak_bytes / problem.reference_peak:.3f}")
+        raise budget_error(Budget.of(cfg.memory_budget), problem.reference_peak, applied.mem.peak_bytes,
+                           f"after {MAX_ROUNDS} rounds the best plan still peaks at {applied.mem.peak_bytes} B")
     source = decisions.source
     if source == "solver" and cfg.plan_cache:
         _CACHE[key] = (decisions, solver, status, exposed)
@@ -147,9 +146,6 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, base_fw: fx.GraphModule, 
                        solve_s=solve_s)
 
 
-def _infeasible_message(cfg: LynxConfig, budget: int | None, e: InfeasibleBudget, problem: RematProblem) -> str:
-    ref = problem.reference_peak or 1
-    return (f"memory_budget={cfg.memory_budget!r} ({budget} B) is below what can be reached: the "
-            f"smallest reachable peak is {e.smallest} B = {e.smallest / ref:.3f} of the "
-            f"no-recompute peak ({problem.reference_peak} B). Use memory_budget >= "
-            f"{e.smallest / ref:.3f} (or >= {e.smallest} bytes).")
+def _infeasible(cfg: LynxConfig, e: InfeasibleBudget, problem: RematProblem) -> BudgetError:
+    return budget_error(Budget.of(cfg.memory_budget), problem.reference_peak, e.smallest,
+                        "below what can be reached in the optimizer's model")

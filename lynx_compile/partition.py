@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from lynx_compile import _compat
 from lynx_compile.apply import Applied, untagged_reference
+from lynx_compile.budget import Budget, budget_error as refuse
 from lynx_compile.config import LynxConfig
 from lynx_compile.decide import budget_error, decide, decide_piece, smallest_reachable
 from lynx_compile.decisions import BudgetError
@@ -34,10 +35,8 @@ __all__ = ["BudgetError", "lynx_partition", "build_plan", "segment_costs"]
 
 
 def _budget_bytes(config: LynxConfig, reference_peak: int) -> int | None:
-    b = config.memory_budget
-    if b is None:
-        return None
-    return int(b * reference_peak) if isinstance(b, float) else int(b)
+    budget = Budget.of(config.memory_budget)
+    return None if budget is None else budget.bytes_of(reference_peak)
 
 
 def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
@@ -45,9 +44,9 @@ def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs:
                    static_lifetime_input_indices: list[int] | None = None, **_: Any):
     """Partition ``joint`` into (fw, bw) under ``config.policy``; fills ``record.plan``."""
     kw = dict(num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static_lifetime_input_indices)
-    # The reference saves every forward value the backward reads of the graph as traced:
+    # The reference is this compiler's no-recompute step (torch.compile's own under Inductor):
     # budgets are fractions of its peak (of its saved bytes for a piece of a model).
-    reference = untagged_reference(joint, joint_inputs, kw)
+    reference = untagged_reference(joint, joint_inputs, kw, inductor=config.compiler == "inductor")
     joint = _compat.canonicalize_joint(joint)
     ctx = PassContext(config=config, record=record, num_fwd_outputs=num_fwd_outputs,
                       joint_inputs=joint_inputs,
@@ -75,10 +74,11 @@ def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs:
             record.decisions["plan_fingerprint"] = check_plan_agreement(record.plan, record.graph_id)
 
     if budget is not None and piece and mem.saved_bytes > budget and config.policy != "lynx":
-        raise BudgetError(f"memory_budget={config.memory_budget!r}: this graph is one block or a piece of a "
-                          f"model, where the budget applies to the activations it saves ({budget} B of "
-                          f"{reference.saved_bytes} B); policy {config.policy!r} saves {mem.saved_bytes} B. "
-                          "Use policy 'lynx' (it picks the cheapest plan that fits) or a larger budget.")
+        raise refuse(Budget.of(config.memory_budget), reference.saved_bytes, None,
+                     f"this graph is one block or a piece of a model, where the budget applies to the "
+                     f"activations it saves ({budget} B of {reference.saved_bytes} B); policy {config.policy!r} "
+                     f"saves {mem.saved_bytes} B. Use policy 'lynx' (it picks the cheapest plan that fits) "
+                     "or a larger budget")
     if budget is not None and not piece and mem.peak_bytes > budget:
         if config.policy == "torch":
             frac = min(1.0, budget / reference.peak_bytes)
@@ -88,9 +88,10 @@ def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs:
             log.warning("lynx: %s", msg)
             record.notes.append(msg)
         elif config.policy == "lynx":  # only a plan from a file can get here
-            raise BudgetError(f"the plan in {config.plan!r} peaks at {mem.peak_bytes} B, above the "
-                              f"budget {budget} B; re-plan with `lynx plan --policy lynx --memory-budget "
-                              f"{config.memory_budget} --out {config.plan}`")
+            raise refuse(Budget.of(config.memory_budget), reference.peak_bytes, None,
+                         f"the plan in {config.plan!r} peaks at {mem.peak_bytes} B, above the budget; "
+                         f"re-plan with `lynx plan --policy lynx --memory-budget {config.memory_budget} "
+                         f"--out {config.plan}`")
         else:
             smallest = smallest_reachable(joint, ctx, kw, reference.peak_bytes)
             raise budget_error(config, budget, reference.peak_bytes, smallest, mem.peak_bytes)

@@ -131,11 +131,13 @@ def test_loss_only_graph_meets_any_budget_and_never_errors():
     assert plan.budget_scope == "saved" and plan.saved_bytes <= plan.budget_bytes
 
 
-def test_hf_gpt2_with_labels_at_half_budget():
+def test_hf_gpt2_with_labels_under_a_budget():
     """HF ``GPT2LMHeadModel(...)(x, labels=x)``: transformers breaks the graph before the loss;
     the loss graph is a piece of the model and no longer makes every budget fail. Gradients
     equal eager's; the measured step peak is below policy none's. (transformers is not a
-    dependency: skipped without it.)"""
+    dependency: skipped without it.) Budget 0.65: since a fraction is of torch.compile's own
+    step (issue M) this model reaches no less than 0.548 of it (0.5 was reachable against the
+    unfused reference)."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=2, n_head=4,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -144,7 +146,7 @@ def test_hf_gpt2_with_labels_at_half_budget():
     model = transformers.GPT2LMHeadModel(cfg)
     ref, none_model = copy.deepcopy(model), copy.deepcopy(model)
     x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
-    backend = LynxBackend(make_config({"policy": "lynx", "memory_budget": 0.5, "plan_cache": False}))
+    backend = LynxBackend(make_config({"policy": "lynx", "memory_budget": 0.65, "plan_cache": False}))
     compiled = torch.compile(model, backend=backend)
     loss = compiled(x, labels=x).loss
     loss.backward()

@@ -21,6 +21,10 @@ Cases (gpt-tiny, dropout 0.1 so the RNG replay is in the graphs; each plan-only,
   them is the plan).
 - ``tp``: two tensor-parallel ranks (a fake process group, meta device) at 0.7: recompute placed
   in the collectives' communication windows.
+- ``cpu``: the default ``hardware="auto"`` on this CPU-only machine at 0.8: the CPU is timed
+  once per machine (``costs.hardware.cpu_profile_cache_path``, here a fresh file the three
+  processes start on together: one measures under a file lock, the others read its profile).
+  Before that file, each process timed the CPU itself and planned from its own costs.
 
 A case whose budget no plan reaches records the ``BudgetError`` message, which must be the same
 in every process too.
@@ -38,7 +42,7 @@ import pytest
 HASH_SEEDS = ("1", "2", "3")
 HARDWARE = "h100-sxm"
 LINK = "nvlink4"
-CASES = ("inductor", "eager", "tp")
+CASES = ("inductor", "eager", "tp", "cpu")
 
 
 TIMINGS = ("plan_time_s", "solve_s")
@@ -101,6 +105,9 @@ def plan_case(case: str) -> list:
         model, x = _gpt_tiny()
         return _plan_variants(model, (x,), [{"memory_budget": 0.7}, {"memory_budget": 0.65, "offload": True},
                                             {"memory_budget": 0.6}], hardware=HARDWARE, compiler="eager")
+    if case == "cpu":
+        model, x = _gpt_tiny()
+        return _plan_variants(model, (x,), [{"memory_budget": 0.8}])
     if case == "tp":
         import torch
         import torch.distributed as dist
@@ -121,8 +128,8 @@ def plan_case(case: str) -> list:
     raise ValueError(f"unknown case {case!r}")
 
 
-def _run(seed: str) -> dict:
-    env = {**os.environ, "PYTHONHASHSEED": seed, "OMP_NUM_THREADS": "1"}
+def _run(seed: str, profile: str) -> dict:
+    env = {**os.environ, "PYTHONHASHSEED": seed, "OMP_NUM_THREADS": "1", "LYNX_CPU_PROFILE": profile}
     out = subprocess.run([sys.executable, __file__, *CASES], env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, f"PYTHONHASHSEED={seed}: planner failed\n{out.stderr[-4000:]}"
@@ -130,9 +137,10 @@ def _run(seed: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def plans_by_seed() -> dict[str, dict]:
+def plans_by_seed(tmp_path_factory) -> dict[str, dict]:
+    profile = str(tmp_path_factory.mktemp("machine") / "cpu_profile.json")  # not measured yet
     with ThreadPoolExecutor(len(HASH_SEEDS)) as pool:
-        return dict(zip(HASH_SEEDS, pool.map(_run, HASH_SEEDS)))
+        return dict(zip(HASH_SEEDS, pool.map(_run, HASH_SEEDS, [profile] * len(HASH_SEEDS))))
 
 
 def _diff(a, b, path: str = "") -> str:
@@ -163,7 +171,7 @@ def test_cases_plan_what_they_cover(plans_by_seed):
     recompute placed in communication windows."""
     plans = plans_by_seed[HASH_SEEDS[0]]
     inductor, eager, tp = plans["inductor"], plans["eager"], plans["tp"]
-    assert all("error" not in v for v in inductor + eager[:2] + tp), json.dumps(plans)[:2000]
+    assert all("error" not in v for v in inductor + eager[:2] + tp + plans["cpu"]), json.dumps(plans)[:2000]
     assert eager[1][0]["counts"]["offload"] > 0
     assert tp[0][0]["counts"]["window"] > 0
 

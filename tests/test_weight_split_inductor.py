@@ -24,8 +24,9 @@ def _worst(model, ref):
                for p, q in zip(model.parameters(), ref.parameters()))
 
 
+# llama-tiny at 0.6: a fraction is of torch.compile's own step (issue M), of which it reaches 0.548
 @pytest.mark.parametrize("name,options", [("gpt-tiny", {"policy": "full"}),
-                                          ("llama-tiny", {"policy": "lynx", "memory_budget": 0.5, "solver": "heu"})])
+                                          ("llama-tiny", {"policy": "lynx", "memory_budget": 0.6, "solver": "heu"})])
 def test_deferred_weight_gradients_equal_eager_under_inductor(name, options):
     model, ref = _models(name)
     x = example_batch(model, 2)

@@ -10,9 +10,11 @@ measured on this machine by :func:`calibrate_cpu_profile` (a couple of seconds, 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import tempfile
 import statistics
 import time
 from dataclasses import asdict, dataclass, replace
@@ -165,8 +167,22 @@ DATASHEET_PROFILES: dict[str, HardwareProfile] = {
 #: PCIe 5 x16 64 GB/s, NVLink-C2C 900 GB/s total = 450 GB/s per direction).
 HOST_LINKS: dict[str, float] = {"pcie4": 25e9, "pcie5": 50e9, "nvlink-c2c": 450e9}
 
-#: Opt-in on-disk cache for the calibrated CPU profile.
+#: An on-disk cache for the calibrated CPU profile outside torch's cache directory (opt-in).
 DEFAULT_CPU_PROFILE_CACHE = Path("~/.cache/lynx_compile/cpu_profile.json").expanduser()
+_MACHINE_CACHE = object()  # calibrate_cpu_profile's default: cpu_profile_cache_path()
+
+
+def cpu_profile_cache_path() -> Path:
+    """Where the calibrated CPU profile is kept for every process of this machine:
+    ``$LYNX_CPU_PROFILE`` if set, else ``lynx/cpu_profile.json`` under torch.compile's cache
+    directory (``TORCHINDUCTOR_CACHE_DIR``; ``torch._inductor.utils.fresh_cache()`` gives a
+    fresh one). Plans are priced by this profile: measured once and shared, every process
+    plans the same graph alike (issue M: a profile timed per process gave each its own plan).
+    Delete the file to measure the CPU again."""
+    from lynx_compile import _compat
+
+    env = os.environ.get("LYNX_CPU_PROFILE")
+    return Path(env).expanduser() if env else Path(_compat.inductor_cache_dir()) / "lynx" / "cpu_profile.json"
 
 _cpu_profiles: dict[str, HardwareProfile] = {}  # per-process calibration cache, by machine key
 
@@ -176,7 +192,7 @@ def _cpu_key() -> str:
 
 
 def calibrate_cpu_profile(
-    seconds_budget: float = 1.5, *, cache_file: str | os.PathLike | None = None, force: bool = False
+    seconds_budget: float = 1.5, *, cache_file: Any = _MACHINE_CACHE, force: bool = False
 ) -> HardwareProfile:
     """Measure this CPU and return it as the ``"cpu"`` profile (cached per process).
 
@@ -185,26 +201,55 @@ def calibrate_cpu_profile(
     (median time of a 1-element add). Takes about ``seconds_budget`` seconds at most (plus
     one-time warm-up). The numbers are achieved rates, so both efficiency factors are 1.0.
 
-    ``cache_file`` (e.g. ``DEFAULT_CPU_PROFILE_CACHE``) also persists the result as JSON keyed
-    by torch version, CPU count and torch thread count; ``force`` re-measures.
+    ``cache_file`` persists the result as JSON keyed by torch version, CPU count and torch
+    thread count, read back by later processes (default :func:`cpu_profile_cache_path`, shared
+    by the machine's processes; None: this process only); ``force`` re-measures.
     """
     key = _cpu_key()
     if not force and key in _cpu_profiles:
         return _cpu_profiles[key]
+    if cache_file is _MACHINE_CACHE:
+        cache_file = cpu_profile_cache_path()
     path = Path(cache_file).expanduser() if cache_file is not None else None
-    if not force and path is not None and path.exists():
-        try:
-            stored = json.loads(path.read_text())
-            if key in stored:
-                _cpu_profiles[key] = HardwareProfile.from_dict(stored[key])
-                return _cpu_profiles[key]
-        except (OSError, ValueError, TypeError, KeyError) as e:
-            log.warning("ignoring unreadable CPU profile cache %s: %s", path, e)
-    profile = _measure_cpu(seconds_budget)
-    _cpu_profiles[key] = profile
-    if path is not None:
-        _write_cache(path, key, profile)
+    with _machine_lock(path):  # processes starting together: one measures, the others read it
+        if not force and path is not None and path.exists():
+            try:
+                stored = json.loads(path.read_text())
+                if key in stored:
+                    _cpu_profiles[key] = HardwareProfile.from_dict(stored[key])
+                    return _cpu_profiles[key]
+            except (OSError, ValueError, TypeError, KeyError) as e:
+                log.warning("ignoring unreadable CPU profile cache %s: %s", path, e)
+        profile = _measure_cpu(seconds_budget)
+        _cpu_profiles[key] = profile
+        if path is not None:
+            _write_cache(path, key, profile)
     return profile
+
+
+@contextlib.contextmanager
+def _machine_lock(path: Path | None):
+    """An exclusive lock on ``<path>.lock`` (POSIX ``flock``) while the block runs; nothing when
+    ``path`` is None, the platform has no ``fcntl`` or the lock file cannot be made."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        fcntl = None
+    if path is None or fcntl is None:
+        yield
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path.with_name(path.name + ".lock"), "a")
+    except OSError:
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _measure_cpu(budget: float) -> HardwareProfile:
@@ -266,9 +311,12 @@ def _write_cache(path: Path, key: str, profile: HardwareProfile) -> None:
     except (OSError, ValueError):
         stored = {}
     stored[key] = profile.to_dict()
-    try:
+    try:  # atomic: a process reading it meanwhile (another rank) sees the old file or the new one
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(stored, indent=2))
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(stored, indent=2))
+        os.replace(tmp, path)
     except OSError as e:
         log.warning("could not write CPU profile cache %s: %s", path, e)
 
