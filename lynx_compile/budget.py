@@ -102,9 +102,6 @@ class Budget:
         """The budget in bytes, against the no-recompute ``reference`` peak."""
         return int(self.fraction * reference) if self.fraction is not None else int(self.nbytes)
 
-    def fraction_of(self, reference: int) -> float:
-        return self.fraction if self.fraction is not None else (self.nbytes / reference if reference else 1.0)
-
     def __str__(self) -> str:
         return f"{self.fraction:g}" if self.fraction is not None else repr(format_bytes(self.nbytes))
 

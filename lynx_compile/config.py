@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from lynx_compile.budget import BUDGET_FORMS, check_budget, parse_budget  # noqa: F401 (re-exported)
+from lynx_compile.budget import BUDGET_FORMS, Budget, check_budget, parse_budget  # noqa: F401 (re-exported)
 
 Policy = Literal["lynx", "none", "full", "selective", "torch"]
 Solver = Literal["auto", "glpk", "highs", "heu"]
@@ -37,9 +37,10 @@ class LynxConfig:
 
     memory_budget: float | int | None = None
     """The step's peak activation memory allowed (``lynx_compile.budget``): the bytes a training
-    step allocates above what is allocated when it starts (parameter gradients aside). A float in (0, 1] is a fraction of the no-recompute peak of the
-    same compiler (under Inductor: torch.compile's own step); bytes are an int or a string with
-    a unit (``"48MiB"``, ``"2GiB"``; kept as int bytes). For ``torch`` a fraction is handed to
+    step allocates above what is allocated when it starts (parameter gradients aside). A float
+    in (0, 1] is a fraction of the no-recompute peak of the same compiler (under Inductor:
+    torch.compile's own step); bytes are an int or a string with a unit (``"48MiB"``,
+    ``"2GiB"``; kept as int bytes). For ``torch`` a fraction is handed to
     torch's ``activation_memory_budget`` (default 1.0); for ``none``/``full``/``selective`` it is
     a check. A budget no plan reaches is a ``BudgetError`` naming the smallest reachable one."""
 
@@ -160,6 +161,11 @@ class LynxConfig:
 
     verbose: bool = field(default_factory=lambda: os.environ.get("LYNX_DEBUG", "") not in ("", "0"))
     """Log each graph's decisions at INFO (default: ``$LYNX_DEBUG``)."""
+
+    @property
+    def budget(self) -> Budget | None:
+        """``memory_budget`` as the one ``Budget`` value every check uses (None: no budget)."""
+        return Budget.of(self.memory_budget)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

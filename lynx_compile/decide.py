@@ -25,6 +25,7 @@ import torch.fx as fx
 
 from lynx_compile import _compat
 from lynx_compile.apply import Applied, partition_joint, realize, scratch_context
+from lynx_compile.budget import budget_error as refuse
 from lynx_compile.decisions import BudgetError, Decisions, Window
 from lynx_compile.distributed.agreement import gather_values, planning_world_size
 from lynx_compile.passes import APPLY_PIPELINE, PassContext, meta, run_passes
@@ -200,8 +201,6 @@ def seed_with_baselines(joint, ctx: PassContext, kw: dict, budget: int, referenc
                 solve_s=outcome.solve_s if outcome else 0.0))
     ctx.record.decisions["candidates"] = {k: {"exposed_s": e, "peak_bytes": b} for k, (e, b) in scores.items()}
     if best is None:
-        from lynx_compile.budget import Budget, budget_error as refuse
-
         tried = ", ".join(f"{k} {b / reference_peak:.3f}" for k, (_, b) in scores.items())
         smallest = getattr(failure, "smallest_bytes", None)
         why = f"no plan reaches it. lynx's optimizer: {getattr(failure, 'why', failure)}. Baselines tried as " \
@@ -216,7 +215,7 @@ def seed_with_baselines(joint, ctx: PassContext, kw: dict, budget: int, referenc
                 why += (": recompute cannot lower it, the bytes live there are the step's working set "
                         "(e.g. the logits, the loss, the parameter gradients the backward returns), not "
                         "saved activations")
-        raise refuse(Budget.of(ctx.config.memory_budget), reference_peak, smallest, why) from failure
+        raise refuse(ctx.config.budget, reference_peak, smallest, why) from failure
     if best[0] != "lynx":
         why = (f"lynx's optimizer found no plan under this budget ({failure})" if outcome is None else
                f"lynx's own plan exposes {scores['lynx'][0] * 1e3:.3g} ms of recompute")
@@ -294,11 +293,9 @@ def smallest_reachable(joint, ctx: PassContext, kw: dict, reference_peak: int) -
     return best, peaks[best]
 
 
-def budget_error(config, budget, reference_peak, smallest, predicted) -> BudgetError:
-    """The refusal of a baseline policy's plan above the budget (``lynx_compile.budget``)."""
-    from lynx_compile.budget import Budget, budget_error as refuse
-
+def budget_error(config, reference_peak, smallest, predicted) -> BudgetError:
+    """The refusal of a baseline policy's plan above the budget (``lynx_compile.budget``);
+    ``smallest``: (policy, peak) of :func:`smallest_reachable`."""
     policy, peak = smallest
     have = f"policy {config.policy!r} predicts a peak of {predicted} B; " if predicted is not None else ""
-    return refuse(Budget.of(config.memory_budget), reference_peak, peak,
-                  f"{have}the smallest reachable peak is {peak} B, with policy {policy!r}")
+    return refuse(config.budget, reference_peak, peak, f"{have}the lowest peak is reached with policy {policy!r}")

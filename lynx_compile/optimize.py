@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from lynx_compile.apply import Applied, realize
-from lynx_compile.budget import Budget, budget_error
+from lynx_compile.budget import budget_error
 from lynx_compile.config import LynxConfig
 from lynx_compile.decisions import KEEP, BudgetError, Decisions
 from lynx_compile.passes import PassContext
@@ -113,7 +113,7 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, base_fw: fx.GraphModule, 
             except InfeasibleBudget as e:
                 if applied is not None:  # a re-solve round, not the budget itself
                     raise budget_error(
-                        Budget.of(cfg.memory_budget), problem.reference_peak,
+                        cfg.budget, problem.reference_peak,
                         max(applied.mem.peak_bytes, e.smallest),
                         f"at the edge of what can be reached: the smallest reachable peak in the "
                         f"optimizer's model is {e.smallest} B, and the plan solved for this budget peaked "
@@ -135,7 +135,7 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, base_fw: fx.GraphModule, 
         target = min(target, model_peak) - max(peak - budget, budget // 200)
         decisions = None
     else:
-        raise budget_error(Budget.of(cfg.memory_budget), problem.reference_peak, applied.mem.peak_bytes,
+        raise budget_error(cfg.budget, problem.reference_peak, applied.mem.peak_bytes,
                            f"after {MAX_ROUNDS} rounds the best plan still peaks at {applied.mem.peak_bytes} B")
     source = decisions.source
     if source == "solver" and cfg.plan_cache:
@@ -147,5 +147,5 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, base_fw: fx.GraphModule, 
 
 
 def _infeasible(cfg: LynxConfig, e: InfeasibleBudget, problem: RematProblem) -> BudgetError:
-    return budget_error(Budget.of(cfg.memory_budget), problem.reference_peak, e.smallest,
+    return budget_error(cfg.budget, problem.reference_peak, e.smallest,
                         "below what can be reached in the optimizer's model")

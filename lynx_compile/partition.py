@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from lynx_compile import _compat
 from lynx_compile.apply import Applied, untagged_reference
-from lynx_compile.budget import Budget, budget_error as refuse
+from lynx_compile.budget import budget_error as refuse
 from lynx_compile.config import LynxConfig
 from lynx_compile.decide import budget_error, decide, decide_piece, smallest_reachable
 from lynx_compile.decisions import BudgetError
@@ -35,8 +35,7 @@ __all__ = ["BudgetError", "lynx_partition", "build_plan", "segment_costs"]
 
 
 def _budget_bytes(config: LynxConfig, reference_peak: int) -> int | None:
-    budget = Budget.of(config.memory_budget)
-    return None if budget is None else budget.bytes_of(reference_peak)
+    return None if config.budget is None else config.budget.bytes_of(reference_peak)
 
 
 def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
@@ -74,7 +73,7 @@ def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs:
             record.decisions["plan_fingerprint"] = check_plan_agreement(record.plan, record.graph_id)
 
     if budget is not None and piece and mem.saved_bytes > budget and config.policy != "lynx":
-        raise refuse(Budget.of(config.memory_budget), reference.saved_bytes, None,
+        raise refuse(config.budget, reference.saved_bytes, None,
                      f"this graph is one block or a piece of a model, where the budget applies to the "
                      f"activations it saves ({budget} B of {reference.saved_bytes} B); policy {config.policy!r} "
                      f"saves {mem.saved_bytes} B. Use policy 'lynx' (it picks the cheapest plan that fits) "
@@ -88,13 +87,13 @@ def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs:
             log.warning("lynx: %s", msg)
             record.notes.append(msg)
         elif config.policy == "lynx":  # only a plan from a file can get here
-            raise refuse(Budget.of(config.memory_budget), reference.peak_bytes, None,
+            raise refuse(config.budget, reference.peak_bytes, None,
                          f"the plan in {config.plan!r} peaks at {mem.peak_bytes} B, above the budget; "
                          f"re-plan with `lynx plan --policy lynx --memory-budget {config.memory_budget} "
                          f"--out {config.plan}`")
         else:
             smallest = smallest_reachable(joint, ctx, kw, reference.peak_bytes)
-            raise budget_error(config, budget, reference.peak_bytes, smallest, mem.peak_bytes)
+            raise budget_error(config, reference.peak_bytes, smallest, mem.peak_bytes)
     _log_plan(record)
     return fw, bw
 

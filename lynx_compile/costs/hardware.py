@@ -14,8 +14,8 @@ import contextlib
 import json
 import logging
 import os
-import tempfile
 import statistics
+import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
