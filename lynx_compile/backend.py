@@ -91,12 +91,15 @@ class LynxBackend:
                 log.warning("lynx: compiling more than one graph with these options (graph breaks, "
                             "recompiles, or another model); each graph gets its own plan, listed in "
                             "backend.records. TORCH_LOGS=graph_breaks shows why dynamo split a model.")
+        config = self.config
+        if config.device_budget is not None:  # what is on the device as this graph's step starts
+            config = config.with_resident(*resident_bytes(example_inputs, plan_only=self.plan_only))
         on_meta = any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in example_inputs)
         if self.config.compiler == "inductor" and not on_meta:
             # (Meta-device models — paper-scale planning — take the aot_autograd path below: the
             # same min-cut base, without Inductor's joint passes, which reject meta tensors.)
-            return self._compile_inductor(gm, example_inputs, record)
-        partition_fn = functools.partial(lynx_partition, config=self.config, record=record)
+            return self._compile_inductor(gm, example_inputs, record, config)
+        partition_fn = functools.partial(lynx_partition, config=config, record=record)
         compiler = fw_compiler = self._compiler
         deferral = None
         if not self.config.side_stream and not self.plan_only:
@@ -120,9 +123,11 @@ class LynxBackend:
                                         inference_compiler=compiler,
                                         partition_fn=partition_fn)(gm, example_inputs)
 
-    def _compile_inductor(self, gm: fx.GraphModule, example_inputs: list, record: GraphRecord) -> Callable:
+    def _compile_inductor(self, gm: fx.GraphModule, example_inputs: list, record: GraphRecord,
+                          config: LynxConfig) -> Callable:
         """Inductor's pipeline with lynx's partition (``lynx_compile.inductor``); Inductor's own
-        estimate of the compiled step's peak goes on the plan once the backward is compiled."""
+        estimate of the compiled step's peak goes on the plan once the backward is compiled.
+        ``config``: this graph's (``self.config`` with its resident bytes)."""
         from lynx_compile.distributed.agreement import planning_group
         from lynx_compile.inductor import CompiledPeak, LynxPartitioner, WeightSplitCompile, lynx_post_grad
 
@@ -136,7 +141,7 @@ class LynxBackend:
             split = WeightSplitCompile(deferral)
         # Inductor's estimate reads the forward and one backward; B and W are two graphs
         peak = None if self.plan_only or split is not None else CompiledPeak(record=record)
-        partitioner = LynxPartitioner(self.config, record, plan_only=self.plan_only, peak=peak)
+        partitioner = LynxPartitioner(config, record, plan_only=self.plan_only, peak=peak)
         with planning_group(self.planning_group):
             return _compat.inductor_compile_with_partitioner(
                 gm, example_inputs, partitioner, keep_placement=own_placement,
@@ -201,6 +206,35 @@ class LynxBackend:
         if self.plan_only:  # the partition (and so the plan) is done; nothing needs to run
             raise PlanningDone()
         return _compat.boxed(gm)
+
+
+RESIDENT_CUDA = ("parameters, buffers, optimizer state, inputs (torch.cuda.memory_allocated({device}) when "
+                 "lynx compiled)")
+RESIDENT_INPUTS = ("parameters, buffers, inputs (the unique storage bytes of the compiled graph's inputs{why}; "
+                   "optimizer state is not among them)")
+
+
+def resident_bytes(example_inputs: list, *, plan_only: bool = False) -> tuple[int, str]:
+    """(bytes, what they are) allocated on the device when the step of the graph whose real
+    ``example_inputs`` dynamo passes starts: what ``device_budget`` holds besides the step's
+    peak. On CUDA the caching allocator's ``memory_allocated`` (parameters, buffers, optimizer
+    state once created, the batch, and anything else the program holds); elsewhere, and for a
+    plan-only trace (``lynx plan``: no real step), the unique storages of the graph's tensor
+    inputs (dynamo passes parameters and buffers as inputs): tied or viewed storages count once.
+    Meta tensors have no addresses; each input tensor counts once."""
+    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+    cuda = [t.device for t in tensors if t.device.type == "cuda"]
+    if cuda and not plan_only:
+        return int(torch.cuda.memory_allocated(cuda[0])), RESIDENT_CUDA.format(device=cuda[0])
+    storages: dict[tuple, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        key = (str(t.device), ptr) if ptr else ("tensor", id(t))
+        storages[key] = storage.nbytes()
+    devices = ", ".join(sorted({t.device.type for t in tensors}))
+    why = ": planning only, no real step" if plan_only else f": no allocator counter on {devices or 'cpu'}"
+    return sum(storages.values()), RESIDENT_INPUTS.format(why=why)
 
 
 class _StderrHandler(logging.StreamHandler):

@@ -12,13 +12,18 @@ them, as issue M asks (a compiled backward returns them all together), is on the
   ``compiler="eager"`` the default partition run op by op;
 * a **size** (``"48MiB"``, or an int number of bytes) is that peak in bytes.
 
+``device_budget`` (``"70GiB"`` or int bytes, never a fraction) bounds everything on the device
+during the step: the bytes allocated when the step starts (parameters, buffers, optimizer state,
+the batch: the *resident* bytes, read when lynx compiles each graph) plus the step's peak, so the
+step's budget is ``device_budget - resident``. With ``memory_budget`` too, the tighter applies.
+
 ``Budget.bytes_of(reference)`` is the number every check compares with; ``budget_error`` is the
 one place that words a refusal, naming the smallest reachable budget in the user's own units.
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lynx_compile.decisions import BudgetError
 
@@ -72,6 +77,45 @@ def check_budget(value: object) -> float | int | None:
     return int(value)
 
 
+DEVICE_BUDGET_FORMS = ("bytes on the device: an int, or a size with a unit (e.g. 70GiB, 512MiB, 80GB); "
+                       "a fraction of the no-recompute peak is memory_budget's form")
+
+
+def check_device_budget(value: object) -> int | None:
+    """``device_budget`` made canonical: None or int bytes (a string needs a unit:
+    ``"70GiB"``). A fraction, a float, a non-positive number or an unreadable string is a
+    ``ValueError`` naming the forms (and ``memory_budget`` for fractions)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        m = _BUDGET_RE.fullmatch(value)
+        unit = m.group(2).lower() if m else ""
+        if m and not unit and 0.0 < float(m.group(1)) <= 1.0:
+            raise ValueError(f"device_budget={value!r} reads as a fraction; a fraction of the no-recompute "
+                             f"peak is memory_budget={value!r}. device_budget takes {DEVICE_BUDGET_FORMS}")
+        if m and unit in _UNITS and int(round(float(m.group(1)) * _UNITS[unit])) > 0:
+            return int(round(float(m.group(1)) * _UNITS[unit]))
+        raise ValueError(f"device_budget={value!r} is not understood; use {DEVICE_BUDGET_FORMS}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"device_budget={value!r} is not valid; use {DEVICE_BUDGET_FORMS}")
+    if isinstance(value, float):
+        hint = (f"a fraction of the no-recompute peak is memory_budget={value}; " if 0.0 < value <= 1.0 else "")
+        raise ValueError(f"device_budget={value} is a float; {hint}device_budget takes {DEVICE_BUDGET_FORMS}")
+    if value <= 0:
+        raise ValueError(f"device_budget={value} bytes must be positive; use {DEVICE_BUDGET_FORMS}")
+    return int(value)
+
+
+def device_budget_argument(text: str) -> int:
+    """:func:`check_device_budget` as an argparse ``type=`` (a bad value is argparse's one-line error)."""
+    import argparse
+
+    try:
+        return check_device_budget(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def format_bytes(nbytes: int) -> str:
     """``'37.21MiB'``: the form ``parse_budget`` reads back (rounded up at the last digit, so
     the size it names is never below ``nbytes``)."""
@@ -84,33 +128,109 @@ def format_bytes(nbytes: int) -> str:
 
 @dataclass(frozen=True)
 class Budget:
-    """A memory budget as the user gave it: a ``fraction`` of the no-recompute peak or
-    ``nbytes``. Exactly one is set."""
+    """A memory budget as the user gave it. ``memory_budget``: a ``fraction`` of the
+    no-recompute peak or ``nbytes`` of the step's peak (at most one). ``device_budget``:
+    ``device_nbytes`` for everything on the device, of which ``resident`` bytes are allocated
+    when the step starts (read per compiled graph, :meth:`with_resident`; ``resident_source``
+    says what they are). With both, the tighter bound in bytes applies."""
 
     fraction: float | None = None
     nbytes: int | None = None
+    device_nbytes: int | None = None
+    resident: int | None = None
+    resident_source: str = ""
 
     @classmethod
-    def of(cls, value: float | int | None) -> "Budget | None":
-        """The budget of a canonical option value (:func:`check_budget`); None for None."""
-        value = check_budget(value)
-        if value is None:
+    def of(cls, value: float | int | None, device: int | str | None = None) -> "Budget | None":
+        """The budget of canonical option values (:func:`check_budget`,
+        :func:`check_device_budget`); None when neither is given."""
+        value, device = check_budget(value), check_device_budget(device)
+        if value is None and device is None:
             return None
-        return cls(fraction=value) if isinstance(value, float) else cls(nbytes=value)
+        return cls(fraction=value if isinstance(value, float) else None,
+                   nbytes=value if isinstance(value, int) else None, device_nbytes=device)
+
+    @property
+    def needs_resident(self) -> bool:
+        """A device budget whose resident bytes are not known yet (nothing can be checked)."""
+        return self.device_nbytes is not None and self.resident is None
+
+    def with_resident(self, resident: int, source: str) -> "Budget":
+        """This budget once ``resident`` bytes are known to be allocated at the step's start
+        (``source``: what they are and how they were read). A ``BudgetError`` when they alone
+        leave nothing of ``device_budget`` for the step; unchanged without a device budget."""
+        if self.device_nbytes is None:
+            return self
+        if resident >= self.device_nbytes:
+            why = f"{resident} B ({format_bytes(resident)}) are resident on the device at the step's start"
+            raise BudgetError(
+                f"device_budget={self} ({self.device_nbytes} B): {why} ({source}), before the step "
+                f"allocates anything. Use device_budget > {format_bytes(resident)!r} plus room for the "
+                "step's peak, or free device memory before the first step", smallest_bytes=None, why=why)
+        return replace(self, resident=int(resident), resident_source=source)
+
+    def _bounds(self, reference: int) -> dict[str, int]:
+        """The step's peak allowed by each option given, in bytes."""
+        out = {}
+        if self.fraction is not None or self.nbytes is not None:
+            out["memory_budget"] = int(self.fraction * reference) if self.fraction is not None else int(self.nbytes)
+        if self.device_nbytes is not None:
+            if self.resident is None:
+                raise ValueError("device_budget: the bytes resident at the step's start are not known yet "
+                                 "(Budget.with_resident is called when lynx compiles a graph)")
+            out["device_budget"] = self.device_nbytes - self.resident
+        return out
 
     def bytes_of(self, reference: int) -> int:
-        """The budget in bytes, against the no-recompute ``reference`` peak."""
-        return int(self.fraction * reference) if self.fraction is not None else int(self.nbytes)
+        """The step's peak allowed in bytes, against the no-recompute ``reference`` peak: the
+        tighter of ``memory_budget`` and ``device_budget`` minus the resident bytes."""
+        return min(self._bounds(reference).values())
 
     def __str__(self) -> str:
+        if self.fraction is None and self.nbytes is None:
+            return repr(format_bytes(self.device_nbytes))
         return f"{self.fraction:g}" if self.fraction is not None else repr(format_bytes(self.nbytes))
 
+    def given(self) -> str:
+        """The options as the user gave them: ``memory_budget=0.5 and device_budget='70.00GiB'``."""
+        parts = []
+        if self.fraction is not None or self.nbytes is not None:
+            memory = f"{self.fraction:g}" if self.fraction is not None else repr(format_bytes(self.nbytes))
+            parts.append(f"memory_budget={memory}")
+        if self.device_nbytes is not None:
+            parts.append(f"device_budget={format_bytes(self.device_nbytes)!r}")
+        return " and ".join(parts)
+
+    def describe(self, reference: int) -> str:
+        """``<options> (<bytes> B ...)``: the head of a refusal."""
+        bounds = self._bounds(reference)
+        step = min(bounds.values())
+        if "device_budget" not in bounds:
+            return f"{self.given()} ({step} B of a no-recompute peak of {reference} B)"
+        tighter = " (the tighter bound)" if len(bounds) > 1 else ""
+        return (f"{self.given()} ({self.device_nbytes} B on the device, {self.resident} B of it resident at "
+                f"the step's start: {self.resident_source}; {step} B for the step's peak{tighter}, of a "
+                f"no-recompute peak of {reference} B)")
+
     def at_least(self, smallest: int, reference: int) -> str:
-        """``memory_budget >= ...`` for a peak of ``smallest`` bytes, in this budget's units
-        (a fraction rounded up to 3 digits, or a size), with the other unit beside it."""
+        """``memory_budget >= ...`` / ``device_budget >= ...`` for a step peak of ``smallest``
+        bytes, in this budget's units (a fraction rounded up to 3 digits, or a size), with the
+        other unit beside it. With both options, each one below ``smallest`` is named (the
+        binding one when neither is)."""
+        bounds = self._bounds(reference)
+        names = [k for k, b in bounds.items() if b < smallest] or \
+            [k for k, b in bounds.items() if b == min(bounds.values())]
+        return " and ".join(self._at_least_one(name, smallest, reference) for name in names)
+
+    def _at_least_one(self, name: str, smallest: int, reference: int) -> str:
         frac = -(-smallest * 1000 // max(reference, 1)) / 1000
         if int(frac * reference) < smallest:  # float rounding: the budget must admit that peak
             frac += 0.001
+        if name == "device_budget":
+            device = format_bytes(self.resident + smallest)
+            return (f"device_budget >= {device!r} (of which {format_bytes(self.resident)} resident at the step's "
+                    f"start: {self.resident_source}; a step peak of {format_bytes(smallest)}, {frac:.3f} of "
+                    "the no-recompute peak)")
         if self.fraction is not None:
             return f"memory_budget >= {frac:.3f} (a peak of {format_bytes(smallest)})"
         return f"memory_budget >= {format_bytes(smallest)!r} ({frac:.3f} of the no-recompute peak)"
@@ -118,9 +238,8 @@ class Budget:
 
 def budget_error(budget: Budget, reference: int, smallest: int | None, why: str) -> BudgetError:
     """The one refusal: ``memory_budget=<as given> (<bytes> B): <why>. Use memory_budget >= ...``
-    naming ``smallest`` (the smallest peak known reachable) in the user's units; without it only
-    ``why``."""
-    head = f"memory_budget={budget} ({budget.bytes_of(reference)} B of a no-recompute peak of {reference} B)"
+    (``device_budget=...`` likewise, naming the resident bytes) naming ``smallest`` (the smallest
+    step peak known reachable) in the user's units; without it only ``why``."""
     fix = (f" The smallest reachable peak is {smallest} B. Use {budget.at_least(smallest, reference)}."
            if smallest is not None else "")
-    return BudgetError(f"{head}: {why}.{fix}", smallest_bytes=smallest, why=why)
+    return BudgetError(f"{budget.describe(reference)}: {why}.{fix}", smallest_bytes=smallest, why=why)

@@ -10,6 +10,7 @@ import os
 import sys
 import time
 
+from lynx_compile.budget import DEVICE_BUDGET_FORMS, device_budget_argument
 from lynx_compile.config import BUDGET_FORMS, budget_argument
 
 
@@ -40,6 +41,10 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-limit", type=float, default=60.0, help="MILP time limit in seconds")
     p.add_argument("--mip-gap", type=float, default=1e-4, help="relative MIP gap")
     p.add_argument("--memory-budget", type=budget_argument, default=None, metavar="BUDGET", help=_BUDGET_HELP)
+    p.add_argument("--device-budget", type=device_budget_argument, default=None, metavar="SIZE",
+                   help=f"everything on the device during the step (what is resident at its start, here "
+                        f"the graph's inputs, plus its peak): {DEVICE_BUDGET_FORMS}; with --memory-budget "
+                        "the tighter applies")
     p.add_argument("--cost-source", default="analytic", choices=["analytic", "measured"],
                    help="per-node runtimes: roofline over --hardware (analytic) or run on this machine "
                         "(measured; not on --device meta)")
@@ -57,6 +62,8 @@ def _options(args: argparse.Namespace) -> dict:
             "compiler": args.compiler}
     if args.memory_budget is not None:
         opts["memory_budget"] = args.memory_budget
+    if args.device_budget is not None:
+        opts["device_budget"] = args.device_budget
     if args.plan is not None:
         opts["plan"] = args.plan
     return opts
@@ -114,6 +121,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
             what = ("the step's activation peak" if plan.budget_scope == "peak" else
                     "what this graph saves for its backward (it is one block or a piece of the model)")
             print(f"budget: {human_bytes(plan.budget_bytes)} of {what}")
+        if plan.device_budget_bytes is not None:
+            print(f"device budget: {human_bytes(plan.device_budget_bytes)}, of which "
+                  f"{human_bytes(plan.resident_bytes)} resident at the step's start: {plan.resident_source}")
         if plan.policy == "lynx":
             counts = {k: v for k, v in plan.decisions.counts().items() if v}
             print(f"solver: {plan.solver} ({plan.solver_status})   plan time: {plan.plan_time_s:.3f} s   "

@@ -12,7 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from lynx_compile.budget import BUDGET_FORMS, Budget, check_budget, parse_budget  # noqa: F401 (re-exported)
+from lynx_compile.budget import (BUDGET_FORMS, DEVICE_BUDGET_FORMS, Budget, check_budget,  # noqa: F401 (re-exported)
+                                 check_device_budget, parse_budget)
 
 Policy = Literal["lynx", "none", "full", "selective", "torch"]
 Solver = Literal["auto", "glpk", "highs", "heu"]
@@ -44,6 +45,26 @@ class LynxConfig:
     torch's ``activation_memory_budget`` (default 1.0); for ``none``/``full``/``selective`` it is
     a check. A budget no plan reaches is a ``BudgetError`` naming the smallest reachable one."""
 
+    device_budget: int | None = None
+    """Everything on the device during the step allowed (``lynx_compile.budget``): the bytes
+    allocated when the step starts (parameters, buffers, optimizer state, the batch: the
+    *resident* bytes) plus the step's peak (what ``memory_budget`` bounds), so the step's budget
+    is ``device_budget - resident``. Int bytes or a size string (``"70GiB"``; kept as int
+    bytes); never a fraction (that is ``memory_budget``). The resident bytes are read when lynx
+    compiles each graph, during the first step's forward: on CUDA
+    ``torch.cuda.memory_allocated(device)``; on CPU and for ``lynx plan`` (no allocator counter,
+    or no real step) the unique storage bytes of the graph's inputs (parameters, buffers, the
+    batch). AdamW's state is created by the first ``optimizer.step()``, after that read, so it is
+    not counted: leave room for it (2 x the parameters' bytes for AdamW) or compile after one
+    step. With ``memory_budget`` too, the tighter bound in bytes applies. Resident bytes at or
+    above it are a ``BudgetError`` at compile time; a budget no plan reaches is one naming the
+    smallest ``device_budget`` that is reachable. The plan records both (``resident_bytes``,
+    ``device_budget_bytes``)."""
+
+    _resident: tuple[int, str] | None = field(default=None, repr=False)
+    """Not an option: (bytes, what they are) resident at the step's start, set per compiled
+    graph by :meth:`with_resident` when ``device_budget`` is given."""
+
     solver: Solver = "auto"
     """Optimizer for ``policy="lynx"``: ``glpk`` / ``highs`` solve the MILP (Lynx-OPT), ``heu``
     runs the block heuristic (Lynx-HEU), ``auto`` picks HiGHS when installed, else GLPK, else
@@ -60,7 +81,11 @@ class LynxConfig:
     same graph (its hash is checked)."""
 
     plan_cache: bool = True
-    """Reuse plans solved earlier in this process for the same graph, budget and solver."""
+    """Reuse plans made earlier for the same graph and options: in this process (the solve, by
+    graph, budget and solver) and, for a whole model under policy ``lynx`` with a budget, across
+    processes from ``lynx/plans`` under torch.compile's cache directory (``TORCHINDUCTOR_CACHE_DIR``;
+    ``lynx_compile.plan_cache``: the winning plan after seeding, re-checked against the budget;
+    ``lynx cache clear`` empties it). ``False`` turns both off."""
 
     cost_source: CostSource = "analytic"
     """Per-node costs: ``analytic`` (roofline over ``hardware``) or ``measured`` (each node run
@@ -164,8 +189,22 @@ class LynxConfig:
 
     @property
     def budget(self) -> Budget | None:
-        """``memory_budget`` as the one ``Budget`` value every check uses (None: no budget)."""
-        return Budget.of(self.memory_budget)
+        """``memory_budget`` and ``device_budget`` as the one ``Budget`` value every check uses
+        (None: no budget); a device budget carries the resident bytes once :meth:`with_resident`
+        has set them."""
+        budget = Budget.of(self.memory_budget, self.device_budget)
+        if budget is not None and self._resident is not None:
+            budget = budget.with_resident(*self._resident)
+        return budget
+
+    def with_resident(self, nbytes: int, source: str) -> "LynxConfig":
+        """This config for one compiled graph once the bytes resident at the step's start are
+        known (``source``: what they are, how they were read). Unchanged without
+        ``device_budget``; a ``BudgetError`` when they alone fill it."""
+        if self.device_budget is None:
+            return self
+        Budget.of(None, self.device_budget).with_resident(nbytes, source)  # raises when nothing is left
+        return dataclasses.replace(self, _resident=(int(nbytes), source))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -182,7 +221,7 @@ def make_config(options: dict[str, Any] | None = None) -> LynxConfig:
     or value, naming the option and what is valid (``lynx_compile.backend(...)`` calls this
     before anything is compiled)."""
     options = dict(options or {})
-    valid = [f.name for f in dataclasses.fields(LynxConfig)]
+    valid = [f.name for f in dataclasses.fields(LynxConfig) if not f.name.startswith("_")]
     unknown = sorted(set(options) - set(valid))
     if unknown:
         raise ValueError(f"unknown lynx option(s) {unknown}; valid options are {valid}")
@@ -193,6 +232,8 @@ def make_config(options: dict[str, Any] | None = None) -> LynxConfig:
     _check_types(options)
     if "memory_budget" in options:
         options["memory_budget"] = check_budget(options["memory_budget"])
+    if "device_budget" in options:
+        options["device_budget"] = check_device_budget(options["device_budget"])
     if "disable_passes" in options:
         options["disable_passes"] = _check_passes(options["disable_passes"])
     if options.get("plan") is not None:

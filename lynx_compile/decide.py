@@ -120,7 +120,7 @@ def decide_piece(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: int 
     else:
         name, cost, applied = min(scored, key=lambda c: (c[2].mem.saved_bytes, c[1]))
         msg = (f"graph {ctx.record.graph_id} is one block or a piece of a model (no module-list children; "
-               f"a graph break or a per-block compile), where memory_budget={cfg.memory_budget!r} bounds the "
+               f"a graph break or a per-block compile), where {cfg.budget.given()} bounds the "
                f"bytes it saves for its backward ({budget} B of {reference_saved} B); no plan saves that "
                f"little (least: '{name}', {applied.mem.saved_bytes} B), so that one is used. If this graph "
                "should not be separate, TORCH_LOGS=graph_breaks shows why dynamo split the model.")

@@ -89,13 +89,22 @@ def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs:
         elif config.policy == "lynx":  # only a plan from a file can get here
             raise refuse(config.budget, reference.peak_bytes, None,
                          f"the plan in {config.plan!r} peaks at {mem.peak_bytes} B, above the budget; "
-                         f"re-plan with `lynx plan --policy lynx --memory-budget {config.memory_budget} "
+                         f"re-plan with `lynx plan --policy lynx {_budget_flags(config)} "
                          f"--out {config.plan}`")
         else:
             smallest = smallest_reachable(joint, ctx, kw, reference.peak_bytes)
             raise budget_error(config, reference.peak_bytes, smallest, mem.peak_bytes)
     _log_plan(record)
     return fw, bw
+
+
+def _budget_flags(config: LynxConfig) -> str:
+    """``lynx plan``'s flags for this config's budget."""
+    memory = config.memory_budget
+    flags = [] if memory is None else [f"--memory-budget {memory if isinstance(memory, float) else f'{memory}B'}"]
+    if config.device_budget is not None:
+        flags.append(f"--device-budget {config.device_budget}B")
+    return " ".join(flags)
 
 
 def segment_costs(joint: fx.GraphModule, forward_names: frozenset[str]) -> dict:
@@ -176,6 +185,7 @@ def build_plan(policy: str, joint: fx.GraphModule, applied: Applied, ctx: PassCo
         forward_peak_bytes=mem.forward_peak_bytes, backward_peak_bytes=mem.backward_peak_bytes,
         peak_at=mem.peak_at, recompute_s=recompute_s,
         reference_peak_bytes=ctx.record.reference_peak_bytes or 0, budget_bytes=budget, budget_scope=budget_scope,
+        **_device_budget_fields(ctx.config),
         notes=tuple(ctx.record.notes), decisions=applied.decisions,
         solver=outcome.solver if outcome else "", solver_status=outcome.status if outcome else "",
         exposed_s=outcome.exposed_s if outcome else recompute_s,
@@ -183,6 +193,15 @@ def build_plan(policy: str, joint: fx.GraphModule, applied: Applied, ctx: PassCo
         offload_exposed_s=offload.get("exposed_fw_s", 0.0) + offload.get("exposed_bw_s", 0.0),
         plan_time_s=outcome.plan_time_s if outcome else 0.0, solve_s=outcome.solve_s if outcome else 0.0,
         block_ops=_block_ops(joint, ctx, applied.decisions) if outcome else {})
+
+
+def _device_budget_fields(config: LynxConfig) -> dict:
+    """The plan's ``device_budget_bytes`` / ``resident_bytes`` / ``resident_source``."""
+    budget = config.budget
+    if budget is None or budget.device_nbytes is None:
+        return {}
+    return dict(device_budget_bytes=budget.device_nbytes, resident_bytes=budget.resident,
+                resident_source=budget.resident_source)
 
 
 def _block_ops(joint: fx.GraphModule, ctx: PassContext, decisions) -> dict[str, list[tuple[str, str]]]:
@@ -202,6 +221,9 @@ def _block_ops(joint: fx.GraphModule, ctx: PassContext, decisions) -> dict[str, 
 
 def _log_plan(record: GraphRecord) -> None:
     p = record.plan
+    device = "" if p.device_budget_bytes is None else (
+        f" device_budget={p.device_budget_bytes} B (resident at the step's start {p.resident_bytes} B: "
+        f"{p.resident_source}; step budget {p.budget_bytes} B)")
     log.info("lynx graph %d: policy=%s blocks=%d saved=%d B peak=%d B (%.2f of no-recompute) "
-             "recompute=%.3g s", record.graph_id, p.policy, len(record.blocks), p.saved_bytes,
-             p.peak_bytes, p.peak_fraction, p.recompute_s)
+             "recompute=%.3g s%s", record.graph_id, p.policy, len(record.blocks), p.saved_bytes,
+             p.peak_bytes, p.peak_fraction, p.recompute_s, device)

@@ -56,6 +56,14 @@ class RecomputePlan:
     """What ``budget_bytes`` bounds: ``"peak"`` (the step's activation peak; a graph holding the
     model's blocks) or ``"saved"`` (the activations the graph saves for its backward; a graph
     that is one block or a piece of a model, whose savings add up across graphs)."""
+    device_budget_bytes: int | None = None
+    """``device_budget`` in bytes (everything on the device during the step); None without one.
+    ``budget_bytes`` is then at most ``device_budget_bytes - resident_bytes``."""
+    resident_bytes: int | None = None
+    """With ``device_budget``: the bytes allocated when the step starts, read when lynx compiled
+    this graph; ``resident_source`` says what they are and how they were read (CUDA's
+    ``memory_allocated``, or the graph's inputs on CPU and for ``lynx plan``)."""
+    resident_source: str = ""
     compiled_peak_bytes: int | None = None
     """``compiler="inductor"``: the step's activation peak as Inductor compiled it, from its own
     memory estimate of the fused schedules (``lynx_compile.inductor.CompiledPeak``; not what the

@@ -30,6 +30,7 @@ from typing import Callable
 
 import torch
 
+from lynx_compile.budget import DEVICE_BUDGET_FORMS, device_budget_argument
 from lynx_compile.config import BUDGET_FORMS, budget_argument
 from lynx_compile.train_setup import backend_options, batches_from_args, local_device, model_from_args
 
@@ -44,6 +45,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="'eager' trains without torch.compile (the reference)")
     p.add_argument("--memory-budget", type=budget_argument, default=None, metavar="BUDGET",
                    help=f"activation memory budget: {BUDGET_FORMS} (see LynxConfig.memory_budget)")
+    p.add_argument("--device-budget", type=device_budget_argument, default=None, metavar="SIZE",
+                   help=f"everything on the device during the step: {DEVICE_BUDGET_FORMS} (see "
+                        "LynxConfig.device_budget; AdamW's state, created by the first step, is not counted)")
     p.add_argument("--solver", default="auto", choices=["auto", "glpk", "highs", "heu"],
                    help="policy lynx: MILP solver (auto: HiGHS, else GLPK) or the heuristic (heu)")
     p.add_argument("--compiler", default=None, choices=["inductor", "eager"],
@@ -177,6 +181,9 @@ def train(args: argparse.Namespace, *, on_step: Callable[[int], None] | None = N
 
     rank, world = init_distributed(args)
     if args.pp > 1:
+        if getattr(args, "device_budget", None) is not None:
+            raise SystemExit("lynx train: --device-budget is not supported with --pp (each stage's budget "
+                             "comes from the pipeline plan); use --memory-budget")
         return _train_pipeline(args, rank, world, say)
     if args.tp is not None and args.tp != world:
         raise SystemExit(f"lynx train: --tp {args.tp} but {world} processes; this launcher runs "
@@ -191,7 +198,10 @@ def train(args: argparse.Namespace, *, on_step: Callable[[int], None] | None = N
     if args.policy == "eager":
         step_model = model
     else:
-        backend = lynx_compile.backend(**backend_options(args))
+        options = backend_options(args)
+        if getattr(args, "device_budget", None) is not None:
+            options["device_budget"] = args.device_budget
+        backend = lynx_compile.backend(**options)
         step_model = torch.compile(model, backend=backend)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     reset, read, method = _peak_meter(device)
