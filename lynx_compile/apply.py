@@ -44,6 +44,9 @@ class Applied:
     record: GraphRecord
     """Where the passes of this application wrote their counts (the plan's own record for the
     plan compiled; a scratch record for a candidate)."""
+    torch_budget: float | None = None
+    """Policy torch: the min-cut setting it was partitioned at (its decisions are read back from
+    that partition; applying them as tags partitions differently, so a replay needs the setting)."""
 
 
 def partition_joint(joint: fx.GraphModule, joint_inputs: Any, kw: dict, *, inductor: bool,
@@ -93,7 +96,8 @@ def realize(joint: fx.GraphModule, ctx: PassContext, decisions: Decisions, kw: d
     if torch_budget is not None:
         decisions = decisions_from_backward(bw, decisions.policy, ctx.record.problem, ctx.record.unit_index)
         clear_decision_tags(joint)  # the MUST_SAVE pins are min-cut's input, not a decision
-    return Applied(decisions=decisions, fw=fw, bw=bw, mem=simulate_step(fw, bw, fused=inductor), record=ctx.record)
+    return Applied(decisions=decisions, fw=fw, bw=bw, mem=simulate_step(fw, bw, fused=inductor), record=ctx.record,
+                   torch_budget=torch_budget)
 
 
 def untagged_reference(joint: fx.GraphModule, joint_inputs: Any, kw: dict, *, inductor: bool) -> StepMemory:

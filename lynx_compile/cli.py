@@ -1,4 +1,5 @@
-"""The ``lynx`` command line: ``lynx plan``, ``lynx demo``, ``lynx simulate`` and ``lynx train``.
+"""The ``lynx`` command line: ``lynx plan``, ``lynx demo``, ``lynx simulate``, ``lynx train`` and
+``lynx cache``.
 
 Every error is one line on stderr that says what to change, with exit code 2; ``--debug`` (or
 ``LYNX_DEBUG=1``) shows the traceback instead."""
@@ -15,7 +16,8 @@ from lynx_compile.config import BUDGET_FORMS, budget_argument
 
 
 _DESCRIPTION = """lynx: plan activation recomputation (plan), compare policies on a small GPT (demo),
-simulate paper-scale training (simulate), train with tensor / pipeline parallelism (train).
+simulate paper-scale training (simulate), train with tensor / pipeline parallelism (train), show or
+clear the persistent plan cache (cache).
 
 Every error is one line that says what to change, exit code 2; --debug or LYNX_DEBUG=1 shows
 the traceback."""
@@ -164,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     debug = _Parser(add_help=False)
     debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help="on an error, show the traceback (also LYNX_DEBUG=1)")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,demo,simulate,train}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,demo,simulate,train,cache}")
     p = sub.add_parser("plan", parents=[debug],
                        help="print what each block saves and recomputes, and the predicted memory")
     p.add_argument("--model", default="gpt-small", help="a preset (e.g. gpt-small, gpt-1.3b) or module:callable")
@@ -211,7 +213,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_train_arguments(t)
     t.set_defaults(func=cmd_train)
+    c = sub.add_parser("cache", parents=[debug],
+                       help="the persistent plan cache under torch.compile's cache directory "
+                            "(TORCHINDUCTOR_CACHE_DIR): print where it is (path) or remove every plan (clear)")
+    c.add_argument("action", choices=["path", "clear"], help="path: print the directory; clear: empty it")
+    c.set_defaults(func=cmd_cache)
     return parser
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    """``lynx cache path`` / ``lynx cache clear`` (``lynx_compile.plan_cache``)."""
+    from lynx_compile import plan_cache
+
+    if args.action == "path":
+        print(plan_cache.plans_dir())
+        return 0
+    removed = plan_cache.clear()
+    print(f"removed {removed} plan(s) from {plan_cache.plans_dir()}")
+    return 0
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:

@@ -9,6 +9,8 @@
                    candidates, least exposed recompute that fits wins (torch's min-cut at
                    the budget fraction and half of it; at 0.1 ... 0.9 too when plan_lynx fails)
 
+Policy lynx's whole choice (solve and seeds) goes through the persistent plan cache
+(``optimize.with_plan_cache``): a hit applies the cached winner once and skips both.
 ``decide`` returns the ``Applied`` plan to compile (and lynx's ``LynxOutcome`` for the plan
 record) or raises ``BudgetError`` naming the smallest reachable peak.
 """
@@ -63,8 +65,18 @@ def decide(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: int | None
         return realize(joint, ctx, Decisions(policy="torch"), kw, torch_budget=frac), None
     if policy != "lynx":
         return realize(joint, ctx, baseline_decisions(joint, ctx, policy), kw), None
+    from lynx_compile.optimize import with_plan_cache
+
+    outcome = with_plan_cache(joint, ctx, kw, budget, reference_peak,
+                              lambda: _plan_and_seed(joint, ctx, kw, budget, reference_peak))
+    return outcome.applied, outcome
+
+
+def _plan_and_seed(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: int | None, reference_peak: int):
+    """Policy lynx's ``LynxOutcome``: the optimizer's plan, or a baseline seed that beats it."""
     from lynx_compile.optimize import plan_lynx
 
+    cfg = ctx.config
     start = time.perf_counter()
     try:
         outcome, failure = plan_lynx(joint, ctx, *_problem_base(joint, ctx, kw), budget, kw), None
@@ -79,7 +91,7 @@ def decide(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: int | None
     if outcome.applied.record is not ctx.record:  # a seed won: its passes' counts are the plan's
         ctx.record.decisions.update(outcome.applied.record.decisions)
     realize_tags(joint, ctx, outcome.decisions)
-    return outcome.applied, outcome
+    return outcome
 
 
 def decide_piece(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: int | None,

@@ -14,26 +14,38 @@ still above the budget (e.g. CPU dropout replay saves a 5 KB RNG state per recom
 which the model does not see), the solver's budget is lowered by the overshoot and it solves
 again, up to ``MAX_ROUNDS`` times. Decisions come from a plan file (``plan=``), the in-process
 cache (same graph hash, budget and solver), or a fresh solve, in that order.
+
+:func:`with_plan_cache` wraps the whole of policy lynx's choice for a model (this solve and the
+baselines ``decide`` seeds it with) in the persistent plan cache (``lynx_compile.plan_cache``)::
+
+    key (graph, options, budget, versions, costs) ─ hit ─▶ realize cached Decisions ─ fits? ─▶ plan
+                                                  └ miss, or a hit that does not fit ─▶ plan ─▶ store
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import re
 import time
+import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
 import torch.fx as fx
 
+from lynx_compile import _compat, plan_cache
 from lynx_compile.apply import Applied, realize
 from lynx_compile.budget import budget_error
 from lynx_compile.config import LynxConfig
 from lynx_compile.decisions import KEEP, BudgetError, Decisions
-from lynx_compile.passes import PassContext
+from lynx_compile.passes import PassContext, meta
 from lynx_compile.passes.remat_problem import extract_remat_problem, unit_decisions
 from lynx_compile.remat.problem import InfeasibleBudget, RematProblem
 
 log = logging.getLogger("lynx_compile")
 MAX_ROUNDS = 6
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 _CACHE: dict[tuple, tuple[Decisions, str, str, float]] = {}
 """(graph hash, budget, solver, gap, compiler, offload prices) → (decisions, solver, status,
 exposed seconds)."""
@@ -149,3 +161,98 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, base_fw: fx.GraphModule, 
 def _infeasible(cfg: LynxConfig, e: InfeasibleBudget, problem: RematProblem) -> BudgetError:
     return budget_error(cfg.budget, problem.reference_peak, e.smallest,
                         "below what can be reached in the optimizer's model")
+
+
+def with_plan_cache(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: int | None, reference_peak: int,
+                    plan: Callable[[], LynxOutcome]) -> LynxOutcome:
+    """``plan()`` (policy lynx's whole choice for ``joint``: solve and seeds), through the
+    persistent plan cache (``lynx_compile.plan_cache``) when ``config.plan_cache`` is on, a
+    budget is set and no plan file is given.
+
+    A hit is applied (one ``realize``) and used only when its exact simulated peak fits
+    ``budget`` and, with several ranks, every rank hit and fits (one all-gather, so ranks
+    never take different paths through the collectives of planning); otherwise ``plan()``
+    runs and its outcome replaces the entry. A hit's decisions carry ``source="cache"``; the
+    solver, status, exposed seconds, candidates and notes are the ones the plan was made with;
+    ``plan_time_s`` is the hit's own; ``record.problem`` stays None (nothing was extracted)."""
+    from lynx_compile.costs import get_profile
+    from lynx_compile.distributed.agreement import gather_values, planning_world_size
+
+    cfg = ctx.config
+    if not cfg.plan_cache or budget is None or cfg.plan:
+        return plan()
+    start = time.perf_counter()
+    fields = plan_cache.key_fields(
+        cfg, graph_hash=ctx.record.decisions.get("graph_hash", ""), graph_digest=graph_digest(joint),
+        reference_peak=reference_peak, budget=budget, world_size=planning_world_size(),
+        profile={"hardware": get_profile(cfg.hardware).to_dict(), "link": ctx.record.decisions.get("link")})
+    key = plan_cache.plan_key(fields)
+    entry = plan_cache.load(key)
+    hit = _apply_cached(joint, ctx, kw, budget, entry, key) if entry is not None else None
+    # every rank takes the same path: the hit only where every rank hit with the same partition
+    token = _partition_token(hit) if hit is not None else None
+    with _compat.eager_dispatch():  # real tensors for the all-gather, not the compile's fakes
+        everyone = set(gather_values(token))
+    if hit is not None and everyone == {token}:
+        log.info("lynx plan cache: hit %s", key[:12])
+        ctx.record.decisions["plan_cache"] = "hit"
+        ctx.record.decisions["plan_source"] = "cache"
+        ctx.record.decisions["candidates"] = entry.candidates
+        ctx.record.notes.extend(n for n in entry.notes if n not in ctx.record.notes)
+        return LynxOutcome(applied=hit, problem=None, solver=entry.solver, status=entry.status,
+                           exposed_s=entry.exposed_s, plan_time_s=time.perf_counter() - start)
+    log.info("lynx plan cache: miss %s", key[:12])
+    notes_before = len(ctx.record.notes)
+    outcome = plan()
+    ctx.record.decisions["plan_cache"] = "miss"
+    plan_cache.store(key, plan_cache.CachedPlan(
+        decisions=outcome.decisions, solver=outcome.solver, status=outcome.status, exposed_s=outcome.exposed_s,
+        solve_s=outcome.solve_s, plan_time_s=outcome.plan_time_s, torch_budget=outcome.applied.torch_budget,
+        candidates=ctx.record.decisions.get("candidates", {}), notes=tuple(ctx.record.notes[notes_before:])),
+        fields)
+    return outcome
+
+
+def _apply_cached(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: int, entry: plan_cache.CachedPlan,
+                  key: str) -> Applied | None:
+    """``entry``'s plan applied to ``joint`` (on ``ctx``'s record), or None with a warning when it
+    does not apply, partitions otherwise than when it was made, or peaks above ``budget``. A
+    plan that was a torch min-cut seed is partitioned again at its setting (its decisions are
+    a reading of that partition: applied as tags they partition differently)."""
+    decisions = entry.decisions.with_source("cache")
+    try:
+        if entry.torch_budget is None:
+            applied = realize(joint, ctx, decisions, kw)
+        else:
+            with _compat.min_cut_counts_script_objects_as_zero():
+                applied = realize(joint, ctx, Decisions(policy=decisions.policy), kw, torch_budget=entry.torch_budget)
+            recomputed, wanted = {n for n, _ in applied.decisions.recomputed()}, {u for u, _ in decisions.recomputed()}
+            if any(bool(recomputed.intersection(decisions.nodes_of(u))) != (u in wanted) for u, _ in decisions):
+                raise ValueError(f"torch's min-cut at {entry.torch_budget:g} recomputes other tensors now")
+            applied = dataclasses.replace(applied, decisions=decisions)
+    except Exception as e:  # noqa: BLE001 - a cached plan that does not apply is stale, never fatal
+        log.warning("lynx plan cache: entry %s does not apply to this graph (%s: %s); re-planning",
+                    key[:12], type(e).__name__, e)
+        return None
+    if applied.mem.peak_bytes > budget:
+        log.warning("lynx plan cache: entry %s peaks at %d B, above the budget %d B; re-planning",
+                    key[:12], applied.mem.peak_bytes, budget)
+        return None
+    return applied
+
+
+def _partition_token(applied: Applied) -> str:
+    """What a hit compiles, comparable across ranks: its decisions and exact peak."""
+    body = [applied.mem.peak_bytes, applied.decisions.to_dict()["units"]]
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def graph_digest(joint: fx.GraphModule) -> str:
+    """sha256 of what the planner reads of ``joint`` beyond its structural hash: every node's
+    name, op, target and arguments (the wiring; decisions are keyed by node names) and its
+    cost (``meta.COST``: the hardware profile, link and measured times it was priced with)."""
+    h = hashlib.sha256()
+    for n in joint.graph.nodes:
+        line = f"{n.name}|{n.op}|{n.target}|{n.args}|{n.kwargs}|{n.meta.get(meta.COST)!r}\n"
+        h.update(_ADDRESS.sub("", line).encode())  # an object's repr may hold its id
+    return h.hexdigest()

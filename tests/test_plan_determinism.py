@@ -97,17 +97,20 @@ def _gpt_tiny(device: str = "cpu"):
 
 def plan_case(case: str) -> list:
     """The records of one case (see the module docstring), as plain data."""
+    # plan_cache=False: every process plans (a plan cache shared between them, under the same
+    # torch.compile cache directory, would give some processes another's plan; test_plan_cache.py)
     if case == "inductor":
         model, x = _gpt_tiny()
         return _plan_variants(model, (x,), [{"memory_budget": 0.8}, {"memory_budget": 0.75, "solver": "heu"}],
-                              hardware=HARDWARE)
+                              hardware=HARDWARE, plan_cache=False)
     if case == "eager":
         model, x = _gpt_tiny()
         return _plan_variants(model, (x,), [{"memory_budget": 0.7}, {"memory_budget": 0.65, "offload": True},
-                                            {"memory_budget": 0.6}], hardware=HARDWARE, compiler="eager")
+                                            {"memory_budget": 0.6}],
+                              hardware=HARDWARE, compiler="eager", plan_cache=False)
     if case == "cpu":
         model, x = _gpt_tiny()
-        return _plan_variants(model, (x,), [{"memory_budget": 0.8}])
+        return _plan_variants(model, (x,), [{"memory_budget": 0.8}], plan_cache=False)
     if case == "tp":
         import torch
         import torch.distributed as dist
@@ -122,7 +125,8 @@ def plan_case(case: str) -> list:
             model = build_model("gpt-tiny", device="meta", dtype=torch.bfloat16, dropout=0.0)
             tensor_parallelize(model, dist.group.WORLD)
             x = example_batch(model, 2).to("meta")
-            return _plan_variants(model, (x,), [{"memory_budget": 0.7}], hardware=HARDWARE, link=LINK)
+            return _plan_variants(model, (x,), [{"memory_budget": 0.7}], hardware=HARDWARE, link=LINK,
+                                  plan_cache=False)
         finally:
             dist.destroy_process_group()
     raise ValueError(f"unknown case {case!r}")

@@ -1,0 +1,244 @@
+"""The persistent plan cache (``lynx_compile.plan_cache``, used by ``optimize.with_plan_cache``).
+
+A second compile in a fresh process hits and compiles the same plan as the miss (decisions,
+predicted peak, what the plan reports, gradients); another budget, option or graph misses; an
+entry that is corrupted, stale or does not apply is ignored with a warning and replaced;
+``lynx cache clear`` empties the cache; two processes writing one entry at once leave a valid
+one. Every test has its own ``TORCHINDUCTOR_CACHE_DIR``. gpt-tiny under the eager compiler with
+a datasheet profile (h100-sxm): cheap, and no CPU timing in the costs. Timings are never asserted.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lynx_compile import plan_cache
+from lynx_compile.cli import main
+from lynx_compile.config import make_config
+from lynx_compile.decisions import DEMAND, Decisions
+
+OPTIONS = dict(policy="lynx", compiler="eager", hardware="h100-sxm", check_plan_agreement=False)
+BUDGET = 0.9
+"""gpt-tiny (eager, dropout 0.1, batch 2) reaches it (and 0.75)."""
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    path = tmp_path / "inductor_cache"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(path))
+    return path
+
+
+def _gpt_tiny():
+    from lynx_compile.models import build_model, example_batch
+
+    torch.manual_seed(0)
+    model = build_model("gpt-tiny", dropout=0.1)
+    return model, example_batch(model, 2, generator=torch.Generator().manual_seed(1))
+
+
+def _plan(variants: list[dict], model=None, x=None):
+    """Records of each variant of gpt-tiny (one trace), planned only."""
+    from lynx_compile.planning import plan_model_variants
+
+    if model is None:
+        model, x = _gpt_tiny()
+    return [recs[0] for recs in plan_model_variants(model, (x,), variants, **OPTIONS)]
+
+
+def _entries(cache_dir) -> list:
+    d = cache_dir / "lynx" / "plans"
+    return sorted(d.glob("*.json")) if d.is_dir() else []
+
+
+# --- one compile and train step per process --------------------------------------------------
+
+def _step(budget: float) -> dict:
+    """One compiled training step of gpt-tiny: the plan and a digest of the gradients."""
+    import lynx_compile
+
+    model, x = _gpt_tiny()
+    backend = lynx_compile.backend(memory_budget=budget, **OPTIONS)
+    compiled = torch.compile(model, backend=backend)
+    compiled(x).loss.backward()  # compiles (planning may draw random numbers or not)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(2)  # dropout draws the same numbers in every process
+    compiled(x).loss.backward()
+    record = backend.records[0]
+    plan = record.plan
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    return {"units": plan.decisions.to_dict()["units"], "members": plan.decisions.to_dict()["members"],
+            "source": plan.decisions.source, "peak_bytes": plan.peak_bytes, "saved_bytes": plan.saved_bytes,
+            "solver": plan.solver, "status": plan.solver_status, "exposed_s": plan.exposed_s,
+            "notes": list(plan.notes), "candidates": record.decisions.get("candidates"),
+            "cache": record.decisions.get("plan_cache"), "grads": grads.tolist()}
+
+
+def _step_in_subprocess(cache_dir, budget: float) -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, __file__, "step", str(budget)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "lynx plan cache: " in out.stderr, "no hit / miss log line"
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("budget", [BUDGET, 0.75])
+def test_fresh_process_hits_and_compiles_the_same_plan(cache_dir, budget):
+    miss = _step_in_subprocess(cache_dir, budget)
+    assert miss["cache"] == "miss" and len(_entries(cache_dir)) == 1
+    hit = _step_in_subprocess(cache_dir, budget)
+    assert hit["cache"] == "hit" and hit["source"] == "cache"
+    for field in ("units", "members", "peak_bytes", "saved_bytes", "solver", "status", "exposed_s",
+                  "notes", "candidates"):
+        assert hit[field] == miss[field], field
+    assert hit["grads"] == miss["grads"]  # bit-identical: the same graphs ran
+
+
+def test_torch_seed_is_partitioned_again_at_its_setting(cache_dir, monkeypatch):
+    """A winning torch min-cut seed's decisions are a reading of its partition; a hit partitions
+    at its setting again (applied as tags they would partition differently and peak higher).
+    The optimizer and the other baselines are taken out so that a torch seed wins."""
+    from lynx_compile import decide, optimize
+    from lynx_compile.decisions import BudgetError
+
+    def no_plan(*args, **kwargs):
+        raise BudgetError("taken out by the test")
+
+    monkeypatch.setattr(optimize, "plan_lynx", no_plan)
+    monkeypatch.setattr(decide, "BASELINES", ())
+    miss = _plan([{"memory_budget": BUDGET}])[0]
+    assert miss.decisions["plan_cache"] == "miss" and miss.plan.solver.startswith("baseline:torch")
+    hit = _plan([{"memory_budget": BUDGET}])[0]
+    assert hit.decisions["plan_cache"] == "hit" and hit.plan.solver == miss.plan.solver
+    assert hit.plan.decisions.units == miss.plan.decisions.units
+    assert hit.plan.peak_bytes == miss.plan.peak_bytes
+    assert [d.name for d in hit.plan.saved] == [d.name for d in miss.plan.saved]
+    assert [d.name for d in hit.plan.recomputed] == [d.name for d in miss.plan.recomputed]
+
+
+# --- what misses -----------------------------------------------------------------------------
+
+def test_other_budget_option_or_graph_misses(cache_dir, lynx_log):
+    first = _plan([{"memory_budget": BUDGET}])[0]
+    assert first.decisions["plan_cache"] == "miss"
+    again, budget, option = _plan([{"memory_budget": BUDGET}, {"memory_budget": 0.95},
+                                   {"memory_budget": BUDGET, "windows": False}])
+    assert again.decisions["plan_cache"] == "hit"
+    assert again.plan.decisions.units == first.plan.decisions.units
+    assert budget.decisions["plan_cache"] == "miss" and option.decisions["plan_cache"] == "miss"
+    from lynx_compile.models import example_batch
+
+    model, _ = _gpt_tiny()
+    graph = _plan([{"memory_budget": 0.95}], model, example_batch(model, 3))[0]  # another graph (batch 3)
+    assert graph.decisions["plan_cache"] == "miss"
+    assert len(_entries(cache_dir)) == 4
+    assert sum("lynx plan cache: hit" in r.message for r in lynx_log.records) == 1
+
+
+def test_options_that_do_not_plan_share_the_key():
+    base = make_config({**OPTIONS, "memory_budget": BUDGET})
+
+    def key(config, **overrides):
+        fields = dict(graph_hash="g", graph_digest="d", reference_peak=100, budget=70, world_size=1,
+                      profile={"hardware": {}}) | overrides
+        return plan_cache.plan_key(plan_cache.key_fields(config, **fields))
+
+    same = make_config({**OPTIONS, "memory_budget": BUDGET, "verbose": True, "dump_dir": "/x", "plan_cache": True})
+    assert key(same) == key(base)
+    for change in ({"solver": "heu"}, {"mip_gap": 0.01}, {"offload": True}, {"cost_source": "measured"}):
+        assert key(make_config({**OPTIONS, "memory_budget": BUDGET, **change})) != key(base), change
+    for field, value in (("budget", 71), ("reference_peak", 101), ("world_size", 2), ("graph_digest", "e"),
+                         ("profile", {"hardware": {"x": 1}})):
+        assert key(base, **{field: value}) != key(base), field
+
+
+def test_plan_cache_false_writes_nothing(cache_dir):
+    record = _plan([{"memory_budget": BUDGET, "plan_cache": False}])[0]
+    assert "plan_cache" not in record.decisions and not _entries(cache_dir)
+
+
+# --- entries never trusted -------------------------------------------------------------------
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "schema", "unknown unit"])
+def test_damaged_entry_is_ignored_with_a_warning_and_replaced(cache_dir, caplog, damage):
+    first = _plan([{"memory_budget": BUDGET}])[0]
+    (path,) = _entries(cache_dir)
+    good = json.loads(path.read_text())
+    if damage == "garbage":
+        path.write_bytes(b"\x00\xffnot json")
+    elif damage == "truncated":
+        path.write_text(path.read_text()[:200])
+    elif damage == "schema":
+        path.write_text(json.dumps({**good, "schema": plan_cache.SCHEMA - 1}))
+    else:  # parses, but names a node this graph does not have
+        bad = Decisions.make("lynx", {"no_such_node": DEMAND}).to_dict()
+        path.write_text(json.dumps({**good, "plan": {**good["plan"], "decisions": bad}}))
+    caplog.set_level(logging.INFO, logger="lynx_compile")
+    again = _plan([{"memory_budget": BUDGET}])[0]
+    assert any(r.levelno == logging.WARNING and "lynx plan cache" in r.message for r in caplog.records)
+    assert again.decisions["plan_cache"] == "miss"
+    assert again.plan.decisions.units == first.plan.decisions.units
+    replaced = plan_cache.load(path.stem)  # by the new plan
+    assert replaced is not None and replaced.decisions.units == first.plan.decisions.units
+
+
+def test_entry_above_the_budget_is_not_used(cache_dir, caplog):
+    _plan([{"memory_budget": BUDGET}])
+    (path,) = _entries(cache_dir)
+    good = json.loads(path.read_text())
+    keep_all = Decisions.make("lynx", {}).to_dict()  # recomputes nothing: the no-recompute peak
+    path.write_text(json.dumps({**good, "plan": {**good["plan"], "decisions": keep_all}}))
+    again = _plan([{"memory_budget": BUDGET}])[0]
+    assert again.decisions["plan_cache"] == "miss"
+    assert any("above the budget" in r.message for r in caplog.records if r.levelno == logging.WARNING)
+    assert again.plan.peak_bytes <= again.plan.budget_bytes
+
+
+# --- clearing, concurrent writers ------------------------------------------------------------
+
+def test_cli_cache_path_and_clear(cache_dir, capsys):
+    _plan([{"memory_budget": BUDGET}])
+    assert len(_entries(cache_dir)) == 1
+    assert main(["cache", "path"]) == 0
+    assert capsys.readouterr().out.strip() == str(cache_dir / "lynx" / "plans")
+    assert main(["cache", "clear"]) == 0
+    assert "removed 1 plan" in capsys.readouterr().out
+    assert not _entries(cache_dir)
+    assert main(["cache", "clear"]) == 0  # nothing there: fine
+
+
+def _write_many(key: str, marker: int, times: int) -> None:
+    """Store a large entry under ``key`` ``times`` times (one writer of the concurrency test)."""
+    units = {f"node_{marker}_{i}": DEMAND for i in range(2000)}
+    entry = plan_cache.CachedPlan(decisions=Decisions.make("lynx", units), solver=f"writer-{marker}")
+    for _ in range(times):
+        plan_cache.store(key, entry)
+
+
+def test_concurrent_writers_leave_a_valid_entry(cache_dir):
+    key = "ab" * 32
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)}
+    writers = [subprocess.Popen([sys.executable, __file__, "write", key, str(m), "30"], env=env,
+                                stderr=subprocess.PIPE, text=True) for m in (1, 2)]
+    for w in writers:
+        assert w.wait(timeout=300) == 0, w.stderr.read()[-2000:]
+    entry = plan_cache.load(key)
+    assert entry is not None and entry.solver in ("writer-1", "writer-2")
+    assert len(entry.decisions) == 2000
+    assert [p.name for p in (cache_dir / "lynx" / "plans").iterdir()] == [f"{key}.json"]  # no temporaries left
+
+
+if __name__ == "__main__":  # the subprocesses of the tests above
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("torch").setLevel(logging.ERROR)
+    if sys.argv[1] == "step":
+        print(json.dumps(_step(float(sys.argv[2]))))
+    else:
+        _write_many(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
