@@ -188,10 +188,11 @@ def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, 
         patches.update(_scheduler_pass(post_fusion))
     # AOTAutograd's cache would return an earlier compile of this graph without calling the
     # partitioner (the partitioner's uuid is part of Inductor's FX-graph key, not of this one),
-    # leaving no plan: it is off for lynx graphs. Inductor's kernel caches stay on.
+    # leaving no plan: it is off for lynx graphs. Inductor's FX-graph cache (of each partitioned
+    # graph, after the partitioner ran) and its kernel caches stay on.
     # (config_patches, not a patch around the call: the backward may be compiled lazily, at the
     # first backward, and compile_fx re-applies these to every inner compile.)
-    with inductor_config.patch(custom_partitioner_fn=partitioner), \
+    with inductor_config.patch(custom_partitioner_fn=_keyed_partitioner_class()(partitioner)), \
             _functorch_config.patch(enable_autograd_cache=False):
         if inner_compile is None:
             return compile_fx(gm, example_inputs, config_patches=patches or None)
@@ -253,6 +254,45 @@ def _scheduler_pass(fn: Callable[[list], list]) -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=None)
+def _keyed_partitioner_class() -> type:
+    """A ``CustomPartitionerFn`` calling a partitioner, pickled as its class and lynx's source
+    digest only. Inductor's FX-graph cache key pickles the whole config, this object included,
+    for the forward (compiled inside the compile that partitions): the partitioner itself (with
+    its per-compile record and timings) made that key differ in every process, so the forward
+    never hit. The key is that of an already partitioned graph, which its code holds; what made
+    the partition is not part of what Inductor compiles from it."""
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    class KeyedPartitioner(CustomPartitionerFn):
+        def __init__(self, fn: Any, uuid: Any = None):
+            self.fn = fn
+            self._uuid = uuid if fn is None else (type(fn).__qualname__, _lynx_source_digest())
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return self.fn(*args, **kwargs)
+
+        def uuid(self) -> Any:
+            return self.fn.uuid() if self.fn is not None else None
+
+        def __reduce__(self) -> tuple:
+            return (_unpickled_partitioner, (self._uuid,))
+
+    KeyedPartitioner.__qualname__ = KeyedPartitioner.__name__ = "KeyedPartitioner"
+    return KeyedPartitioner
+
+
+def _unpickled_partitioner(uuid: Any) -> Any:
+    """What a pickled ``KeyedPartitioner`` (in a cache key) loads as: one that partitions nothing."""
+    return _keyed_partitioner_class()(None, uuid)
+
+
+def _lynx_source_digest() -> str:
+    from lynx_compile.plan_cache import lynx_source_digest
+
+    return lynx_source_digest()
+
+
+@functools.lru_cache(maxsize=None)
 def _scheduled_pass_class() -> type:
     """A ``CustomSchedulerPass`` (2.13) calling a function; its ``uuid`` (the hash of the file
     defining the function's class) is what Inductor's FX-graph cache key holds, and what it
@@ -296,8 +336,10 @@ def _chained_post_grad_pass(user_pass: Any, fn: Callable[[fx.Graph], None]) -> A
             fn(graph)
 
         def uuid(self) -> Any:
+            # fn's file and lynx's sources: fn calls helpers in other lynx modules, and a changed
+            # helper must not reuse Inductor's FX-graph cache entries compiled with the old one
             own = get_hash_for_files((inspect.getfile(fn),), getattr(fn, "__qualname__", ""))
-            return (own, *(p.uuid() if hasattr(p, "uuid") else repr(p) for p in users))
+            return (own, _lynx_source_digest(), *(p.uuid() if hasattr(p, "uuid") else repr(p) for p in users))
 
     return Chained()
 

@@ -44,12 +44,14 @@ weights, shared pointwise values and the windows below). What follows:
   and the input it overwrites in place apart. It is a second opinion, not what lynx plans
   against: the budget is checked on lynx's prediction, which the measured peak stays within
   (+4 to +8 B) in every case measured with budgets (gpt-small at 0.4-0.7, the GQA LM and HF
-  Llama at 0.5 and 0.7; README's table). Reading it costs Inductor's FX-graph cache for lynx's
-  graphs (a hit would skip the scheduler): their Inductor lowering runs in every process.
+  Llama at 0.5 and 0.7; README's table). An FX-graph cache hit skips the scheduler: the
+  estimate is then the one kept in the plan cache's entry (``plan_cache.keep_compiled_peak`` /
+  ``restore_compiled_peak``), when a compile has read it before.
 * **Caching.** AOTAutograd's cache is off while lynx compiles
   (``_compat.inductor_compile_with_partitioner``): a hit would skip the partitioner and leave
-  the backend's ``records`` without a plan. Inductor's kernel caches stay on; its FX-graph cache
-  is off (the compiled peak above). ``uuid()`` is None.
+  the backend's ``records`` without a plan. The partitioner always runs (its plan from lynx's
+  plan cache when it holds one); Inductor's FX-graph cache of the partitioned graphs and its
+  kernel caches stay on. ``uuid()`` is None.
 """
 from __future__ import annotations
 
@@ -60,7 +62,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from lynx_compile import _compat
+from lynx_compile import _compat, plan_cache
 from lynx_compile.config import LynxConfig
 from lynx_compile.memory.simulate import aliased_input, splits_late_addmm
 from lynx_compile.passes import GraphRecord
@@ -92,6 +94,8 @@ class LynxPartitioner(_compat.inductor_partitioner_base()):
         fw, bw = lynx_partition(gm, joint_inputs, config=self.config, record=self.record, **kwargs)
         if self.plan_only:
             raise PlanningDone()
+        if self.peak is not None:  # a plan-cache hit's estimate: Inductor's FX-graph cache may skip the scheduler
+            plan_cache.restore_compiled_peak(self.record)
         return fw, bw
 
     def uuid(self) -> None:
@@ -265,6 +269,7 @@ class CompiledPeak:
         plan = self.record.plan if self.record is not None else None
         if self.step_bytes is not None and plan is not None:
             self.record.plan = dataclasses.replace(plan, compiled_peak_bytes=self.step_bytes)
+            plan_cache.keep_compiled_peak(self.record, self.step_bytes)
             log.info("lynx graph %d: Inductor's estimate of the compiled step's peak %d B (lynx's "
                      "prediction for the unfused graphs %d B)", self.record.graph_id, self.step_bytes,
                      plan.peak_bytes)

@@ -187,6 +187,7 @@ def with_plan_cache(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: i
         reference_peak=reference_peak, budget=budget, world_size=planning_world_size(),
         profile={"hardware": get_profile(cfg.hardware).to_dict(), "link": ctx.record.decisions.get("link")})
     key = plan_cache.plan_key(fields)
+    ctx.record.decisions["plan_cache_key"] = key  # Inductor's compiled peak is added to it later
     entry = plan_cache.load(key)
     hit = _apply_cached(joint, ctx, kw, budget, entry, key) if entry is not None else None
     # every rank takes the same path: the hit only where every rank hit with the same partition
@@ -199,6 +200,8 @@ def with_plan_cache(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: i
         ctx.record.decisions["plan_source"] = "cache"
         ctx.record.decisions["candidates"] = entry.candidates
         ctx.record.notes.extend(n for n in entry.notes if n not in ctx.record.notes)
+        if entry.compiled_peak_bytes is not None:  # plan_cache.restore_compiled_peak puts it on the plan
+            ctx.record.decisions["cached_compiled_peak_bytes"] = entry.compiled_peak_bytes
         return LynxOutcome(applied=hit, problem=None, solver=entry.solver, status=entry.status,
                            exposed_s=entry.exposed_s, plan_time_s=time.perf_counter() - start)
     log.info("lynx plan cache: miss %s", key[:12])

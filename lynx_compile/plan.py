@@ -69,7 +69,8 @@ class RecomputePlan:
     memory estimate of the fused schedules (``lynx_compile.inductor.CompiledPeak``; not what the
     budget is checked on); None for the eager compiler, for ``lynx plan`` (nothing compiles),
     until the backward is compiled (at the first backward), and when Inductor's FX-graph cache
-    served either graph (its scheduler did not run)."""
+    served either graph (its scheduler did not run) unless the plan came from lynx's plan cache
+    holding the estimate of an earlier compile (``lynx_compile.plan_cache``; set at the forward)."""
     notes: tuple[str, ...] = field(default_factory=tuple)
     decisions: Decisions = field(default_factory=lambda: Decisions(policy="none"))
     """Per unit (forward op): ``Keep()`` / ``Demand()`` / ``Window(collective)``, as the policy

@@ -8,9 +8,12 @@
 
 What is kept is what planning produced and the plan reports: the winning ``Decisions`` (of the
 optimizer or of a seed), the solver and status that made it, its exposed recompute, the
-candidates compared and the notes written while planning (``CachedPlan``). A hit skips the
-solve and the seeding; the caller applies the cached decisions once and checks the budget on
-the exact simulation again (``optimize.with_plan_cache``).
+candidates compared and the notes written while planning (``CachedPlan``), and Inductor's
+estimate of the compiled step's peak once a compile has read it (``keep_compiled_peak``;
+restored with a hit, ``restore_compiled_peak``: Inductor's FX-graph cache then serves the
+compiled graphs and skips the scheduler it is read from). A hit skips the solve and the
+seeding; the caller applies the cached decisions once and checks the budget on the exact
+simulation again (``optimize.with_plan_cache``).
 
 The key is the sha256 of a canonical JSON (``key_fields``): everything the plan depends on —
 the joint graph after the joint passes (its structural hash, and a digest of its wiring and of
@@ -203,6 +206,30 @@ def store(key: str, entry: CachedPlan, fields: dict[str, Any] | None = None) -> 
         log.warning("lynx plan cache: could not write %s: %s", path, e)
         return None
     return path
+
+
+def restore_compiled_peak(record: Any) -> None:
+    """On a hit, the compiled-peak estimate its entry holds goes on ``record.plan``: Inductor's
+    FX-graph cache serves the graphs of a plan compiled before, and a hit there skips the
+    scheduler, where ``inductor.CompiledPeak`` reads the estimate (a compile whose scheduler
+    runs replaces it with its own)."""
+    peak = record.decisions.get("cached_compiled_peak_bytes")
+    if peak is not None and record.plan is not None:
+        record.plan = dataclasses.replace(record.plan, compiled_peak_bytes=peak)
+
+
+def keep_compiled_peak(record: Any, peak: int) -> None:
+    """Add Inductor's estimate ``peak`` to the entry of ``record``'s plan (found or stored under
+    ``record.decisions["plan_cache_key"]``), for later processes whose compile it serves."""
+    key = record.decisions.get("plan_cache_key")
+    entry = load(key) if key else None
+    if entry is None or entry.compiled_peak_bytes == peak:
+        return
+    try:
+        fields = json.loads(entry_path(key).read_text()).get("key_fields")
+    except (OSError, ValueError):
+        fields = None
+    store(key, dataclasses.replace(entry, compiled_peak_bytes=int(peak)), fields)
 
 
 def clear() -> int:

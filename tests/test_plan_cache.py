@@ -4,8 +4,10 @@ A second compile in a fresh process hits and compiles the same plan as the miss 
 predicted peak, what the plan reports, gradients); another budget, option or graph misses; an
 entry that is corrupted, stale or does not apply is ignored with a warning and replaced;
 ``lynx cache clear`` empties the cache; two processes writing one entry at once leave a valid
-one. Every test has its own ``TORCHINDUCTOR_CACHE_DIR``. gpt-tiny under the eager compiler with
-a datasheet profile (h100-sxm): cheap, and no CPU timing in the costs. Timings are never asserted.
+one; under Inductor, its FX-graph cache serves a cached plan's graphs and the compiled-peak
+estimate comes back from the entry. Every test has its own ``TORCHINDUCTOR_CACHE_DIR``.
+gpt-tiny, mostly under the eager compiler, with a datasheet profile (h100-sxm): cheap, and no
+CPU timing in the costs. Timings are never asserted.
 """
 from __future__ import annotations
 
@@ -59,12 +61,14 @@ def _entries(cache_dir) -> list:
 
 # --- one compile and train step per process --------------------------------------------------
 
-def _step(budget: float) -> dict:
-    """One compiled training step of gpt-tiny: the plan and a digest of the gradients."""
+def _step(budget: float, compiler: str = "eager") -> dict:
+    """One compiled training step of gpt-tiny: the plan, the gradients, Inductor's FX-graph
+    cache counters."""
     import lynx_compile
+    from torch._dynamo.utils import counters
 
     model, x = _gpt_tiny()
-    backend = lynx_compile.backend(memory_budget=budget, **OPTIONS)
+    backend = lynx_compile.backend(memory_budget=budget, **{**OPTIONS, "compiler": compiler})
     compiled = torch.compile(model, backend=backend)
     compiled(x).loss.backward()  # compiles (planning may draw random numbers or not)
     model.zero_grad(set_to_none=True)
@@ -77,12 +81,14 @@ def _step(budget: float) -> dict:
             "source": plan.decisions.source, "peak_bytes": plan.peak_bytes, "saved_bytes": plan.saved_bytes,
             "solver": plan.solver, "status": plan.solver_status, "exposed_s": plan.exposed_s,
             "notes": list(plan.notes), "candidates": record.decisions.get("candidates"),
-            "cache": record.decisions.get("plan_cache"), "grads": grads.tolist()}
+            "cache": record.decisions.get("plan_cache"), "grads": grads.tolist(),
+            "compiled_peak": plan.compiled_peak_bytes,
+            "fx": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}}
 
 
-def _step_in_subprocess(cache_dir, budget: float) -> dict:
+def _step_in_subprocess(cache_dir, budget: float, compiler: str = "eager") -> dict:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, __file__, "step", str(budget)], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, __file__, "step", str(budget), compiler], env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     assert "lynx plan cache: " in out.stderr, "no hit / miss log line"
@@ -99,6 +105,21 @@ def test_fresh_process_hits_and_compiles_the_same_plan(cache_dir, budget):
                   "notes", "candidates"):
         assert hit[field] == miss[field], field
     assert hit["grads"] == miss["grads"]  # bit-identical: the same graphs ran
+
+
+def test_inductor_fx_graph_cache_serves_a_cached_plan(cache_dir):
+    """Under Inductor the partitioner runs in every process (AOTAutograd's cache stays off), its
+    plan from the plan cache; Inductor's FX-graph cache then serves both compiled graphs, and the
+    compiled-peak estimate (read from the scheduler, which a hit skips) comes from the entry."""
+    miss = _step_in_subprocess(cache_dir, BUDGET, "inductor")
+    assert miss["cache"] == "miss" and not miss["fx"].get("fxgraph_cache_hit")
+    assert miss["compiled_peak"] is not None
+    hit = _step_in_subprocess(cache_dir, BUDGET, "inductor")
+    assert hit["cache"] == "hit"
+    assert hit["fx"].get("fxgraph_cache_hit") == 2 and not hit["fx"].get("fxgraph_cache_miss"), hit["fx"]
+    for field in ("units", "peak_bytes", "compiled_peak", "solver", "status"):
+        assert hit[field] == miss[field], field
+    assert hit["grads"] == miss["grads"]  # bit-identical to the compile that missed both caches
 
 
 def test_torch_seed_is_partitioned_again_at_its_setting(cache_dir, monkeypatch):
@@ -239,6 +260,6 @@ if __name__ == "__main__":  # the subprocesses of the tests above
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("torch").setLevel(logging.ERROR)
     if sys.argv[1] == "step":
-        print(json.dumps(_step(float(sys.argv[2]))))
+        print(json.dumps(_step(float(sys.argv[2]), sys.argv[3])))
     else:
         _write_many(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
