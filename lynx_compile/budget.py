@@ -1,11 +1,10 @@
 """The memory budget: one value from the option to the check, and the one error it raises.
 
-What a budget bounds (README "The memory budget"): the **peak of the training step's
-activation memory**, the bytes a forward + backward allocates above what is allocated when it
-starts: saved activations, their recomputes, gradients of activations, temporaries. The
-parameter gradients the backward returns are not counted yet (they become ``.grad``); counting
-them, as issue M asks (a compiled backward returns them all together), is on the branch
-``m-step-budget-wip``.
+What a budget bounds (README "The memory budget"): the **peak of the training step**, the
+bytes a forward + backward allocates above what is allocated when it starts: saved activations,
+their recomputes, gradients of activations, temporaries, and the parameter gradients the
+backward returns (a compiled backward returns them together at its end; only then does autograd
+add them into ``.grad``).
 
 * a **fraction** (``0.5``) is of the no-recompute peak *of the same compiler*: under Inductor
   torch.compile's own partition as Inductor runs it (``backend="inductor"``'s step), under

@@ -30,7 +30,7 @@ from lynx_compile.report import environment, human_bytes, markdown_table
 from lynx_compile.variants import GRAD_RTOL, describe, plot_pareto, run_variant, under_inductor
 
 DEMO_VARIANTS = ("eager", "checkpoint", "inductor", "inductor-b0.5", "lynx-none", "lynx-selective", "lynx-full",
-                 "lynx-torch-b0.5", "lynx-b0.7", "lynx-b0.6")
+                 "lynx-torch-b0.5", "lynx-b0.8", "lynx-b0.7")
 DEMO_MODEL, DEMO_BATCH = "gpt-tiny", 2
 """The default size: the ten variants (eight compiles) take about 100 s on two busy CPU cores;
 the compiles are nearly all of it (a 4-layer model takes twice as long)."""

@@ -243,8 +243,9 @@ class CompiledPeak:
     """Inductor's memory estimate of one lynx graph as compiled: the scheduler's fused nodes in
     run order (``_compat.inductor_schedule_memory``), read by ``_post_fusion_custom_pass``.
 
-    Counted like lynx's measurement of a step (``lynx_compile.memory.measure``): parameters,
-    the user's inputs and gradients are not activation memory. The forward counts what it
+    Counted like lynx's measurement of a step (``lynx_compile.memory.measure``): parameters and
+    the user's inputs are not step memory; the gradients the backward returns are (they are
+    alive together at its end: ``lynx_compile.budget``). The forward counts what it
     allocates, its outputs (the saved activations) alive to its end. The backward starts with
     the saved activations it reads and the tangents (one per differentiable output, as large as
     it; autograd materializes zeros for an output the loss does not use), Inductor frees each
@@ -259,7 +260,7 @@ class CompiledPeak:
     def __call__(self, nodes: list) -> list:
         backward = any(k.startswith("tangents") for k in _compat.inductor_graph_input_names())
         peak, counted = _compat.inductor_schedule_memory(
-            nodes, count_input=lambda name: backward and not name.startswith("primals"), count_output=not backward)
+            nodes, count_input=lambda name: backward and not name.startswith("primals"), count_output=True)
         if backward:
             # tangents Inductor does not count (not read, or read through a view) are alive anyway
             peak += sum(b for k, b in self.tangent_bytes.items() if k not in counted)

@@ -125,7 +125,8 @@ def extract_remat_problem(joint: fx.GraphModule, fw_ref: fx.GraphModule, bw_ref:
                     [iv for op, u in zip(kept, units) for iv in (
                         (u.fw_pos, len(fw_nodes) - 1, parts[op][0]), (u.fw_pos, u.fw_last, parts[op][1]))])
     _, live = backward_inputs(fw_ref, bw_ref)
-    bw_mem = simulate_graph(bw_ref, live_inputs=live, input_keys=input_keys, count_outputs=False, fused=fused,
+    # the gradients the backward returns pile up to its end whatever is recomputed: base bytes
+    bw_mem = simulate_graph(bw_ref, live_inputs=live, input_keys=input_keys, count_outputs=True, fused=fused,
                             held_inputs=held_tangents(live))
     bw_base = _base(bw_mem.timeline, [(0, max(uses[op]), parts[op][0]) for op in kept if uses[op]])
     problem = RematProblem(

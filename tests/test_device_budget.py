@@ -109,15 +109,10 @@ def test_resident_bytes_alone_above_the_device_budget_is_one_line_at_compile():
     assert "\n" not in str(err) and "resident" in str(err) and str(resident) in str(err), str(err)
 
 
-# Under compiler="eager" the budget named at 4 KiB is not reached when given (memory_budget alike:
-# "4KiB" names '1.98MiB', which is then refused naming '2.16MiB'): the seeds' torch min-cut ladder
-# is scaled by the budget's fraction, so a tiny budget tries settings a larger one does not.
-EAGER_NAMES_TOO_LOW = pytest.mark.xfail(strict=True, raises=BudgetError, reason=(
-    "planner (decide.seed_with_baselines), memory_budget too: the smallest named at a tiny budget "
-    "comes from torch min-cut settings that the named budget's own ladder does not try"))
-
-
-@pytest.mark.parametrize("compiler", [pytest.param("eager", marks=EAGER_NAMES_TOO_LOW), "inductor"])
+# Under compiler="eager" the budget named at 4 KiB was once refused when given (the smallest came
+# from torch min-cut settings scaled by the tiny budget's fraction, which the named budget's own
+# seeds did not try): decide.seed_with_baselines now names only candidates every budget retries.
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
 def test_refusal_names_the_smallest_device_budget_and_it_is_accepted(compiler):
     """A device budget no plan reaches is one BudgetError naming the smallest reachable
     device_budget (a size) and what is resident; that budget then plans within it."""

@@ -176,5 +176,7 @@ def test_lynx_reaches_each_baseline_peak_with_no_more_exposed_recompute(name, ba
     print(f"{name}:\n{report}")  # shown with -s / -rP
     assert all(r.ok for r in rows), report
     for r in rows:
-        if r.name == "full":  # below the optimizer's reach: torch's min-cut at every round setting
+        # below the optimizer's reach (no 'lynx' candidate): torch's min-cut at every round setting.
+        # Since the parameter gradients count (issue M) gpt-tiny's full is within the reach.
+        if r.name == "full" and "lynx" not in r.candidates:
             assert {f"torch@{s:g}" for s in TORCH_SETTINGS} <= set(r.candidates), r.candidates

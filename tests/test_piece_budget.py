@@ -145,7 +145,9 @@ def test_hf_gpt2_with_labels_under_a_budget():
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(cfg)
     ref, none_model = copy.deepcopy(model), copy.deepcopy(model)
-    x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    # batch 4 x 64: the step's peak counts the parameter gradients (issue M); at 2 x 32 they
+    # hold the smallest reachable peak at 0.761 of none's
+    x = torch.randint(0, 128, (4, 64), generator=torch.Generator().manual_seed(1))
     backend = LynxBackend(make_config({"policy": "lynx", "memory_budget": 0.65, "plan_cache": False}))
     compiled = torch.compile(model, backend=backend)
     loss = compiled(x, labels=x).loss

@@ -84,14 +84,14 @@ def _plan_variants(model, inputs, variants: list[dict], **common) -> list:
     return out
 
 
-def _gpt_tiny(device: str = "cpu"):
+def _gpt_tiny(device: str = "cpu", batch: int = 2):
     import torch
 
     from lynx_compile.models import build_model, example_batch
 
     torch.manual_seed(0)
     model = build_model("gpt-tiny", dropout=0.1, device=device)
-    x = example_batch(model, 2, generator=torch.Generator().manual_seed(1)).to(device)
+    x = example_batch(model, batch, generator=torch.Generator().manual_seed(1)).to(device)
     return model, x
 
 
@@ -101,16 +101,18 @@ def plan_case(case: str) -> list:
     # torch.compile cache directory, would give some processes another's plan; test_plan_cache.py)
     if case == "inductor":
         model, x = _gpt_tiny()
-        return _plan_variants(model, (x,), [{"memory_budget": 0.8}, {"memory_budget": 0.75, "solver": "heu"}],
+        return _plan_variants(model, (x,), [{"memory_budget": 0.9}, {"memory_budget": 0.88, "solver": "heu"}],
                               hardware=HARDWARE, plan_cache=False)
     if case == "eager":
-        model, x = _gpt_tiny()
+        # batch 16: the step's peak counts the parameter gradients (issue M); at batch 2 they set
+        # it, and offloading an activation lowers nothing
+        model, x = _gpt_tiny(batch=16)
         return _plan_variants(model, (x,), [{"memory_budget": 0.7}, {"memory_budget": 0.65, "offload": True},
                                             {"memory_budget": 0.6}],
                               hardware=HARDWARE, compiler="eager", plan_cache=False)
     if case == "cpu":
         model, x = _gpt_tiny()
-        return _plan_variants(model, (x,), [{"memory_budget": 0.8}], plan_cache=False)
+        return _plan_variants(model, (x,), [{"memory_budget": 0.9}], plan_cache=False)
     if case == "tp":
         import torch
         import torch.distributed as dist
@@ -125,7 +127,7 @@ def plan_case(case: str) -> list:
             model = build_model("gpt-tiny", device="meta", dtype=torch.bfloat16, dropout=0.0)
             tensor_parallelize(model, dist.group.WORLD)
             x = example_batch(model, 2).to("meta")
-            return _plan_variants(model, (x,), [{"memory_budget": 0.7}], hardware=HARDWARE, link=LINK,
+            return _plan_variants(model, (x,), [{"memory_budget": 0.85}], hardware=HARDWARE, link=LINK,
                                   plan_cache=False)
         finally:
             dist.destroy_process_group()

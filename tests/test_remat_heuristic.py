@@ -176,7 +176,9 @@ def test_representative_milp_plan_fits_on_the_exact_model(traced_gpt_problem, fr
     assert heuristic._peak(arr, state, win)[2] <= budget
 
 
-@pytest.mark.parametrize("frac", [0.4, 0.5, 0.6, 0.7])
+# (0.45, was 0.4: with the parameter gradients in the step's peak, issue M, 0.408 is the least
+# this problem reaches)
+@pytest.mark.parametrize("frac", [0.45, 0.5, 0.6, 0.7])
 def test_heu_within_2_percent_of_opt_on_a_traced_gpt(traced_gpt_problem, frac):
     p = traced_gpt_problem
     budget = int(frac * p.reference_peak)

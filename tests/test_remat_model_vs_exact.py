@@ -37,16 +37,22 @@ def test_model_bounds_full_recompute_tightly_and_highs_plans_at_0_4(compiler):
     torch.manual_seed(0)
     model = build_model("gpt-small", device="meta")
     x = example_batch(model, 1, device="meta")
-    lynx = plan_model(model, (x,), policy="lynx", memory_budget=0.4, solver="highs", compiler=compiler,
-                      **OPTIONS)[0]
+    bound = plan_model(model, (x,), policy="lynx", memory_budget=1.0, solver="highs", compiler=compiler,
+                       **OPTIONS)[0]
     full = plan_model(model, (x,), policy="full", compiler=compiler, **OPTIONS)[0]
-    problem = lynx.problem
+    problem = bound.problem
     ev = evaluate(problem, _units_of(problem, full.plan.decisions))
     assert ev.violations == ()
     exact = full.plan.peak_bytes
-    # an upper bound of the exact peak, within 15 % of it (it was 34 % over before chains)
+    # an upper bound of the exact peak, within 15 % of it (it was 34 % over before chains); with
+    # the parameter gradients in the step's peak (issue M): 4.3 % (eager) / 1.2 % (inductor) at
+    # batch 1, but 22-26 % on eager at batch 4-8 (not analysed yet)
     assert exact <= ev.peak_bytes <= 1.15 * exact, (ev.peak_bytes / problem.reference_peak,
                                                     exact / problem.reference_peak)
-    # so the MILP finds its own plan at 0.4 (full reaches ~0.35), which fits exactly
+    # the MILP finds its own plan at 0.4, which fits exactly: at batch 8, since at batch 1 the
+    # parameter gradients hold full's peak at 0.65-0.71 of none's (at batch 8: 0.32 / 0.37)
+    x8 = example_batch(model, 8, device="meta")
+    lynx = plan_model(model, (x8,), policy="lynx", memory_budget=0.4, solver="highs", compiler=compiler,
+                      **OPTIONS)[0]
     assert lynx.plan.solver == "opt-highs", lynx.notes
-    assert lynx.plan.peak_bytes <= 0.4 * problem.reference_peak + 1
+    assert lynx.plan.peak_bytes <= 0.4 * lynx.problem.reference_peak + 1

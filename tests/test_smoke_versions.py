@@ -20,7 +20,7 @@ POLICY_OPTIONS = {
     "full": {},
     "selective": {},
     "torch": {"memory_budget": 0.8},
-    "lynx": {"memory_budget": 0.75, "solver": "heu"},  # gpt-tiny: full reaches ~0.68 under Inductor
+    "lynx": {"memory_budget": 0.9, "solver": "heu"},  # gpt-tiny, batch 2: its parameter gradients hold the smallest at ~0.83
 }
 COMPILERS = ["eager", "inductor"]
 PRESET = "gpt-tiny"  # the smallest preset (2 layers, hidden 64, seq 32)

@@ -24,9 +24,10 @@ def _worst(model, ref):
                for p, q in zip(model.parameters(), ref.parameters()))
 
 
-# llama-tiny at 0.6: a fraction is of torch.compile's own step (issue M), of which it reaches 0.548
+# llama-tiny at 0.9: a fraction is of torch.compile's own step, parameter gradients included
+# (issue M), of which it reaches 0.80 at batch 2
 @pytest.mark.parametrize("name,options", [("gpt-tiny", {"policy": "full"}),
-                                          ("llama-tiny", {"policy": "lynx", "memory_budget": 0.6, "solver": "heu"})])
+                                          ("llama-tiny", {"policy": "lynx", "memory_budget": 0.9, "solver": "heu"})])
 def test_deferred_weight_gradients_equal_eager_under_inductor(name, options):
     model, ref = _models(name)
     x = example_batch(model, 2)

@@ -4,8 +4,10 @@ On CUDA the peak comes from the caching allocator (``max_memory_allocated`` abov
 allocated before the step). On CPU it comes from allocator-level events: the profiler's memory
 events (every allocation and free the CPU allocator performs, in order), whose running sum
 from the start of the step gives live bytes; the peak is its maximum. Either way the number
-is what the step allocates beyond what was already live (parameters, gradients, optimizer
-state, inputs), which is what ``lynx_compile.memory.simulate`` predicts.
+is what the step allocates beyond what was already live (parameters, ``.grad``, optimizer
+state, inputs), which is what ``lynx_compile.memory.simulate`` predicts and a memory budget
+bounds (``lynx_compile.budget``): the gradients a backward returns count until autograd has
+added them into ``.grad``.
 
 Step time is measured in separate runs without the profiler (it slows CPU execution): wall
 time on CPU, CUDA events on CUDA. The profiler's own log lines (kineto's ``USDT: profiler_start``
@@ -32,8 +34,8 @@ class StepMeasurement:
     """What one measured step used."""
 
     peak_bytes: int
-    """Peak bytes allocated during the step above the bytes live when it started (gradients
-    left in ``.grad`` excluded when ``params`` were given)."""
+    """Peak bytes allocated during the step above the bytes live when it started (with
+    ``params``: ``.grad`` allocated before the step, the returned gradients counted)."""
     step_s: float
     """Median time of the step (seconds): wall time on CPU, CUDA events on CUDA."""
     step_times_s: tuple[float, ...]
@@ -166,33 +168,26 @@ def measure_step(step_fn: Callable[[], Any], *, device: str | torch.device = "cp
                  repeats: int = 3, warmup: int = 1, plan: Any = None,
                  params: Iterable[torch.Tensor] | None = None) -> StepMeasurement:
     """Run ``step_fn`` (a forward + backward) ``warmup`` times, then time it ``repeats`` times
-    and measure its peak memory once more.
+    and measure its peak memory once more: the step's peak as a budget bounds it
+    (``lynx_compile.budget``), everything the step allocates above what is allocated when it
+    starts.
 
-    ``params``: the model's parameters. Their ``.grad`` is set to None before the measured run
-    and the gradients the step leaves there are not counted, so the peak is activation memory
-    as lynx defines it (beyond parameters, gradients and optimizer state). Without ``params``
-    everything the step allocates counts."""
+    ``params``: the model's parameters. Each gets a ``.grad`` (zeros where it has none) before
+    the measured run, as in steady-state training, so the gradient storage is what is allocated
+    when the step starts and the gradients the backward returns count while they are alive
+    (a compiled backward returns them all together; autograd then adds each into ``.grad``).
+    Without ``params`` the ``.grad`` tensors the step creates count too."""
     device = torch.device(device)
     for _ in range(warmup):
         step_fn()
     times = step_times(step_fn, device, repeats)
-    global BACKWARD_OUTPUTS
-    params = [p for p in params] if params is not None else []
-    for p in params:
-        p.grad = None
-    grads = lambda: [p.grad for p in params if p.grad is not None]  # noqa: E731
-    BACKWARD_OUTPUTS = set()
-    try:
-        if device.type == "cuda":
-            grad_bytes = (lambda: sum(g.untyped_storage().nbytes() for g in grads())) if params else None
-            peak, method = cuda_peak_bytes(step_fn, device, grad_bytes), "cuda-allocator"
-        else:
-            # A lynx backward reports what it returned; an eager backward leaves it in .grad.
-            exclude = (lambda: BACKWARD_OUTPUTS | {g.untyped_storage().data_ptr() for g in grads()}) \
-                if params else None
-            peak, method = cpu_peak_bytes(step_fn, exclude), "cpu-profiler-memory-events"
-    finally:
-        BACKWARD_OUTPUTS = None
+    for p in params if params is not None else ():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    if device.type == "cuda":
+        peak, method = cuda_peak_bytes(step_fn, device), "cuda-allocator"
+    else:
+        peak, method = cpu_peak_bytes(step_fn), "cpu-profiler-memory-events"
     return StepMeasurement(peak_bytes=peak, step_s=statistics.median(times),
                            step_times_s=tuple(times), device=str(device), method=method,
                            predicted_peak_bytes=plan.peak_bytes if plan is not None else None,

@@ -5,8 +5,10 @@ boxed calling convention): a node's output is allocated when it runs; a view or 
 output shares its base's storage; a storage is freed right after the last node that reads any
 alias of it, unless it is a graph output. Forward outputs that the backward reads (saved
 tensors) stay live from the end of the forward until their last use in the backward.
-Parameters and inputs (forward placeholders) are the baseline and not counted, and neither are
-the gradients the backward returns (they become ``.grad``: gradient memory).
+Parameters and inputs (forward placeholders) are the baseline and not counted. The gradients
+the backward returns are counted from where they are computed to the end of the backward: a
+compiled backward returns them together, and only then does autograd add them into ``.grad``
+(the gradient storage, allocated before the step in steady state: ``lynx_compile.budget``).
 
 Offloaded tensors (``lynx.offload``, ``passes/offload.py``): the host copy allocates no device
 bytes; the device tensor lives until ``lynx.offload_wait`` (the copy is done), the reloaded one
@@ -448,7 +450,7 @@ def simulate_step(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, *, fused: bool =
     fw_mem = simulate_graph(fw_gm, live_inputs={}, input_keys={}, fused=fused)
     input_keys, live_inputs = backward_inputs(fw_gm, bw_gm)
     saved = sum(v for k, v in live_inputs.items() if not k.startswith("bw:tangents"))
-    bw_mem = simulate_graph(bw_gm, live_inputs=live_inputs, input_keys=input_keys, count_outputs=False,
+    bw_mem = simulate_graph(bw_gm, live_inputs=live_inputs, input_keys=input_keys, count_outputs=True,
                             fused=fused, held_inputs=held_tangents(live_inputs))
     peak = max(fw_mem.peak_bytes, bw_mem.peak_bytes)
     at = f"forward:{fw_mem.peak_node}" if fw_mem.peak_bytes >= bw_mem.peak_bytes else f"backward:{bw_mem.peak_node}"

@@ -200,10 +200,12 @@ def _add_rows(h, rows) -> None:
 
 
 def solve_positions(arr: ProblemArrays, positions: list[np.ndarray], budget: int, state: np.ndarray,
-                    win: np.ndarray, time_limit_s: float = 1.0):
+                    win: np.ndarray, time_limit_s: float = 10.0):
     """(state, win, notes) with every position's decision replicated onto its units (the other
     units as given), or None when the MILP gives no answer. Solved to ``GAP`` or ``MAX_NODES``
-    (both deterministic); ``time_limit_s`` is only a safety net (a note says when it hit)."""
+    (both deterministic); ``time_limit_s`` is only a safety net (a note says when it hit). It was
+    1 s, which a loaded 2-core machine reached: the same problem then planned differently
+    (tests/test_remat_heuristic.py::test_deterministic, seen with two test processes running)."""
     import highspy
 
     cols = _columns(arr, positions)
