@@ -31,7 +31,7 @@ from lynx_compile.variants import GRAD_RTOL, describe, plot_pareto, run_variant,
 
 DEMO_VARIANTS = ("eager", "checkpoint", "inductor", "inductor-b0.5", "lynx-none", "lynx-selective", "lynx-full",
                  "lynx-torch-b0.5", "lynx-b0.8", "lynx-b0.7")
-DEMO_MODEL, DEMO_BATCH = "gpt-tiny", 2
+DEMO_MODEL, DEMO_BATCH = "gpt-tiny", 4
 """The default size: the ten variants (eight compiles) take about 100 s on two busy CPU cores;
 the compiles are nearly all of it (a 4-layer model takes twice as long)."""
 TABLE_COLUMNS = ["variant", "what", "step_ms", "peak", "peak_vs_eager", "predicted_peak", "grads_equal_eager",
