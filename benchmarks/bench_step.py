@@ -43,9 +43,10 @@ Measurement, per variant (``lynx_compile.variants.run_variant``, as ``lynx demo`
 reference step (fp32 only) from the same seeds; then ``--warmup`` steps (the first compiles;
 its wall time is ``first_step_s``, loss ``loss``), then ``--steps`` timed steps, median
 ``step_ms`` (CUDA: events; CPU: ``time.perf_counter``). Gradients accumulate (no optimizer, no
-zeroing). ``peak_MiB``: ``lynx_compile.memory.measure_step`` over one more step with the
-gradients set to None: CUDA: ``max_memory_allocated`` above what was allocated before it, minus
-the gradients it created; CPU: the profiler's allocator events, gradients excluded.
+zeroing). ``peak_MiB``: ``lynx_compile.memory.measure_step`` over one more step, every parameter's
+``.grad`` allocated first and the gradients the backward returns counted (the step's peak as a
+memory budget bounds it): CUDA: ``max_memory_allocated`` above what was allocated before it;
+CPU: the profiler's allocator events.
 ``predicted_peak_MiB``: the lynx plan's predicted peak (exact for ``compiler="eager"``; Inductor's
 fusions change the real one).
 ``grad_rel_diff``: max over parameters of max|g - g_eager| / max|g_eager| after the first step
@@ -386,8 +387,8 @@ def write_results(out: str, stem: str, rows: list[dict], settings: Sequence[Sett
              + ("; step_ms: the median of all variants timed in one more process, one step each in "
                 "rotated rounds (step_ms_own_process: the variant's own process)" if any(
                     r.get("step_ms_own_process") is not None for r in rows) else "")
-             + ". peak = activation memory: "
-             + "`lynx_compile.memory.measure_step` over one step, gradients excluded ("
+             + ". peak = step memory: "
+             + "`lynx_compile.memory.measure_step` over one step, .grad allocated first, returned gradients counted ("
              + ("`max_memory_allocated` above the start)." if device == "cuda" else "CPU allocator events).")
              + f" grads_equal_eager: max relative difference <= {GRAD_RTOL:g} after the first step (fp32 only).",
              "", markdown_table(table_rows, MD_COLUMNS)]

@@ -18,6 +18,8 @@ read back into a ``Decisions`` record.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +29,7 @@ from lynx_compile import _compat
 from lynx_compile.decisions import Decisions
 from lynx_compile.memory.simulate import StepMemory, simulate_step
 from lynx_compile.passes import (APPLY_PIPELINE, BACKWARD_PIPELINE, FORWARD_PIPELINE, GraphRecord, PassContext,
-                                  run_passes)
+                                  meta, run_passes)
 from lynx_compile.passes.apply_decisions import clear_decision_tags
 from lynx_compile.passes.policies import pin_random_outputs
 from lynx_compile.passes.remat_problem import decisions_from_backward
@@ -108,3 +110,11 @@ def untagged_reference(joint: fx.GraphModule, joint_inputs: Any, kw: dict, *, in
     clear_decision_tags(joint)
     fw, bw = partition_joint(joint, joint_inputs, kw, inductor=inductor)
     return simulate_step(fw, bw, fused=inductor)
+
+
+def partition_token(applied: Applied) -> str:
+    """What ``applied``'s partition does, comparable across ranks: its exact peak, what its
+    backward reads and what it recomputes (a torch min-cut candidate, a plan-cache hit)."""
+    saved = sorted(p.name for p in applied.bw.graph.find_nodes(op="placeholder"))
+    recomputed = sorted(n.name for n in applied.bw.graph.nodes if n.meta.get(meta.RECOMPUTED))
+    return hashlib.sha256(json.dumps([applied.mem.peak_bytes, saved, recomputed]).encode()).hexdigest()[:16]

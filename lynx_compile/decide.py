@@ -17,8 +17,6 @@ record) or raises ``BudgetError`` naming the smallest reachable peak.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 import time
 from typing import Any
@@ -26,7 +24,7 @@ from typing import Any
 import torch.fx as fx
 
 from lynx_compile import _compat
-from lynx_compile.apply import Applied, partition_joint, realize, scratch_context
+from lynx_compile.apply import Applied, partition_joint, partition_token, realize, scratch_context
 from lynx_compile.budget import budget_error as refuse
 from lynx_compile.decisions import BudgetError, Decisions, Window
 from lynx_compile.distributed.agreement import gather_values, planning_world_size
@@ -277,20 +275,12 @@ def _baseline_candidates(joint: fx.GraphModule, ctx: PassContext, kw: dict, poli
             applied = realize(joint, sub, Decisions(policy=name), kw, torch_budget=torch_budget)
         if planning_world_size() > 1:
             with _compat.eager_dispatch():
-                tokens = gather_values(_partition_token(applied))
+                tokens = gather_values(partition_token(applied))
             if len(set(tokens)) > 1:
                 ctx.record.notes.append(f"{name}: ranks partitioned it differently (torch's min-cut breaks "
                                         "ties in set order), so it is no candidate")
                 continue
         yield name, applied
-
-
-def _partition_token(applied: Applied) -> str:
-    """What a candidate's partition does, comparable across ranks: its exact peak, what its
-    backward reads and what it recomputes."""
-    saved = sorted(p.name for p in applied.bw.graph.find_nodes(op="placeholder"))
-    recomputed = sorted(n.name for n in applied.bw.graph.nodes if n.meta.get(meta.RECOMPUTED))
-    return hashlib.sha256(json.dumps([applied.mem.peak_bytes, saved, recomputed]).encode()).hexdigest()[:16]
 
 
 def _as_seed(applied: Applied) -> Applied:

@@ -9,10 +9,10 @@ The same model (same weights, same batch, dropout 0, fp32) runs forward + loss +
 each measured the same way (``lynx_compile.variants.run_variant``, also what
 ``benchmarks/bench_step.py`` uses): the first step compiles and its gradients are compared with
 eager's; then warm-up and timed steps give the median step time and the measured peak
-activation memory (``lynx_compile.memory.measure_step``: the CUDA allocator, or on CPU the
-profiler's allocator events; gradients excluded). The table is printed and written as
-``demo_<device>.md`` beside ``demo_<device>.png``, a Pareto plot of peak memory against step
-time (when matplotlib is installed).
+step memory (``lynx_compile.memory.measure_step``: the CUDA allocator, or on CPU the
+profiler's allocator events; ``.grad`` allocated first, the returned gradients counted). The
+table is printed and written as ``demo_<device>.md`` beside ``demo_<device>.png``, a Pareto plot
+of peak memory against step time (when matplotlib is installed).
 """
 from __future__ import annotations
 
@@ -165,10 +165,10 @@ def write_report(rows: Sequence[dict], *, shape: str, device: str, threads: int,
     except ImportError:
         plot_path, plot_note = None, "no Pareto plot: matplotlib is not installed (pip install matplotlib)"
     lines = [header, "", f"{shape}. Step = forward + loss + backward (no optimizer); {warmup} warm-up step(s) (the "
-             f"first compiles: first_step_s), median of {steps} timed steps. peak = activation memory measured by "
+             f"first compiles: first_step_s), median of {steps} timed steps. peak = step memory measured by "
              "`lynx_compile.memory.measure_step` (" + (
                  "CUDA allocator" if device == "cuda" else "the profiler's CPU allocator events")
-             + ", gradients excluded); predicted_peak = lynx's plan. grads_equal_eager: first-step gradients "
+             + "; .grad allocated first, the returned gradients counted); predicted_peak = lynx's plan. grads_equal_eager: first-step gradients "
              f"within {GRAD_RTOL:g} relative of eager's (grad_rel_diff). lynx: solver {solver}, compiler inductor.",
              "", markdown_table(table_rows(rows), TABLE_COLUMNS)]
     failed = [r for r in rows if r["result"] != "ok"]

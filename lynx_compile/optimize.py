@@ -35,7 +35,7 @@ from typing import Callable
 import torch.fx as fx
 
 from lynx_compile import _compat, plan_cache
-from lynx_compile.apply import Applied, realize
+from lynx_compile.apply import Applied, partition_token, realize
 from lynx_compile.budget import budget_error
 from lynx_compile.config import LynxConfig
 from lynx_compile.decisions import KEEP, BudgetError, Decisions
@@ -191,7 +191,7 @@ def with_plan_cache(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: i
     entry = plan_cache.load(key)
     hit = _apply_cached(joint, ctx, kw, budget, entry, key) if entry is not None else None
     # every rank takes the same path: the hit only where every rank hit with the same partition
-    token = _partition_token(hit) if hit is not None else None
+    token = partition_token(hit) if hit is not None else None
     with _compat.eager_dispatch():  # real tensors for the all-gather, not the compile's fakes
         everyone = set(gather_values(token))
     if hit is not None and everyone == {token}:
@@ -242,12 +242,6 @@ def _apply_cached(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: int
                     key[:12], applied.mem.peak_bytes, budget)
         return None
     return applied
-
-
-def _partition_token(applied: Applied) -> str:
-    """What a hit compiles, comparable across ranks: its decisions and exact peak."""
-    body = [applied.mem.peak_bytes, applied.decisions.to_dict()["units"]]
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def graph_digest(joint: fx.GraphModule) -> str:

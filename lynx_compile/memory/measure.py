@@ -131,16 +131,14 @@ def cpu_peak_bytes(fn: Callable[[], Any], exclude: Callable[[], set[int]] | None
     return peak
 
 
-def cuda_peak_bytes(fn: Callable[[], Any], device: torch.device, grad_bytes: Callable[[], int] | None = None) -> int:
-    """Caching-allocator peak above the start; minus the gradients the step created when
-    ``grad_bytes`` is given (exact when the peak is at the end of the backward, where the
-    compiled backward returns all gradients together; an underestimate otherwise)."""
+def cuda_peak_bytes(fn: Callable[[], Any], device: torch.device) -> int:
+    """Caching-allocator peak above what is allocated when ``fn`` starts."""
     _sync(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     fn()
     _sync(device)
-    return torch.cuda.max_memory_allocated(device) - before - (grad_bytes() if grad_bytes else 0)
+    return torch.cuda.max_memory_allocated(device) - before
 
 
 def step_times(step_fn: Callable[[], Any], device: torch.device, repeats: int) -> list[float]:
