@@ -57,12 +57,16 @@ allocated when that step starts:
 - ``pred_graphs``: each lynx plan compiled in the row's process, in compile order,
   ``peak/no-recompute-peak MiB (scope)`` (``scope``: what lynx checked the budget on:
   ``peak`` = the graph's activation peak, ``saved`` = the activations the graph saves, for a
-  graph that is a piece of the model); ``pred_max_MiB`` / ``pred_sum_MiB``: the largest / the sum of
+  graph that is a piece of the model planned provisionally, ``step`` = the whole step's peak, the
+  pieces planned together); ``pred_max_MiB`` / ``pred_sum_MiB``: the largest / the sum of
   the plans' predicted peaks, ``pred_frac``: the largest plan's peak / its no-recompute peak.
   For one graph (``whole``) the three agree and are lynx's prediction of ``act_MiB``. With several
   graphs neither is the step's peak: the forwards of earlier graphs keep their saved activations
   while later graphs run, so the step peak is above the max and below the sum (for per-block
   with one graph reused by every block, the max is one block's peak, far below the step's).
+- ``pred_step_MiB`` / ``pred_step_ref_MiB``: where lynx planned the pieces together from the
+  recorded second step (``lynx_compile.step_record``; scope ``step``): its prediction of the
+  whole step's peak, and of the same step with no piece recomputing (what a fraction is of).
 - ``inductor_est_MiB``: ``RecomputePlan.compiled_peak_bytes`` (Inductor's estimate of the compiled
   graph's peak; lynx rows under ``compiler="inductor"`` only), max over graphs (per graph in
   ``inductor_est_graphs``).
@@ -108,11 +112,12 @@ TOLERANCE = 0.02
 MAX_MIN_TRIES = 4
 MIB = 2 ** 20
 COLUMNS = ["model", "style", "compiler", "budget", "budget_value", "result", "graphs", "pred_graphs",
-           "pred_max_MiB", "pred_sum_MiB", "pred_frac", "inductor_est_MiB", "inductor_est_graphs", "ms_MiB",
+           "pred_max_MiB", "pred_sum_MiB", "pred_frac", "pred_step_MiB", "pred_step_ref_MiB", "inductor_est_MiB",
+           "inductor_est_graphs", "ms_MiB",
            "ms_frac", "act_MiB", "act_frac", "step_MiB", "step_frac", "step_ms", "first_step_s", "wall_s", "tree",
            "refusals"]
 MD_COLUMNS = ["model", "style", "compiler", "budget", "budget_value", "graphs", "pred_graphs", "pred_max_MiB",
-              "pred_sum_MiB", "pred_frac", "inductor_est_MiB", "ms_MiB", "ms_frac", "act_MiB", "act_frac",
+              "pred_sum_MiB", "pred_frac", "pred_step_MiB", "pred_step_ref_MiB", "inductor_est_MiB", "ms_MiB", "ms_frac", "act_MiB", "act_frac",
               "step_MiB", "step_frac", "step_ms", "first_step_s", "tree", "status"]
 USE_RE = re.compile(r"use (?:memory_budget|a budget) >= ([0-9]*\.?[0-9]+)", re.IGNORECASE)
 
@@ -250,6 +255,10 @@ def run_row(model: str, style: str, compiler: str, budget: Optional[float], attn
                 row["pred_sum_MiB"] = sum(p.peak_bytes for p in plans) / MIB
                 big = max(plans, key=lambda p: p.peak_bytes)
                 row["pred_frac"] = big.peak_fraction
+            step = [p for p in plans if p.budget_scope == "step"]
+            if step:
+                row["pred_step_MiB"] = step[-1].step_peak_bytes / MIB
+                row["pred_step_ref_MiB"] = step[-1].step_reference_bytes / MIB
             est = [p.compiled_peak_bytes for p in plans]
             if compiler == "inductor":
                 row["inductor_est_graphs"] = "; ".join("-" if e is None else f"{e / MIB:.3f}" for e in est)

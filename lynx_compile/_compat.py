@@ -539,8 +539,8 @@ def record_function_ops() -> tuple[Any, Any]:
     return ops._record_function_enter_new.default, ops._record_function_exit._RecordFunction
 
 
-def cpu_allocation_events(prof: Any) -> list[tuple[int, int, int]]:
-    """(time ns, address, signed bytes) of every CPU-allocator event a finished
+def cpu_allocation_events(prof: Any, device_type: str = "cpu") -> list[tuple[int, int, int]]:
+    """(time ns, address, signed bytes) of every allocator event on ``device_type`` a finished
     ``torch.profiler.profile(profile_memory=True)`` recorded, in time order (read from the
     kineto event tree: ``torch._C._profiler._EventType.Allocation``)."""
     from torch._C._profiler import _EventType
@@ -549,10 +549,48 @@ def cpu_allocation_events(prof: Any) -> list[tuple[int, int, int]]:
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
-        if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == "cpu":
+        if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == device_type:
             out.append((node.start_time_ns, node.typed[1].ptr, node.typed[1].alloc_size))
         stack.extend(node.children)
     return sorted(out)
+
+
+def profiler_marks(prof: Any, prefix: str) -> dict[str, int]:
+    """Start time (ns, the clock of :func:`cpu_allocation_events`) of every ``record_function``
+    range whose name starts with ``prefix`` in a finished profile, by name."""
+    from torch._C._profiler import _EventType
+
+    out: dict[str, int] = {}
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.typed[0] == _EventType.TorchOp and node.name.startswith(prefix):
+            out[node.name] = node.start_time_ns
+        stack.extend(node.children)
+    return out
+
+
+def profiler_running() -> bool:
+    """Whether an autograd profiler (``torch.profiler.profile``) is collecting in this thread."""
+    return bool(torch.autograd._profiler_enabled())
+
+
+def engine_run_backward_code() -> Any:
+    """The code object of the Python function that calls the autograd engine
+    (``torch.autograd.graph._engine_run_backward``: ``Tensor.backward`` and ``autograd.grad``
+    both go through it), or None where it is not there. Once it returns, the engine has
+    restored the thread's state it saved when the backward started."""
+    try:
+        from torch.autograd.graph import _engine_run_backward
+
+        return _engine_run_backward.__code__
+    except (ImportError, AttributeError):
+        return None
+
+
+def queue_backward_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` once the backward pass now executing ends (call from inside it: a hook)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
 @functools.lru_cache(maxsize=None)

@@ -69,6 +69,13 @@ class LynxBackend:
         """Ranks compiling the same graphs (see ``distributed.agreement.planning_group``)."""
         self._lock = threading.Lock()
         self._warned_breaks = False
+        self.step_recorder = None
+        """Plans the compiled pieces of one step together (``lynx_compile.step_record``): with
+        policy lynx under a budget, when the model runs as several compiled graphs."""
+        if config.policy == "lynx" and config.budget is not None and not plan_only:
+            from lynx_compile.step_record import StepRecorder
+
+            self.step_recorder = StepRecorder(self)
         if config.verbose:
             _log_to_stderr(solver_log=True)
 
@@ -91,6 +98,25 @@ class LynxBackend:
                 log.warning("lynx: compiling more than one graph with these options (graph breaks, "
                             "recompiles, or another model); each graph gets its own plan, listed in "
                             "backend.records. TORCH_LOGS=graph_breaks shows why dynamo split a model.")
+        compiled = self._compile(gm, example_inputs, record)
+        if self.step_recorder is None:
+            return compiled
+        from lynx_compile.step_record import InputSpec
+
+        devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
+        return self.step_recorder.piece(compiled, record, functools.partial(self._rebuild, gm, InputSpec(example_inputs)),
+                                        device_type="cuda" if "cuda" in devices else "cpu")
+
+    def _rebuild(self, gm: fx.GraphModule, inputs, old: GraphRecord, choice: str) -> tuple[Callable, GraphRecord]:
+        """``gm`` compiled again with candidate ``choice`` (the step's plan, ``step_record``);
+        its record replaces ``old`` in ``records``."""
+        record = GraphRecord(graph_id=old.graph_id, policy=self.config.policy, step_choice=choice)
+        compiled = self._compile(gm, inputs.inputs(), record)
+        with self._lock:
+            self.records[next(i for i, r in enumerate(self.records) if r is old)] = record
+        return compiled, record
+
+    def _compile(self, gm: fx.GraphModule, example_inputs: list, record: GraphRecord) -> Callable:
         config = self.config
         if config.device_budget is not None:  # what is on the device as this graph's step starts
             config = config.with_resident(*resident_bytes(example_inputs, plan_only=self.plan_only))

@@ -32,6 +32,7 @@ from lynx_compile.passes import APPLY_PIPELINE, PassContext, meta, run_passes
 from lynx_compile.passes.apply_decisions import clear_decision_tags
 from lynx_compile.passes.mark_recomputed import mark_recomputed_pass, recomputed_source
 from lynx_compile.passes.policies import baseline_decisions
+from lynx_compile.step_model import Candidate, GraphChoices
 
 log = logging.getLogger("lynx_compile")
 
@@ -102,12 +103,13 @@ def decide_piece(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: int 
     selective, torch's min-cut at the budget and half of it) that saves no more than
     ``budget`` with the least exposed recompute; when none does (a loss-only graph saves what
     nothing recomputes), the one that saves least, with a warning naming the graph break."""
-    from lynx_compile.optimize import LynxOutcome
-
     cfg = ctx.config
     if cfg.policy != "lynx":
         return decide(joint, ctx, kw, None, reference_saved)
     frac = min(1.0, budget / reference_saved) if budget is not None and reference_saved else 1.0
+    forced = ctx.record.step_choice
+    if forced is not None:  # the step's plan across graphs chose this candidate (step_record)
+        return _forced_piece(joint, ctx, kw, forced, frac)
     scored, own = [], None
     if budget is not None and ctx.record.reference_peak_bytes:
         # lynx's optimizer too (it places recompute in communication windows): solved for the
@@ -122,9 +124,19 @@ def decide_piece(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: int 
             ctx.record.notes.append(f"lynx's optimizer: {e}")
     # no budget: only none (recompute nothing beyond what the compiler does on its own)
     policies = ("none", *BASELINES) if budget is not None else ("none",)
-    for name, applied in _baseline_candidates(joint, ctx, kw, policies, frac if budget is not None else None):
-        scored.append((name, exposed(applied, joint), applied))
+    # with a budget, torch's min-cut at every setting too: the step's plan across pieces
+    # (step_record) picks from these, and steps between them are what lets it fit a budget closely
+    settings = TORCH_SETTINGS if budget is not None else ()
+    seen = set()
+    for name, applied in _baseline_candidates(joint, ctx, kw, policies, frac if budget is not None else None,
+                                              settings):
+        cost = exposed(applied, joint)
+        same = (applied.mem.saved_bytes, applied.mem.forward_peak_bytes, applied.mem.backward_peak_bytes, cost)
+        if same not in seen:  # min-cut gives the same partition at many settings
+            seen.add(same)
+            scored.append((name, cost, applied))
     ctx.record.decisions["candidates"] = {n: {"exposed_s": e, "saved_bytes": a.mem.saved_bytes} for n, e, a in scored}
+    choices = tuple(step_candidate(n, e, a.mem) for n, e, a in scored)
     fitting = [c for c in scored if budget is None or c[2].mem.saved_bytes <= budget]
     if fitting:
         name, cost, applied = min(fitting, key=lambda c: (c[1], c[2].mem.saved_bytes))
@@ -137,15 +149,50 @@ def decide_piece(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: int 
                "should not be separate, TORCH_LOGS=graph_breaks shows why dynamo split the model.")
         log.warning("lynx: %s", msg)
         ctx.record.notes.append(msg)
+    ctx.record.step = GraphChoices(reference=next(c for c in choices if c.name == "none"), choices=choices,
+                                   current=name)
+    note = (f"one block or a piece of a model: provisionally the budget bounds saved bytes; '{name}' chosen "
+            "(the step's pieces are planned together once a step has run: lynx_compile.step_record)")
+    return _piece_outcome(joint, ctx, name, cost, applied, own, note)
+
+
+def _piece_outcome(joint, ctx: PassContext, name: str, cost: float, applied: Applied, own, note: str):
+    from lynx_compile.optimize import LynxOutcome
+
     ctx.record.decisions.update(applied.record.decisions)
     realize_tags(joint, ctx, applied.decisions)
-    note = f"one block or a piece of a model: the budget bounds saved bytes; '{name}' chosen"
     ctx.record.notes.append(note)
     if name == "lynx":
         return own.applied, own
     outcome = LynxOutcome(applied=_as_seed(applied),
                           problem=ctx.record.problem, solver=f"baseline:{name}", status="seeded", exposed_s=cost)
     return outcome.applied, outcome
+
+
+def _forced_piece(joint, ctx: PassContext, kw: dict, name: str, frac: float):
+    """Candidate ``name`` of :func:`decide_piece` made as it was then: lynx's optimizer at the
+    same fraction, a baseline, or torch's min-cut at the setting in its name (``torch@0.25``)."""
+    own = None
+    if name == "lynx":
+        from lynx_compile.optimize import plan_lynx
+
+        own = plan_lynx(joint, ctx, *_problem_base(joint, ctx, kw), int(frac * ctx.record.reference_peak_bytes), kw)
+        applied = own.applied
+    elif name.startswith("torch@"):
+        applied = next(a for _, a in _baseline_candidates(joint, ctx, kw, (), None, (float(name[6:]),)))
+    else:
+        applied = next(a for _, a in _baseline_candidates(joint, ctx, kw, (name,), None))
+    cost = exposed(applied, joint)
+    choice = step_candidate(name, cost, applied.mem)
+    ctx.record.step = GraphChoices(reference=choice, choices=(choice,), current=name)
+    note = f"one block or a piece of a model: '{name}', chosen for the step's pieces planned together"
+    return _piece_outcome(joint, ctx, name, cost, applied, own, note)
+
+
+def step_candidate(name: str, exposed_s: float, mem) -> Candidate:
+    """A compile of a graph as the step's plan across graphs weighs it (``step_model``)."""
+    return Candidate(name=name, exposed_s=exposed_s, saved_bytes=mem.saved_bytes,
+                     forward_peak_bytes=mem.forward_peak_bytes, backward_peak_bytes=mem.backward_peak_bytes)
 
 
 def realize_tags(joint: fx.GraphModule, ctx: PassContext, decisions: Decisions) -> None:
@@ -256,15 +303,14 @@ def _problem_base(joint: fx.GraphModule, ctx: PassContext, kw: dict):
 def _baseline_candidates(joint: fx.GraphModule, ctx: PassContext, kw: dict, policies: tuple[str, ...],
                          frac: float | None, settings: tuple[float, ...] = ()):
     """(name, Applied) of each baseline in ``policies``, then torch's min-cut at ``frac`` times
-    ``TORCH_BUDGET_LADDER`` and at each of ``settings`` (none with ``frac`` None), highest first,
+    ``TORCH_BUDGET_LADDER`` (not with ``frac`` None) and at each of ``settings``, highest first,
     each applied on a scratch record. torch's min-cut breaks ties in set order, which differs
     between processes (seen on 2 gloo ranks: the same graph, different recomputed getitems):
     with several ranks a torch candidate is used only where every rank partitioned it alike
     (else it is left out on every rank, with a note), so ranks never choose different plans."""
     candidates = [(p, None) for p in policies]
-    if frac is not None:
-        budgets = {round(frac * m, 3) for m in TORCH_BUDGET_LADDER} | set(settings)
-        candidates += [("torch", b) for b in sorted(budgets, reverse=True)]
+    budgets = ({round(frac * m, 3) for m in TORCH_BUDGET_LADDER} if frac is not None else set()) | set(settings)
+    candidates += [("torch", b) for b in sorted(budgets, reverse=True)]
     for policy, torch_budget in candidates:
         name = f"torch@{torch_budget:g}" if policy == "torch" else policy
         sub = scratch_context(ctx, name)

@@ -21,7 +21,7 @@ from lynx_compile import _compat
 from lynx_compile.apply import Applied, untagged_reference
 from lynx_compile.budget import budget_error as refuse
 from lynx_compile.config import LynxConfig
-from lynx_compile.decide import budget_error, decide, decide_piece, smallest_reachable
+from lynx_compile.decide import budget_error, decide, decide_piece, smallest_reachable, step_candidate
 from lynx_compile.decisions import BudgetError
 from lynx_compile.distributed.agreement import check_plan_agreement
 from lynx_compile.memory.simulate import _nbytes, backward_inputs
@@ -29,6 +29,7 @@ from lynx_compile.passes import JOINT_PIPELINE, GraphRecord, PassContext, meta, 
 from lynx_compile.passes.find_blocks import WHOLE_GRAPH, structural_hash
 from lynx_compile.passes.mark_recomputed import recomputed_source
 from lynx_compile.plan import BlockSummary, RecomputePlan, TensorDecision
+from lynx_compile.step_model import GraphChoices
 
 log = logging.getLogger("lynx_compile")
 __all__ = ["BudgetError", "lynx_partition", "build_plan", "segment_costs"]
@@ -61,8 +62,14 @@ def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs:
         applied, outcome = decide_piece(joint, ctx, kw, budget, reference.saved_bytes)
     else:
         budget = _budget_bytes(config, reference.peak_bytes)
+        if (record.step_choice or "").startswith("plan@"):  # the step's plan: a tighter peak (step_record)
+            budget = int(record.step_choice[5:])
         applied, outcome = decide(joint, ctx, kw, budget, reference.peak_bytes)
     fw, bw, mem = applied.fw, applied.bw, applied.mem
+    if not piece:  # planned on its own peak: the step's plan across graphs keeps it (step_record)
+        name = record.step_choice or "plan"
+        record.step = GraphChoices(reference=step_candidate("none", 0.0, reference),
+                                   choices=(step_candidate(name, 0.0, mem),), current=name)
     record.plan = build_plan(config.policy, joint, applied, ctx, budget, outcome,
                              budget_scope="saved" if piece else "peak")
     record.saved_names = tuple(p.name for p in bw.graph.find_nodes(op="placeholder")

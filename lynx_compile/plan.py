@@ -53,9 +53,17 @@ class RecomputePlan:
     reference_peak_bytes: int = 0
     budget_bytes: int | None = None
     budget_scope: str = "peak"
-    """What ``budget_bytes`` bounds: ``"peak"`` (the step's activation peak; a graph holding the
-    model's blocks) or ``"saved"`` (the activations the graph saves for its backward; a graph
-    that is one block or a piece of a model, whose savings add up across graphs)."""
+    """What ``budget_bytes`` bounds: ``"peak"`` (the step's peak; a graph holding the model's
+    blocks), ``"saved"`` (the activations the graph saves for its backward; a graph that is one
+    block or a piece of a model, planned provisionally, before a step has run) or ``"step"`` (the
+    peak of the whole step, its compiled pieces planned together from a recorded step:
+    ``lynx_compile.step_record``; ``step_peak_bytes`` is then the step's predicted peak)."""
+    step_peak_bytes: int | None = None
+    """Scope ``"step"``: the whole step's predicted peak with every piece as planned (measured
+    outside the pieces, modelled inside them)."""
+    step_reference_bytes: int | None = None
+    """Scope ``"step"``: the same step with no piece recomputing anything (torch.compile's own
+    step; a ``memory_budget`` fraction is of this)."""
     device_budget_bytes: int | None = None
     """``device_budget`` in bytes (everything on the device during the step); None without one.
     ``budget_bytes`` is then at most ``device_budget_bytes - resident_bytes``."""

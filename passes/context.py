@@ -40,6 +40,11 @@ class GraphRecord:
     """Its ``UnitIndex`` (unit → joint nodes); not serialized either."""
     segment_costs: Any = None
     """Per block and outside blocks: forward / backward seconds (``lynx_compile.pipeline``)."""
+    step: Any = None
+    """Its candidates for the step's plan across graphs (``lynx_compile.step_model.GraphChoices``)."""
+    step_choice: str | None = None
+    """The candidate the step's plan chose for this graph (``lynx_compile.step_record``): a
+    compile with it set applies that candidate as is."""
 
     def to_dict(self) -> dict[str, Any]:
         problem, index, self.problem, self.unit_index = self.problem, self.unit_index, None, None

@@ -26,7 +26,9 @@ N_LAYERS = 3
 GLOBAL_BATCH = 4
 STEPS = 3
 LR = 0.1
-BUDGET = 0.7
+BUDGET = 0.8
+"""Of the whole step (gathered parameters, embedding, head and loss included): at 0.7 the blocks
+cannot reach it (the step's smallest is 0.756 of none's, whole-model compile)."""
 RTOL = 1e-5
 
 
@@ -108,7 +110,8 @@ def _train(rank: int, world: int, mode: str, options: dict) -> dict:
         plan = r.plan
         counts = plan.decisions.counts()
         graphs.append({"block": block, "scope": plan.budget_scope, "saved": plan.saved_bytes,
-                       "budget": plan.budget_bytes, "recomputed": len(plan.recomputed),
+                       "budget": plan.budget_bytes, "step_peak": plan.step_peak_bytes,
+                       "recomputed": len(plan.recomputed),
                        "demand": counts["demand"] + counts["window"],
                        "fingerprint": r.decisions.get("plan_fingerprint")})
     params = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
@@ -168,12 +171,12 @@ def test_fsdp2_trains_with_single_process_losses_and_recomputes_in_blocks(mode, 
         assert [g["fingerprint"] for g in graphs] == [g["fingerprint"] for g in runs[1]["graphs"]]
         assert all(g["fingerprint"] for g in graphs), graphs
         for g in graphs:
-            # no module-list children in any graph: one block each, the budget bounds saved bytes
-            assert g["scope"] == "saved", g
+            # no module-list children in any graph: one block each, planned provisionally on
+            # what each saves, then together on the recorded step (lynx_compile.step_record)
             if policy == "none":
-                assert g["demand"] == 0, g
+                assert g["scope"] == "saved" and g["demand"] == 0, g
             else:
-                assert g["saved"] <= g["budget"], g
+                assert g["scope"] == "step" and g["step_peak"] <= g["budget"], g
                 if g["block"]:
                     assert g["recomputed"] > 0 and g["demand"] > 0, g
         if mode == "per_block":  # identical blocks share one graph

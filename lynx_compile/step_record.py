@@ -1,0 +1,438 @@
+"""Plan the compiled pieces of one training step together, from a recorded step (issue M item 3;
+the design: ``docs/budget_pieces.md``; the arithmetic: ``lynx_compile.step_model``).
+
+A model compiled per block (torchtitan's ``apply_compile``) or split by graph breaks runs as
+several compiled graphs with eager code between them. Dynamo compiles each lazily, during the
+first step, so when a piece is planned nothing is known of the others: each gets a provisional
+plan (``decide.decide_piece``: its saved bytes within the budget's fraction of its own). Then:
+
+1. **step 1** runs on the provisional plans (and compiles every piece);
+2. **step 2 is recorded**: the profiler's allocator events, cut at the start and end of every
+   piece call's forward and backward (``record_function`` marks, one clock), give each
+   segment's measured peak; lynx knows what the plans that ran contribute, the rest is
+   ``outside`` (measured, not modelled: embedding, LM head, loss, gradient accumulation);
+3. at the end of step 2's backward, one choice per graph (``step_model.choose``): the least
+   exposed recompute whose predicted step peak is within the budget, a fraction being of the same
+   step with every graph at no recompute (torch.compile's own per-block step);
+4. at the first forward of **step 3**, graphs whose choice changed are compiled again with it
+   (``GraphRecord.step_choice``) and swapped in; ``backend.records`` and the log say what changed.
+
+Step 1 is not recorded because it compiles (the compiler's own allocations would count as the
+step's) and creates ``.grad``. Only the first two steps pay anything: after the re-plan a piece
+call is one Python function call more than the compiled graph. With several ranks the
+measurements are combined (the highest per segment) so every rank chooses alike.
+
+When no choice fits, lynx raises ``BudgetError`` at step 3 naming the smallest step peak
+reachable and what lies outside the compiled pieces (compiling it too is the fix).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from lynx_compile import _compat
+from lynx_compile.budget import budget_error, format_bytes
+from lynx_compile.decisions import BudgetError
+from lynx_compile.step_model import Segment, StepChoice, StepModel, choose
+
+log = logging.getLogger("lynx_compile")
+MARK = "lynx.piece."
+RECORDED_STEP = 2
+"""Which step is recorded (see the module docstring for why not the first)."""
+
+
+class InputSpec:
+    """What a compile of a graph needs of its example inputs, without keeping them alive: a
+    weak reference (parameters stay alive, activations do not) and the tensor's metadata, from
+    which an empty tensor of the same layout stands in once it is gone."""
+
+    def __init__(self, example_inputs: list):
+        self._items: list[tuple] = []
+        for t in example_inputs:
+            if isinstance(t, torch.Tensor):
+                self._items.append(("tensor", weakref.ref(t), tuple(t.shape), t.stride(), t.dtype, t.device,
+                                    t.requires_grad, isinstance(t, torch.nn.Parameter)))
+            else:
+                self._items.append(("value", t))
+
+    def inputs(self) -> list:
+        out = []
+        for item in self._items:
+            if item[0] == "value":
+                out.append(item[1])
+                continue
+            _, ref, shape, stride, dtype, device, requires_grad, is_param = item
+            t = ref()
+            if t is None:
+                t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                t = torch.nn.Parameter(t, requires_grad) if is_param else t.requires_grad_(requires_grad)
+            out.append(t)
+        return out
+
+
+class Piece:
+    """What dynamo calls for one lynx-compiled graph: the compile in use (swapped once, after the
+    recorded step), with the recorder told of every forward and backward."""
+
+    def __init__(self, recorder: "StepRecorder", compiled: Callable, record: Any,
+                 rebuild: Callable[[Any, str], tuple[Callable, Any]]):
+        self.recorder = recorder
+        self.compiled = compiled
+        self.record = record
+        self.rebuild = rebuild
+        self.key = len(recorder.pieces)
+
+    def __call__(self, *args: Any) -> Any:
+        rec = self.recorder
+        rec.before_forward()
+        if not rec.tracking or not torch.is_grad_enabled():
+            return self.compiled(*args)
+        call = rec.begin_forward(self)
+        out = self.compiled(*args)
+        rec.end_forward(call, out)
+        return out
+
+
+def _backward_node(out: Any) -> Any:
+    """The autograd node of a compiled graph's backward among the outputs' ``grad_fn`` (an
+    output that is a view of another has a view node above it)."""
+    nodes = [t.grad_fn for t in _compat.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    for node in nodes + [n for g in nodes for n, _ in g.next_functions if n is not None]:
+        if "CompiledFunction" in type(node).__name__ or "CompiledFunction" in node.name():
+            return node
+    return None
+
+
+class StepRecorder:
+    """One per backend: the step's piece calls, the recording of step ``RECORDED_STEP``, the
+    choice and its application."""
+
+    def __init__(self, backend: Any):
+        self.backend = backend
+        self.pieces: list[Piece] = []
+        self.state = "warming"  # -> recording -> ending -> recorded -> done
+        self.steps_seen = 0
+        self.calls: list[Piece] = []
+        self.open: set[int] = set()  # calls whose backward has not ended
+        self.marks: list[tuple[int, str]] = []  # (call, fw0 / fw1 / bw0 / bw1 / end)
+        self._queued = False
+        self._recording: ProfilerRecording | AllocatorRecording | None = None
+        self._device_type = "cpu"
+        self._resident: tuple[int, str] = (0, "")
+        self.model: StepModel | None = None
+        self.choice: StepChoice | None = None
+        self.budget_bytes: int | None = None
+
+    @property
+    def tracking(self) -> bool:
+        return self.state in ("warming", "recording")
+
+    def piece(self, compiled: Callable, record: Any, rebuild: Callable, device_type: str) -> Piece:
+        """The callable to give dynamo for a graph compiled on ``device_type`` as ``compiled``."""
+        if device_type == "cuda":
+            self._device_type = "cuda"
+        p = Piece(self, compiled, record, rebuild)
+        self.pieces.append(p)
+        if self.state == "done":  # a graph new since the plan (another model, a recompile): again
+            self.state, self.steps_seen = "warming", 0
+        return p
+
+    # -- the step's calls --------------------------------------------------------------------
+    def before_forward(self) -> None:
+        if self.state == "ending":  # the recording could not be stopped as the backward returned
+            self._finish_recording()
+        if self.state == "recorded":
+            self._apply()
+        elif (self.state == "warming" and self.steps_seen + 1 == RECORDED_STEP and not self.calls
+              and torch.is_grad_enabled()):
+            self._start_recording()
+
+    def begin_forward(self, piece: Piece) -> int:
+        call = len(self.calls)
+        self.calls.append(piece)
+        self.open.add(call)
+        self._mark(call, "fw0")
+        return call
+
+    def end_forward(self, call: int, out: Any) -> None:
+        self._mark(call, "fw1")
+        node = _backward_node(out)
+        if node is None:  # nothing to differentiate (or an output lynx cannot follow)
+            self.open.discard(call)
+            return
+        node.register_prehook(lambda grads: self._begin_backward(call))
+        node.register_hook(lambda grads_in, grads_out: self._end_backward(call))
+
+    def _begin_backward(self, call: int) -> None:
+        self._mark(call, "bw0")
+        if not self._queued:
+            self._queued = True
+            _compat.queue_backward_callback(self._backward_done)
+
+    def _end_backward(self, call: int) -> None:
+        self._mark(call, "bw1")
+        self.open.discard(call)
+
+    def _backward_done(self) -> None:
+        """End of a backward pass: the step ended when every piece call's backward ran."""
+        self._queued = False
+        if self.open or not self.calls:
+            return
+        self.steps_seen += 1
+        if self.state == "recording":
+            self._mark(-1, "end")
+            self.state = "ending"
+            self._recording.stop_after_backward(self._finish_recording)
+            return
+        self.calls, self.marks = [], []
+
+    def _mark(self, call: int, kind: str) -> None:
+        if self.state == "recording":
+            self.marks.append((call, kind))
+            self._recording.mark(len(self.marks) - 1)
+
+    # -- recording ---------------------------------------------------------------------------
+    def _start_recording(self) -> None:
+        if not any(len(p.record.step.choices) > 1 for p in self.pieces if p.record.step is not None):
+            self.state = "done"  # whole graphs only, each planned on its own peak: nothing to plan together
+            return
+        recording = AllocatorRecording() if self._device_type == "cuda" else ProfilerRecording()
+        if not recording.start():
+            return
+        self._resident = self._resident_bytes()
+        self._recording = recording
+        self.state = "recording"
+
+    def _resident_bytes(self) -> tuple[int, str]:
+        """What ``device_budget`` holds besides the step, as the recorded step starts: CUDA's
+        ``memory_allocated`` (at the first piece's forward: the embedding's output is in it);
+        elsewhere the largest of the pieces' own readings (``backend.resident_bytes``)."""
+        if self._device_type == "cuda":
+            return int(torch.cuda.memory_allocated()), "torch.cuda.memory_allocated() as the recorded step started"
+        plans = [p.record.plan for p in self.pieces if p.record.plan is not None]
+        best = max(plans, key=lambda p: p.resident_bytes or 0, default=None)
+        if best is None or best.resident_bytes is None:
+            return 0, "nothing read"
+        return best.resident_bytes, best.resident_source
+
+    def _finish_recording(self) -> None:
+        if self.state != "ending":
+            return
+        peaks = self._recording.finish(len(self.marks))
+        self._recording = None
+        self.model = self._model(peaks)
+        self._choose()
+        self.state = "recorded"
+
+    def _model(self, peaks: list[int | None]) -> StepModel:
+        """The recorded step as segments: ``peaks[i]`` is the highest bytes measured between
+        mark ``i - 1`` and mark ``i`` (None: mark ``i`` was not seen)."""
+        calls, marks, self.calls, self.marks = self.calls, self.marks, [], []
+        segments: list[Segment] = []
+        alive: set[int] = set()
+        running: tuple[int, str] | None = None
+        for (call, kind), peak in zip(marks, peaks):
+            if peak is None:
+                continue
+            segments.append(Segment(peak=peak, alive=tuple(sorted(alive)), running=running))
+            if kind == "fw0":
+                running = (call, "fw")
+            elif kind == "fw1":
+                running = None
+                alive.add(call)
+            elif kind == "bw0":
+                alive.discard(call)
+                running = (call, "bw")
+            elif kind == "bw1":
+                running = None
+        graphs = {p.key: p.record.step for p in calls}
+        return StepModel(graphs=graphs, calls=tuple(p.key for p in calls), segments=tuple(segments))
+
+    # -- choosing and applying ---------------------------------------------------------------
+    def _choose(self) -> None:
+        from lynx_compile.distributed.agreement import gather_values, planning_group
+
+        model = self.model
+        outside = model.outside()
+        with planning_group(self.backend.planning_group), _compat.eager_dispatch():
+            everyone = gather_values(outside)
+        if len({len(o) for o in everyone}) > 1:
+            raise RuntimeError("lynx: the ranks recorded steps of different shapes (piece calls per step "
+                               f"{[len(o) for o in everyone]}); every rank must run the same compiled pieces")
+        outside = [max(col) for col in zip(*everyone)]
+        reference = model.reference(outside)
+        budget = self.backend.config.budget
+        if budget.needs_resident:
+            budget = budget.with_resident(*self._resident)
+        self.budget_bytes = budget.bytes_of(reference)
+        self.choice = choose(model, self.budget_bytes, outside)
+        self.outside, self.reference = outside, reference
+
+    def _tighten(self, choice: StepChoice, rounds: int = 3) -> StepChoice:
+        """When no choice of the pieces fits: the graphs planned on their own peak (whole graphs
+        beside a graph break) planned again, each within its peak less the step's overshoot,
+        up to ``rounds`` times. The pieces' choices are made again with each."""
+        model, budget = self.model, self.budget_bytes
+        fixed = [p for p in self.pieces if p.key in model.graphs and len(model.graphs[p.key].choices) == 1
+                 and model.graphs[p.key].choices[0].name.startswith("plan")]
+        for _ in range(rounds):
+            if choice.fits or not fixed:
+                return choice
+            over = choice.predicted - budget
+            graphs = dict(model.graphs)
+            for piece in fixed:
+                target = piece.record.plan.peak_bytes - over
+                try:
+                    piece.compiled, piece.record = piece.rebuild(piece.record, f"plan@{target}")
+                except BudgetError:
+                    return choice  # that graph reaches no lower peak
+                graphs[piece.key] = dataclasses.replace(graphs[piece.key], choices=piece.record.step.choices)
+            model = dataclasses.replace(model, graphs=graphs)
+            choice = choose(model, budget, self.outside)
+        return choice
+
+    def _apply(self) -> None:
+        self.state = "done"
+        choice, model = self.choice, self.model
+        outside_peak = max(self.outside, default=0)
+        summary = (f"step {RECORDED_STEP} recorded: {len(model.calls)} piece calls of {len(model.graphs)} "
+                   f"graph(s); outside the compiled pieces up to {format_bytes(outside_peak)}; the step with no "
+                   f"piece recomputing peaks at {format_bytes(self.reference)}")
+        if not choice.fits:
+            choice = self._tighten(choice)
+        if not choice.fits:
+            config = self.backend.config
+            raise budget_error(config.budget, self.reference, choice.predicted,
+                               f"the compiled pieces of this step ({summary}) cannot be planned within "
+                               f"{format_bytes(self.budget_bytes)}; what runs outside them (embedding, LM head, "
+                               "loss) is not recomputed: compile it too (the whole model, or the module "
+                               "computing the loss) or raise the budget")
+        changed = [f"graph {p.record.graph_id}: its own peak planned within {format_bytes(int(p.record.step_choice[5:]))}"
+                   for p in self.pieces if (p.record.step_choice or "").startswith("plan@")]
+        for piece in self.pieces:
+            if piece.key not in choice.pick:
+                continue
+            new = choice.pick[piece.key].name
+            old = piece.record.step.current
+            if new != old:
+                piece.compiled, piece.record = piece.rebuild(piece.record, new)
+                changed.append(f"graph {piece.record.graph_id}: '{old}' -> '{new}'")
+        what = "; ".join(changed) if changed else "the provisional plans kept"
+        line = (f"{summary}; planned together: {what}; step peak predicted {format_bytes(choice.predicted)} "
+                f"(budget {format_bytes(self.budget_bytes)})")
+        for piece in self.pieces:
+            if piece.key not in choice.pick:
+                continue
+            plan = piece.record.plan
+            piece.record.plan = dataclasses.replace(
+                plan, budget_scope="step", budget_bytes=self.budget_bytes, step_peak_bytes=choice.predicted,
+                step_reference_bytes=self.reference, notes=(*plan.notes, line))
+            piece.record.notes.append(line)
+        log.info("lynx: %s", line)
+
+
+class ProfilerRecording:
+    """Memory over a step from the profiler's allocator events (CPU: the allocator has no
+    counters), cut at ``record_function`` marks (one clock). The profiler is stopped as soon as
+    the backward call returns: stopped inside the backward, the autograd engine would switch it
+    back on when it restores the thread's state (a watch on Python's profile hook for the
+    return of ``torch.autograd.graph._engine_run_backward``; when another tool holds that hook,
+    at the next piece call)."""
+
+    def __init__(self):
+        self._profiler = None
+
+    def start(self) -> bool:
+        if _compat.profiler_running():
+            log.info("lynx: a profiler is running; the step record that plans the compiled pieces together "
+                     "waits for a step without one")
+            return False
+        from torch.profiler import ProfilerActivity, profile
+
+        from lynx_compile.memory.measure import without_kineto_log
+
+        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
+        with without_kineto_log():
+            self._profiler.start()
+        return True
+
+    def mark(self, i: int) -> None:
+        with torch.profiler.record_function(f"{MARK}{i}"):
+            pass
+
+    def stop_after_backward(self, then: Callable[[], None]) -> None:
+        code = _compat.engine_run_backward_code()
+        if code is None or sys.getprofile() is not None:
+            return
+
+        def watch(frame, event, arg):
+            if event == "return" and frame.f_code is code:
+                sys.setprofile(None)
+                then()
+
+        sys.setprofile(watch)
+
+    def finish(self, n_marks: int) -> list[int | None]:
+        from lynx_compile.memory.measure import without_kineto_log
+
+        with without_kineto_log():
+            self._profiler.stop()
+        prof, self._profiler = self._profiler, None
+        events = _compat.cpu_allocation_events(prof, "cpu")
+        times = _compat.profiler_marks(prof, MARK)
+        return segment_peaks(events, [times.get(f"{MARK}{i}") for i in range(n_marks)])
+
+
+def segment_peaks(events: list[tuple[int, int, int]], mark_times: list[int | None]) -> list[int | None]:
+    """Per mark, the highest live bytes between the previous mark and it, from allocator
+    ``events`` (time, address, signed bytes) relative to the first event's start; None for a
+    mark with no time. A free of an address not allocated in the window is of a tensor live from
+    the start (CUDA's allocator reports those; the CPU allocator knows no size and reports none)."""
+    seen: set[int] = set()
+    live = 0
+    for _, ptr, size in events:
+        if size > 0:
+            seen.add(ptr)
+        elif ptr in seen:
+            seen.discard(ptr)
+        else:
+            live -= size
+    order = sorted((t, i) for i, t in enumerate(mark_times) if t is not None)
+    out: list[int | None] = [None] * len(mark_times)
+    peak, e = live, 0
+    for t, i in order:
+        while e < len(events) and events[e][0] < t:
+            live += events[e][2]
+            peak = max(peak, live)
+            e += 1
+        out[i] = peak
+        peak = live
+    return out
+
+
+class AllocatorRecording:
+    """Memory over a step from CUDA's caching allocator: at each mark the peak since the last
+    one (``max_memory_allocated``, then ``reset_peak_memory_stats``: a user reading the peak of
+    the recorded step reads the last segment's)."""
+
+    def start(self) -> bool:
+        torch.cuda.synchronize()
+        self._base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        self._peaks: list[int] = []
+        return True
+
+    def mark(self, i: int) -> None:
+        self._peaks.append(torch.cuda.max_memory_allocated() - self._base)
+        torch.cuda.reset_peak_memory_stats()
+
+    def stop_after_backward(self, then: Callable[[], None]) -> None:
+        then()
+
+    def finish(self, n_marks: int) -> list[int | None]:
+        return [*self._peaks, *([None] * (n_marks - len(self._peaks)))][:n_marks]
