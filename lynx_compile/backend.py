@@ -53,9 +53,12 @@ class LynxBackend:
 
     ``records`` holds one :class:`GraphRecord` per compiled graph (a model with graph breaks
     gives several), each with its ``plan``: what was saved and recomputed and the predicted
-    memory. ``plans`` is the list of those plans."""
+    memory. ``plans`` is the list of those plans. ``plan_pieces``: with policy lynx under a
+    budget, plan the graphs of a model compiled in pieces together on the recorded step
+    (``lynx_compile.step_record``); lynx's pipeline stages, sized by the pipeline planner, turn it
+    off."""
 
-    def __init__(self, config: LynxConfig, *, plan_only: bool = False):
+    def __init__(self, config: LynxConfig, *, plan_only: bool = False, plan_pieces: bool = True):
         _compat.check_torch_version()
         self.config = config
         self.plan_only = plan_only
@@ -72,7 +75,7 @@ class LynxBackend:
         self.step_recorder = None
         """Plans the compiled pieces of one step together (``lynx_compile.step_record``): with
         policy lynx under a budget, when the model runs as several compiled graphs."""
-        if config.policy == "lynx" and config.budget is not None and not plan_only:
+        if plan_pieces and config.policy == "lynx" and config.budget is not None and not plan_only:
             from lynx_compile.step_record import StepRecorder
 
             self.step_recorder = StepRecorder(self)
@@ -98,6 +101,11 @@ class LynxBackend:
                 log.warning("lynx: compiling more than one graph with these options (graph breaks, "
                             "recompiles, or another model); each graph gets its own plan, listed in "
                             "backend.records. TORCH_LOGS=graph_breaks shows why dynamo split a model.")
+        if self.step_recorder is not None:
+            # an activation with gradients comes in: the graph is a piece of a model compiled in
+            # pieces (per block, after a graph break), whatever modules it holds
+            record.takes_activations = any(isinstance(t, torch.Tensor) and t.requires_grad
+                                           and not isinstance(t, torch.nn.Parameter) for t in example_inputs)
         compiled = self._compile(gm, example_inputs, record)
         if self.step_recorder is None:
             return compiled
@@ -107,13 +115,17 @@ class LynxBackend:
         return self.step_recorder.piece(compiled, record, functools.partial(self._rebuild, gm, InputSpec(example_inputs)),
                                         device_type="cuda" if "cuda" in devices else "cpu")
 
-    def _rebuild(self, gm: fx.GraphModule, inputs, old: GraphRecord, choice: str) -> tuple[Callable, GraphRecord]:
+    def _rebuild(self, gm: fx.GraphModule, inputs, old: GraphRecord, choice: str, *,
+                 replace: bool = True) -> tuple[Callable, GraphRecord]:
         """``gm`` compiled again with candidate ``choice`` (the step's plan, ``step_record``);
-        its record replaces ``old`` in ``records``."""
-        record = GraphRecord(graph_id=old.graph_id, policy=self.config.policy, step_choice=choice)
+        its record replaces ``old`` in ``records`` (``replace``) or follows it (a graph whose
+        calls run two compiles)."""
+        record = GraphRecord(graph_id=old.graph_id, policy=self.config.policy, step_choice=choice,
+                             takes_activations=old.takes_activations)
         compiled = self._compile(gm, inputs.inputs(), record)
         with self._lock:
-            self.records[next(i for i, r in enumerate(self.records) if r is old)] = record
+            at = next(i for i, r in enumerate(self.records) if r is old)
+            self.records[at:at + 1] = [record] if replace else [old, record]
         return compiled, record
 
     def _compile(self, gm: fx.GraphModule, example_inputs: list, record: GraphRecord) -> Callable:

@@ -56,7 +56,7 @@ def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs:
     joint = run_passes(joint, ctx, JOINT_PIPELINE, "joint")
     # Hashed before any tagged partition: replaying RNG adds nodes to the joint graph in place.
     ctx.record.decisions["graph_hash"] = structural_hash(list(joint.graph.nodes))
-    piece = record.blocks == [WHOLE_GRAPH]
+    piece = record.blocks == [WHOLE_GRAPH] or record.takes_activations
     if piece:  # one block or a piece of a model: what adds up across graphs is what each saves
         budget = _budget_bytes(config, reference.saved_bytes)
         applied, outcome = decide_piece(joint, ctx, kw, budget, reference.saved_bytes)

@@ -68,60 +68,96 @@ class GraphChoices:
         raise KeyError(name)
 
 
+Assignment = tuple[Candidate, ...]
+"""One candidate per call of a graph in the step, in call order."""
+
+
 @dataclass(frozen=True)
 class StepModel:
-    """A recorded step: ``calls[i]`` is the graph (a key of ``graphs``) of the i-th piece call."""
+    """A recorded step: ``calls[i]`` is the graph (a key of ``graphs``) of the i-th piece call.
+    A choice (``pick``) gives each graph an ``Assignment``: the candidate of each of its calls."""
 
     graphs: dict[int, GraphChoices]
     calls: tuple[int, ...]
     segments: tuple[Segment, ...]
 
-    def _pieces(self, seg: Segment, pick: dict[int, Candidate]) -> int:
-        total = sum(pick[self.calls[q]].saved_bytes for q in seg.alive)
+    @property
+    def positions(self) -> tuple[int, ...]:
+        """Per call, how many calls of the same graph came before it in the step."""
+        seen: dict[int, int] = {}
+        out = []
+        for g in self.calls:
+            out.append(seen.get(g, 0))
+            seen[g] = out[-1] + 1
+        return tuple(out)
+
+    def calls_of(self, graph: int) -> int:
+        return sum(1 for g in self.calls if g == graph)
+
+    def uniform(self, each: dict[int, Candidate]) -> dict[int, Assignment]:
+        """Every call of graph ``g`` compiled as ``each[g]``."""
+        return {g: (c,) * self.calls_of(g) for g, c in each.items()}
+
+    def _pieces(self, seg: Segment, pick: dict[int, Assignment], pos: tuple[int, ...]) -> int:
+        total = sum(pick[self.calls[q]][pos[q]].saved_bytes for q in seg.alive)
         if seg.running is not None:
             call, kind = seg.running
-            c = pick[self.calls[call]]
+            c = pick[self.calls[call]][pos[call]]
             total += c.forward_peak_bytes if kind == "fw" else c.backward_peak_bytes
         return total
 
     def outside(self) -> list[int]:
         """Per segment: the measured bytes beyond the pieces' part under the plans that ran."""
-        ran = {g: gc.named(gc.current) for g, gc in self.graphs.items()}
-        return [s.peak - self._pieces(s, ran) for s in self.segments]
+        ran = self.uniform({g: gc.named(gc.current) for g, gc in self.graphs.items()})
+        pos = self.positions
+        return [s.peak - self._pieces(s, ran, pos) for s in self.segments]
 
-    def predicted(self, pick: dict[int, Candidate], outside: list[int] | None = None) -> int:
-        """The step's peak with graph ``g`` compiled as ``pick[g]``."""
+    def predicted(self, pick: dict[int, Assignment], outside: list[int] | None = None) -> int:
+        """The step's peak with the calls of graph ``g`` compiled as ``pick[g]``."""
         outside = self.outside() if outside is None else outside
-        return max((o + self._pieces(s, pick) for o, s in zip(outside, self.segments)), default=0)
+        pos = self.positions
+        return max((o + self._pieces(s, pick, pos) for o, s in zip(outside, self.segments)), default=0)
 
     def reference(self, outside: list[int] | None = None) -> int:
         """The step's peak with every graph at its no-recompute partition."""
-        return self.predicted({g: gc.reference for g, gc in self.graphs.items()}, outside)
+        return self.predicted(self.uniform({g: gc.reference for g, gc in self.graphs.items()}), outside)
 
-    def calls_of(self, graph: int) -> int:
-        return sum(1 for g in self.calls if g == graph)
-
-    def exposed_s(self, pick: dict[int, Candidate]) -> float:
+    def exposed_s(self, pick: dict[int, Assignment]) -> float:
         """Seconds of recompute the step exposes with ``pick``."""
-        return sum(self.calls_of(g) * c.exposed_s for g, c in pick.items())
+        return sum(c.exposed_s for calls in pick.values() for c in calls)
 
 
 @dataclass(frozen=True)
 class StepChoice:
-    pick: dict[int, Candidate]
+    pick: dict[int, Assignment]
     predicted: int
     exposed_s: float
     fits: bool
     """Whether ``predicted`` is within the budget (when not: the least-memory choice found)."""
 
 
+def assignments(choices: tuple[Candidate, ...], calls: int) -> list[Assignment]:
+    """What one graph called ``calls`` times may do: every call the same candidate, or the first
+    ``k`` calls one candidate and the rest another (the first calls' saved tensors live longest,
+    so they are the ones to make smaller: Megatron's ``recompute_num_layers`` in general form)."""
+    out: dict[Assignment, None] = {}
+    for a in choices:
+        out[(a,) * calls] = None
+    for a, b in itertools.permutations(choices, 2):
+        if a.saved_bytes >= b.saved_bytes:
+            continue
+        for k in range(1, calls):
+            out[(a,) * k + (b,) * (calls - k)] = None
+    return list(out)
+
+
 def choose(model: StepModel, budget: int, outside: list[int] | None = None) -> StepChoice:
-    """The choice per graph with the least exposed recompute whose predicted peak is within
-    ``budget``; when none is, the one with the least predicted peak (``fits`` False). Ties go to
-    less memory, then to the earlier candidate of each graph in graph order."""
+    """The choice (an assignment per graph, :func:`assignments`) with the least exposed
+    recompute whose predicted peak is within ``budget``; when none is, the one with the least
+    predicted peak (``fits`` False). Ties go to less memory, then to the earlier in order."""
     outside = model.outside() if outside is None else outside
     keys = sorted(model.graphs)
-    options = [model.graphs[g].choices for g in keys]
+    options = [assignments(model.graphs[g].choices, model.calls_of(g)) for g in keys]
     combos = 1
     for o in options:
         combos *= len(o)
@@ -143,16 +179,18 @@ def choose(model: StepModel, budget: int, outside: list[int] | None = None) -> S
     return StepChoice(pick=least[2], predicted=least[0], exposed_s=least[1], fits=False)
 
 
-def _greedy(model: StepModel, keys: list[int], options: list[tuple[Candidate, ...]], budget: int,
+def _greedy(model: StepModel, keys: list[int], options: list[list[Assignment]], budget: int,
             outside: list[int]):
     """Choices to try when there are too many to enumerate: from every graph at its
-    least-saving candidate, each graph in turn takes its cheapest candidate that keeps the
+    least-saving assignment, each graph in turn takes its cheapest assignment that keeps the
     step within the budget."""
-    current = [min(o, key=lambda c: (c.saved_bytes, c.exposed_s)) for o in options]
+    saved = lambda a: sum(c.saved_bytes for c in a)  # noqa: E731
+    cost = lambda a: sum(c.exposed_s for c in a)  # noqa: E731
+    current = [min(o, key=lambda a: (saved(a), cost(a))) for o in options]
     yield tuple(current)
     for i, opts in enumerate(options):
-        for c in sorted(opts, key=lambda c: (c.exposed_s, c.saved_bytes)):
-            trial = current[:i] + [c] + current[i + 1:]
+        for a in sorted(opts, key=lambda a: (cost(a), saved(a))):
+            trial = current[:i] + [a] + current[i + 1:]
             if model.predicted(dict(zip(keys, trial)), outside) <= budget:
                 current = trial
                 break

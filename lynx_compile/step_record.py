@@ -28,6 +28,7 @@ reachable and what lies outside the compiled pieces (compiling it too is the fix
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import sys
 import weakref
@@ -77,25 +78,65 @@ class InputSpec:
 
 class Piece:
     """What dynamo calls for one lynx-compiled graph: the compile in use (swapped once, after the
-    recorded step), with the recorder told of every forward and backward."""
+    recorded step), with the recorder told of every forward and backward.
+
+    After the step's plan a graph called several times per step may run two compiles: the
+    ``k``-th call of a step (counting calls with gradients on) runs ``by_call[k]``."""
 
     def __init__(self, recorder: "StepRecorder", compiled: Callable, record: Any,
-                 rebuild: Callable[[Any, str], tuple[Callable, Any]]):
+                 rebuild: Callable[..., tuple[Callable, Any]]):
         self.recorder = recorder
         self.compiled = compiled
         self.record = record
         self.rebuild = rebuild
         self.key = len(recorder.pieces)
+        self.records = [record]
+        """Its records since the step's plan (two when its calls run two compiles)."""
+        self.by_call: list[Callable] | None = None
+        self._count = 0
 
     def __call__(self, *args: Any) -> Any:
         rec = self.recorder
         rec.before_forward()
         if not rec.tracking or not torch.is_grad_enabled():
-            return self.compiled(*args)
+            return self._current()(*args)
         call = rec.begin_forward(self)
         out = self.compiled(*args)
         rec.end_forward(call, out)
         return out
+
+    def _current(self) -> Callable:
+        if self.by_call is None or not torch.is_grad_enabled():
+            return self.compiled
+        fn = self.by_call[self._count % len(self.by_call)]
+        self._count += 1
+        return fn
+
+    def assign(self, names: tuple[str, ...]) -> list[str]:
+        """Compile (once per candidate) and use candidate ``names[k]`` for the ``k``-th call of
+        each step; returns what changed, for the log."""
+        current = self.record.step.current
+        compiled = {current: self.compiled}
+        records = {current: self.record}
+        anchor = self.record  # where the next record goes in backend.records
+        for name in dict.fromkeys(names):
+            if name not in compiled:
+                replace = current not in names and anchor is self.record  # the first drops the old one
+                compiled[name], records[name] = self.rebuild(anchor, name, replace=replace)
+                anchor = records[name]
+        self.compiled, self.record = compiled[names[-1]], records[names[-1]]
+        self.records = [records[n] for n in dict.fromkeys(names)]
+        self.by_call = None if len(set(names)) == 1 else [compiled[n] for n in names]
+        self._count = 0
+        if names == (current,) * len(names):
+            return []
+        runs = [(n, sum(1 for _ in grp)) for n, grp in itertools.groupby(names)]
+        first, parts = 1, []
+        for n, count in runs:
+            span = f"call {first}" if count == 1 else f"calls {first}-{first + count - 1}"
+            parts.append(f"{span} '{n}'")
+            first += count
+        return [f"graph {self.record.graph_id}: '{current}' -> " + (", ".join(parts) if len(runs) > 1 else f"'{names[0]}'")]
 
 
 def _backward_node(out: Any) -> Any:
@@ -314,25 +355,18 @@ class StepRecorder:
                                "computing the loss) or raise the budget")
         changed = [f"graph {p.record.graph_id}: its own peak planned within {format_bytes(int(p.record.step_choice[5:]))}"
                    for p in self.pieces if (p.record.step_choice or "").startswith("plan@")]
-        for piece in self.pieces:
-            if piece.key not in choice.pick:
-                continue
-            new = choice.pick[piece.key].name
-            old = piece.record.step.current
-            if new != old:
-                piece.compiled, piece.record = piece.rebuild(piece.record, new)
-                changed.append(f"graph {piece.record.graph_id}: '{old}' -> '{new}'")
+        planned = [p for p in self.pieces if p.key in choice.pick]
+        for piece in planned:
+            changed += piece.assign(tuple(c.name for c in choice.pick[piece.key]))
         what = "; ".join(changed) if changed else "the provisional plans kept"
         line = (f"{summary}; planned together: {what}; step peak predicted {format_bytes(choice.predicted)} "
                 f"(budget {format_bytes(self.budget_bytes)})")
-        for piece in self.pieces:
-            if piece.key not in choice.pick:
-                continue
-            plan = piece.record.plan
-            piece.record.plan = dataclasses.replace(
+        for record in (r for p in planned for r in p.records):
+            plan = record.plan
+            record.plan = dataclasses.replace(
                 plan, budget_scope="step", budget_bytes=self.budget_bytes, step_peak_bytes=choice.predicted,
                 step_reference_bytes=self.reference, notes=(*plan.notes, line))
-            piece.record.notes.append(line)
+            record.notes.append(line)
         log.info("lynx: %s", line)
 
 

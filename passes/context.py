@@ -42,6 +42,10 @@ class GraphRecord:
     """Per block and outside blocks: forward / backward seconds (``lynx_compile.pipeline``)."""
     step: Any = None
     """Its candidates for the step's plan across graphs (``lynx_compile.step_model.GraphChoices``)."""
+    takes_activations: bool = False
+    """An input is an activation with gradients (not a parameter): the graph is a piece of a
+    model compiled in pieces and is planned as one (``partition.lynx_partition``); set only
+    where the backend plans pieces together (``step_record``)."""
     step_choice: str | None = None
     """The candidate the step's plan chose for this graph (``lynx_compile.step_record``): a
     compile with it set applies that candidate as is."""

@@ -45,20 +45,23 @@ def _two_calls(current="none", outside=(0, 0, 0, 0, 0, 0)):
 def test_predicted_peak_is_measured_outside_plus_the_pieces():
     model = _two_calls("half", outside=(5, 5, 5, 5, 40, 5))
     assert model.outside()[:6] == [5, 5, 5, 5, 40, 5]
-    assert model.predicted({0: HALF}) == 40 + 2 * 50  # the recorded step itself
-    assert model.predicted({0: FULL}) == 40 + 2 * 10
+    assert model.predicted(model.uniform({0: HALF})) == 40 + 2 * 50  # the recorded step itself
+    assert model.predicted(model.uniform({0: FULL})) == 40 + 2 * 10
+    assert model.predicted({0: (FULL, HALF)}) == 40 + 10 + 50  # the calls compiled differently
     assert model.reference() == 40 + 2 * 100  # every piece at no recompute
 
 
 def test_choose_takes_the_least_recompute_that_fits_and_reports_when_nothing_does():
     model = _two_calls("none", outside=(0, 0, 0, 0, 30, 0))  # reference 230
-    assert choose(model, 230).pick[0].name == "none"
-    assert choose(model, 229).pick[0].name == "half"  # 130
-    got = choose(model, 129)
-    assert got.pick[0].name == "full" and got.predicted == 50 and got.fits
-    assert choose(model, 130).exposed_s == pytest.approx(2.0)  # two calls of 'half'
+    assert choose(model, 230).pick[0] == (NONE, NONE)
+    assert choose(model, 229).pick[0] == (HALF, NONE)  # 180: one call recomputes half
+    assert choose(model, 130).pick[0] == (HALF, HALF)  # 130, 2 s (full + none: 140)
+    assert choose(model, 130).exposed_s == pytest.approx(2.0)
+    got = choose(model, 129)  # the first call, alive longest, takes the smaller candidate
+    assert got.pick[0] == (FULL, HALF) and got.predicted == 90 and got.exposed_s == pytest.approx(4.0)
+    assert choose(model, 50).pick[0] == (FULL, FULL)
     low = choose(model, 49)
-    assert not low.fits and low.pick[0].name == "full" and low.predicted == 50
+    assert not low.fits and low.pick[0] == (FULL, FULL) and low.predicted == 50
 
 
 def test_a_fixed_graph_keeps_its_plan_and_the_piece_takes_the_rest():
@@ -70,7 +73,7 @@ def test_a_fixed_graph_keeps_its_plan_and_the_piece_takes_the_rest():
     model = StepModel(graphs={0: big, 1: piece}, calls=(0, 1), segments=segs)
     assert model.reference() == 400
     got = choose(model, 180)
-    assert got.pick[0].name == "plan" and got.pick[1].name == "half" and got.predicted == 170
+    assert got.pick[0][0].name == "plan" and got.pick[1] == (HALF,) and got.predicted == 170
 
 
 def _per_block(model, options):

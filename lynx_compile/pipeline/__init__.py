@@ -294,7 +294,7 @@ def pipeline(model: nn.Module, example_inputs: Sequence[Any], *, num_stages: int
         if mb_plan is not None:
             backend = _per_microbatch_backend(stage_opts, variants.budgets[i], mb_plan.choice[i])
         else:
-            backend = lynx_compile.LynxBackend(lynx_compile.make_config(stage_opts))
+            backend = lynx_compile.LynxBackend(lynx_compile.make_config(stage_opts), plan_pieces=False)
         backend.planning_group = planning_group if planning_group is not None else SOLO
         compiled = compile_stage(mod, backend, in_place=schedule in ZERO_BUBBLE_SCHEDULES)
         ids = {id(p) for p in mod.parameters()}
@@ -356,5 +356,5 @@ def _per_microbatch_backend(stage_opts: dict[str, Any], budgets, choice):
             opts["policy"] = "none"
         else:
             opts["memory_budget"] = int(budget)
-        backends.append(lynx_compile.LynxBackend(lynx_compile.make_config(opts)))
+        backends.append(lynx_compile.LynxBackend(lynx_compile.make_config(opts), plan_pieces=False))
     return PerMicrobatchBackend(backends, dict(enumerate(choice)))
