@@ -106,10 +106,15 @@ def _train(rank: int, world: int, mode: str, options: dict) -> dict:
         dist.all_reduce(global_loss)
         losses.append(global_loss.item() / world)
     graphs = []
-    for block, r in zip(is_block, backend.records[first:], strict=True):
+    # one record per graph, two for a graph whose calls run two compiles after the step's plan
+    # across pieces (lynx_compile.step_record): its block flag is its graph's
+    ids = list(dict.fromkeys(r.graph_id for r in backend.records[first:]))
+    block_of = dict(zip(ids, is_block, strict=True))
+    for r in backend.records[first:]:
+        block = block_of[r.graph_id]
         plan = r.plan
         counts = plan.decisions.counts()
-        graphs.append({"block": block, "scope": plan.budget_scope, "saved": plan.saved_bytes,
+        graphs.append({"graph": r.graph_id, "block": block, "scope": plan.budget_scope, "saved": plan.saved_bytes,
                        "budget": plan.budget_bytes, "step_peak": plan.step_peak_bytes,
                        "recomputed": len(plan.recomputed),
                        "demand": counts["demand"] + counts["window"],
@@ -177,17 +182,17 @@ def test_fsdp2_trains_with_single_process_losses_and_recomputes_in_blocks(mode, 
                 assert g["scope"] == "saved" and g["demand"] == 0, g
             else:
                 assert g["scope"] == "step" and g["step_peak"] <= g["budget"], g
-                if g["block"]:
-                    assert g["recomputed"] > 0 and g["demand"] > 0, g
+        if policy != "none":  # the block graph recomputes on demand (in at least one of its compiles)
+            assert any(g["recomputed"] > 0 and g["demand"] > 0 for g in graphs if g["block"]), graphs
         if mode == "per_block":  # identical blocks share one graph
-            assert len(graphs) == 1 and graphs[0]["block"], graphs
+            assert len({g["graph"] for g in graphs}) == 1 and graphs[0]["block"], graphs
     none_block = [g["saved"] for g in results[0]["none"]["graphs"] if g["block"]]
     lynx_block = [g["saved"] for g in results[0]["lynx"]["graphs"] if g["block"]]
-    assert lynx_block[0] < none_block[0], (lynx_block, none_block)
+    assert min(lynx_block) < none_block[0], (lynx_block, none_block)
     if mode == "whole":
         # the split is torch's: without lynx (aot_eager) the model compiles to as many graphs
         # (embeddings | block body | norm + head | loss), one between each pair of FSDP hooks
-        assert results[0]["aot_eager_graphs"] == len(results[0]["lynx"]["graphs"]) > 1
+        assert results[0]["aot_eager_graphs"] == len({g["graph"] for g in results[0]["lynx"]["graphs"]}) > 1
 
 
 def _count_graphs_aot_eager(rank: int, world: int) -> int:
