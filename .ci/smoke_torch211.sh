@@ -50,8 +50,10 @@ echo "torch==$("$PY" -c 'import torch; print(torch.__version__)')" > "$constrain
 has_torch211 || { echo "smoke_torch211: torch in $VENV is not $TORCH_VERSION after installing the deps" >&2; exit 1; }
 deps=$(date +%s)
 
-# plus one ZBV pipeline on 2 gloo ranks with per-micro-batch variants: torch 2.11's multi-stage
+# plus the pieces of a step planned together (autograd hooks, profiler marks: step_record), and
+# one ZBV pipeline on 2 gloo ranks with per-micro-batch variants: torch 2.11's multi-stage
 # schedules differ from 2.13's (their warm-up sent to the rank's own other stage)
-"$PY" -m pytest -q -p no:cacheprovider --timeout 600 tests/test_smoke_versions.py tests/test_pipeline_per_microbatch.py
+"$PY" -m pytest -q -p no:cacheprovider --timeout 600 tests/test_smoke_versions.py tests/test_pipeline_per_microbatch.py \
+    tests/test_step_pieces.py
 end=$(date +%s)
 echo "smoke_torch211: torch $((installed - start)) s, deps+project $((deps - installed)) s, tests $((end - deps)) s, total $((end - start)) s"
