@@ -110,6 +110,15 @@ def decide_piece(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: int 
     forced = ctx.record.step_choice
     if forced is not None:  # the step's plan across graphs chose this candidate (step_record)
         return _forced_piece(joint, ctx, kw, forced, frac)
+    from lynx_compile.optimize import with_piece_cache
+
+    return with_piece_cache(joint, ctx, kw, budget, reference_saved,
+                            lambda: _plan_piece(joint, ctx, kw, budget, reference_saved, frac))
+
+
+def _plan_piece(joint, ctx: PassContext, kw: dict, budget: int | None, reference_saved: int, frac: float):
+    """:func:`decide_piece`'s candidates weighed, the provisional choice made."""
+    cfg = ctx.config
     scored, own = [], None
     if budget is not None and ctx.record.reference_peak_bytes:
         # lynx's optimizer too (it places recompute in communication windows): solved for the

@@ -216,23 +216,83 @@ def with_plan_cache(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: i
     return outcome
 
 
+def with_piece_cache(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: int | None, reference_saved: int,
+                     plan: Callable[[], tuple[Applied, LynxOutcome]]) -> tuple[Applied, LynxOutcome]:
+    """``plan()`` (``decide.decide_piece``'s provisional choice for a piece of a model, and its
+    candidates on ``record.step``), through the persistent plan cache as :func:`with_plan_cache`
+    does for whole graphs: the key is the same, with the saved-bytes budget and reference and
+    ``scope: piece``; the entry keeps the chosen candidate's decisions and every candidate's
+    numbers (``CachedPlan.step``), so a hit realizes one candidate instead of weighing them all.
+    A hit is used where it partitions as when it was made (the same saved bytes) and every
+    rank hit alike."""
+    from lynx_compile.costs import get_profile
+    from lynx_compile.distributed.agreement import gather_values, planning_world_size
+
+    cfg = ctx.config
+    if not cfg.plan_cache or budget is None or cfg.plan:
+        return plan()
+    start = time.perf_counter()
+    fields = plan_cache.key_fields(
+        cfg, graph_hash=ctx.record.decisions.get("graph_hash", ""), graph_digest=graph_digest(joint),
+        reference_peak=reference_saved, budget=budget, world_size=planning_world_size(),
+        profile={"hardware": get_profile(cfg.hardware).to_dict(), "link": ctx.record.decisions.get("link")})
+    fields["scope"] = "piece"
+    key = plan_cache.plan_key(fields)
+    ctx.record.decisions["plan_cache_key"] = key
+    entry = plan_cache.load(key)
+    hit = _apply_cached_piece(joint, ctx, kw, entry, key) if entry is not None else None
+    token = partition_token(hit[0]) if hit is not None else None
+    with _compat.eager_dispatch():
+        everyone = set(gather_values(token))
+    if hit is not None and everyone == {token}:
+        applied, choices = hit
+        log.info("lynx plan cache: hit %s", key[:12])
+        ctx.record.decisions.update(plan_cache="hit", plan_source="cache", candidates=entry.candidates)
+        ctx.record.notes.extend(n for n in entry.notes if n not in ctx.record.notes)
+        ctx.record.step = choices
+        return applied, LynxOutcome(applied=applied, problem=None, solver=entry.solver, status=entry.status,
+                                    exposed_s=entry.exposed_s, plan_time_s=time.perf_counter() - start)
+    log.info("lynx plan cache: miss %s", key[:12])
+    notes_before = len(ctx.record.notes)
+    applied, outcome = plan()
+    ctx.record.decisions["plan_cache"] = "miss"
+    plan_cache.store(key, plan_cache.CachedPlan(
+        decisions=applied.decisions, solver=outcome.solver, status=outcome.status, exposed_s=outcome.exposed_s,
+        plan_time_s=time.perf_counter() - start, torch_budget=applied.torch_budget,
+        candidates=ctx.record.decisions.get("candidates", {}), notes=tuple(ctx.record.notes[notes_before:]),
+        step=ctx.record.step.to_dict() if ctx.record.step is not None else None), fields)
+    return applied, outcome
+
+
+def _apply_cached_piece(joint: fx.GraphModule, ctx: PassContext, kw: dict, entry: plan_cache.CachedPlan,
+                        key: str):
+    """(applied, GraphChoices) of a piece's cache ``entry``, or None with a warning when it has no
+    candidates, does not apply, or saves other bytes than when it was made."""
+    from lynx_compile.step_model import GraphChoices
+
+    try:
+        choices = GraphChoices.from_dict(entry.step)
+        want = choices.named(choices.current)
+        applied = _realize_entry(joint, ctx, kw, entry)
+    except Exception as e:  # noqa: BLE001 - a stale entry is ignored, never trusted
+        log.warning("lynx plan cache: entry %s does not apply to this graph (%s: %s); re-planning",
+                    key[:12], type(e).__name__, e)
+        return None
+    if applied.mem.saved_bytes != want.saved_bytes:
+        log.warning("lynx plan cache: entry %s saves %d B here, %d B when it was made; re-planning",
+                    key[:12], applied.mem.saved_bytes, want.saved_bytes)
+        return None
+    return applied, choices
+
+
 def _apply_cached(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: int, entry: plan_cache.CachedPlan,
                   key: str) -> Applied | None:
     """``entry``'s plan applied to ``joint`` (on ``ctx``'s record), or None with a warning when it
     does not apply, partitions otherwise than when it was made, or peaks above ``budget``. A
     plan that was a torch min-cut seed is partitioned again at its setting (its decisions are
     a reading of that partition: applied as tags they partition differently)."""
-    decisions = entry.decisions.with_source("cache")
     try:
-        if entry.torch_budget is None:
-            applied = realize(joint, ctx, decisions, kw)
-        else:
-            with _compat.min_cut_counts_script_objects_as_zero():
-                applied = realize(joint, ctx, Decisions(policy=decisions.policy), kw, torch_budget=entry.torch_budget)
-            recomputed, wanted = {n for n, _ in applied.decisions.recomputed()}, {u for u, _ in decisions.recomputed()}
-            if any(bool(recomputed.intersection(decisions.nodes_of(u))) != (u in wanted) for u, _ in decisions):
-                raise ValueError(f"torch's min-cut at {entry.torch_budget:g} recomputes other tensors now")
-            applied = dataclasses.replace(applied, decisions=decisions)
+        applied = _realize_entry(joint, ctx, kw, entry)
     except Exception as e:  # noqa: BLE001 - a cached plan that does not apply is stale, never fatal
         log.warning("lynx plan cache: entry %s does not apply to this graph (%s: %s); re-planning",
                     key[:12], type(e).__name__, e)
@@ -242,6 +302,21 @@ def _apply_cached(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: int
                     key[:12], applied.mem.peak_bytes, budget)
         return None
     return applied
+
+
+def _realize_entry(joint: fx.GraphModule, ctx: PassContext, kw: dict, entry: plan_cache.CachedPlan) -> Applied:
+    """``entry``'s decisions applied to ``joint``; a torch min-cut seed is partitioned again at
+    its setting (its decisions are a reading of that partition: applied as tags they partition
+    differently), and ``ValueError`` when min-cut now recomputes other tensors."""
+    decisions = entry.decisions.with_source("cache")
+    if entry.torch_budget is None:
+        return realize(joint, ctx, decisions, kw)
+    with _compat.min_cut_counts_script_objects_as_zero():
+        applied = realize(joint, ctx, Decisions(policy=decisions.policy), kw, torch_budget=entry.torch_budget)
+    recomputed, wanted = {n for n, _ in applied.decisions.recomputed()}, {u for u, _ in decisions.recomputed()}
+    if any(bool(recomputed.intersection(decisions.nodes_of(u))) != (u in wanted) for u, _ in decisions):
+        raise ValueError(f"torch's min-cut at {entry.torch_budget:g} recomputes other tensors now")
+    return dataclasses.replace(applied, decisions=decisions)
 
 
 def graph_digest(joint: fx.GraphModule) -> str:

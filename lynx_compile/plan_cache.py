@@ -79,6 +79,9 @@ class CachedPlan:
     again; its decisions are a reading of that partition)."""
     compiled_peak_bytes: int | None = None
     """Inductor's estimate of the compiled step's peak, where it was read (None otherwise)."""
+    step: dict | None = None
+    """A piece of a model compiled in pieces (``decide.decide_piece``): its candidates for the
+    step's plan across pieces (``step_model.GraphChoices.to_dict``), ``current`` the one chosen."""
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(dataclasses.replace(self, decisions=Decisions(policy="none")))
@@ -101,6 +104,8 @@ class CachedPlan:
             raise ValueError("'candidates' is not an object")
         if data.get("torch_budget") is not None:
             data["torch_budget"] = float(data["torch_budget"])
+        if data.get("step") is not None and not isinstance(data["step"], dict):
+            raise ValueError("'step' is not an object")
         peak = data.get("compiled_peak_bytes")
         if peak is not None and (isinstance(peak, bool) or not isinstance(peak, int)):
             raise ValueError("'compiled_peak_bytes' is not an int")
@@ -190,8 +195,40 @@ def store(key: str, entry: CachedPlan, fields: dict[str, Any] | None = None) -> 
     """Write ``entry`` under ``key`` atomically; ``fields`` (the key's inputs) are kept beside
     it for inspection. Returns the path, or None (with a warning) when it cannot be written:
     the plan is still used, only not kept."""
+    return _write(entry_path(key), {"schema": SCHEMA, "key": key, "plan": entry.to_dict(), "key_fields": fields})
+
+
+def step_key(piece_keys: list[str], budget: str) -> str:
+    """The key of a step's plan across pieces: the plan keys of its piece calls in call order
+    (each holds the graph, options, versions and costs) and the budget as given."""
+    return plan_key({"schema": SCHEMA, "step": list(piece_keys), "budget": budget})
+
+
+def load_step(key: str) -> dict | None:
+    """The step plan stored under ``key`` (``store_step``), or None; an unreadable or malformed
+    one is ignored with a warning, as a plan is."""
     path = entry_path(key)
-    body = {"schema": SCHEMA, "key": key, "plan": entry.to_dict(), "key_fields": fields}
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return _ignored(path, f"unreadable ({type(e).__name__}: {e})")
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA or data.get("key") != key \
+            or not isinstance(data.get("step"), dict):
+        return _ignored(path, "not a step plan of this lynx")
+    return data["step"]
+
+
+def store_step(key: str, step: dict) -> Path | None:
+    """Write a step plan (per graph of the step, its candidate per call, and the numbers its
+    log line reports) atomically under ``key``."""
+    return _write(entry_path(key), {"schema": SCHEMA, "key": key, "step": step})
+
+
+def _write(path: Path, body: dict) -> Path | None:
+    """``body`` as JSON at ``path``, atomically; None (with a warning) when it cannot be written."""
+    key = path.stem
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{key[:12]}.", suffix=".tmp")

@@ -19,6 +19,7 @@ the plans that ran and moves by the model's differences for the others.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -60,6 +61,15 @@ class GraphChoices:
     reference: Candidate
     choices: tuple[Candidate, ...]
     current: str
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "GraphChoices":
+        """Raises ``TypeError`` / ``KeyError`` on anything but ``to_dict``'s form."""
+        return cls(reference=Candidate(**data["reference"]), choices=tuple(Candidate(**c) for c in data["choices"]),
+                   current=str(data["current"]))
 
     def named(self, name: str) -> Candidate:
         for c in self.choices:

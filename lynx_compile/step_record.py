@@ -168,6 +168,8 @@ class StepRecorder:
         self.model: StepModel | None = None
         self.choice: StepChoice | None = None
         self.budget_bytes: int | None = None
+        self._key: str | None = None  # the plan cache's key of the step's plan
+        self._cached = False  # the step's plan came from the plan cache
 
     @property
     def tracking(self) -> bool:
@@ -225,12 +227,70 @@ class StepRecorder:
         if self.open or not self.calls:
             return
         self.steps_seen += 1
+        if self.state == "warming" and self.steps_seen == 1 and self._cached_step():
+            self.calls, self.marks = [], []
+            return
         if self.state == "recording":
             self._mark(-1, "end")
             self.state = "ending"
             self._recording.stop_after_backward(self._finish_recording)
             return
         self.calls, self.marks = [], []
+
+    def _step_key(self) -> str | None:
+        """The plan cache's key of this step's plan (``plan_cache.step_key``), from the piece
+        calls of the step that just ended; None when a piece has no plan-cache key."""
+        keys = [p.record.decisions.get("plan_cache_key") for p in self.calls]
+        if not keys or not all(keys) or not self.backend.config.plan_cache:
+            return None
+        from lynx_compile import plan_cache
+
+        return plan_cache.step_key(keys, self.backend.config.budget.given())
+
+    def _cached_step(self) -> bool:
+        """At the end of step 1: the step's plan from the plan cache (a script run before), to
+        apply at step 2's first forward without recording; every rank must hit alike."""
+        from lynx_compile import plan_cache
+        from lynx_compile.distributed.agreement import gather_values, planning_group
+
+        self._key = self._step_key()
+        entry = plan_cache.load_step(self._key) if self._key else None
+        pick = None
+        if entry is not None:
+            try:
+                graphs = list(dict.fromkeys(p.key for p in self.calls))
+                by_key = {p.key: p for p in self.calls}
+                pick = {g: tuple(by_key[g].record.step.named(n) for n in names)
+                        for g, names in zip(graphs, entry["graphs"], strict=True)}
+                numbers = {k: int(entry[k]) for k in ("predicted", "reference", "budget_bytes", "outside")}
+            except (KeyError, TypeError, ValueError) as e:
+                log.warning("lynx plan cache: the step plan %s does not fit this step (%s); recording step %d",
+                            self._key[:12], e, RECORDED_STEP)
+                pick = None
+        with planning_group(self.backend.planning_group), _compat.eager_dispatch():
+            if len(set(gather_values(pick is not None))) > 1 or pick is None:
+                return False
+        log.info("lynx plan cache: hit %s (the step's plan across pieces: nothing recorded)", self._key[:12])
+        self.model = StepModel(graphs={g: by_key[g].record.step for g in pick}, calls=tuple(p.key for p in self.calls),
+                               segments=())
+        self.choice = StepChoice(pick=pick, predicted=numbers["predicted"], exposed_s=self.model.exposed_s(pick),
+                                 fits=True)
+        self.reference, self.budget_bytes = numbers["reference"], numbers["budget_bytes"]
+        self.outside = [numbers["outside"]]
+        self._cached = True
+        self.state = "recorded"
+        return True
+
+    def _store_step(self) -> None:
+        if not self._key or not self.choice.fits:
+            return
+        from lynx_compile import plan_cache
+
+        order = list(dict.fromkeys(self.model.calls))
+        plan_cache.store_step(self._key, {
+            "graphs": [[c.name for c in self.choice.pick[g]] for g in order],
+            "predicted": self.choice.predicted, "reference": self.reference, "budget_bytes": self.budget_bytes,
+            "outside": max(self.outside, default=0)})
 
     def _mark(self, call: int, kind: str) -> None:
         if self.state == "recording":
@@ -269,6 +329,7 @@ class StepRecorder:
         self.model = self._model(peaks)
         self._choose()
         self.state = "recorded"
+        self._store_step()
 
     def _model(self, peaks: list[int | None]) -> StepModel:
         """The recorded step as segments: ``peaks[i]`` is the highest bytes measured between
@@ -341,7 +402,8 @@ class StepRecorder:
         self.state = "done"
         choice, model = self.choice, self.model
         outside_peak = max(self.outside, default=0)
-        summary = (f"step {RECORDED_STEP} recorded: {len(model.calls)} piece calls of {len(model.graphs)} "
+        seen = "from the plan cache" if self._cached else f"step {RECORDED_STEP} recorded"
+        summary = (f"{seen}: {len(model.calls)} piece calls of {len(model.graphs)} "
                    f"graph(s); outside the compiled pieces up to {format_bytes(outside_peak)}; the step with no "
                    f"piece recomputing peaks at {format_bytes(self.reference)}")
         if not choice.fits:

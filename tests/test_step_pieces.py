@@ -134,3 +134,32 @@ def test_a_budget_the_pieces_cannot_reach_is_refused_naming_what_lies_outside_th
         model(x).loss.backward()
     msg = str(err.value)
     assert "outside" in msg and "compile it too" in msg and "Use memory_budget >= 0." in msg
+
+
+def test_a_rerun_takes_the_pieces_and_the_step_plan_from_the_plan_cache(tmp_path, monkeypatch):
+    """A script run again (a fresh backend on the same cache directory): each piece's plan and
+    the step's plan across them come from the plan cache, so nothing is weighed or recorded,
+    the pieces are compiled with the same candidates at step 2, and the gradients are the same."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+
+    def run(steps):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = build_model("gpt-tiny", dropout=0.0, n_layers=4)
+        x = example_batch(model, 4, generator=torch.Generator().manual_seed(1))
+        backend = LynxBackend(make_config({"policy": "lynx", "memory_budget": 0.5, "compiler": "eager"}))
+        for block in model.blocks:
+            block.compile(backend=backend, fullgraph=True)
+        for _ in range(steps):
+            for p in model.parameters():
+                p.grad = None
+            model(x).loss.backward()
+        return backend, [p.grad.clone() for p in model.parameters()]
+
+    first, grads = run(3)
+    assert first.step_recorder.state == "done" and not first.step_recorder._cached
+    again, grads_again = run(2)  # step 1 compiles from the cache, step 2 runs the step's plan
+    recorder = again.step_recorder
+    assert recorder.state == "done" and recorder._cached and recorder.steps_seen == 1
+    assert [r.step_choice for r in again.records] == [r.step_choice for r in first.records]
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_again))
