@@ -7,15 +7,21 @@ first step, so when a piece is planned nothing is known of the others: each gets
 plan (``decide.decide_piece``: its saved bytes within the budget's fraction of its own). Then:
 
 1. **step 1** runs on the provisional plans (and compiles every piece);
-2. **step 2 is recorded**: the profiler's allocator events, cut at the start and end of every
-   piece call's forward and backward (``record_function`` marks, one clock), give each
-   segment's measured peak; lynx knows what the plans that ran contribute, the rest is
-   ``outside`` (measured, not modelled: embedding, LM head, loss, gradient accumulation);
-3. at the end of step 2's backward, one choice per graph (``step_model.choose``): the least
-   exposed recompute whose predicted step peak is within the budget, a fraction being of the same
-   step with every graph at no recompute (torch.compile's own per-block step);
-4. at the first forward of **step 3**, graphs whose choice changed are compiled again with it
-   (``GraphRecord.step_choice``) and swapped in; ``backend.records`` and the log say what changed.
+2. **step 2 is recorded** (``memory.step_recording``: the profiler's allocator events on CPU,
+   the allocator's peaks on CUDA), cut at the start and end of every piece call's forward and
+   backward, giving each segment's measured peak; lynx knows what the plans that ran
+   contribute, the rest is ``outside`` (measured, not modelled: embedding, LM head, loss,
+   gradient accumulation);
+3. at the end of step 2's backward, one choice per call (``step_model.choose``: a graph called
+   several times may take two candidates, split at one call): the least exposed recompute whose
+   predicted step peak is within the budget, a fraction being of the same step with every graph
+   at no recompute (torch.compile's own per-block step);
+4. at the first forward of **step 3**, graphs whose choice changed are compiled again with each
+   new candidate (``GraphRecord.step_choice``) and swapped in; ``backend.records`` and the log
+   say what changed.
+
+The plan cache keeps the step's plan (keyed by step 1's piece plan keys and the budget): a rerun
+takes it at the end of step 1, records nothing and swaps the compiles in at step 2.
 
 Step 1 is not recorded because it compiles (the compiler's own allocations would count as the
 step's) and creates ``.grad``. Only the first two steps pay anything: after the re-plan a piece
@@ -30,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import sys
 import weakref
 from typing import Any, Callable
 
@@ -39,10 +44,10 @@ import torch
 from lynx_compile import _compat
 from lynx_compile.budget import budget_error, format_bytes
 from lynx_compile.decisions import BudgetError
+from lynx_compile.memory.step_recording import AllocatorRecording, ProfilerRecording
 from lynx_compile.step_model import Segment, StepChoice, StepModel, choose
 
 log = logging.getLogger("lynx_compile")
-MARK = "lynx.piece."
 RECORDED_STEP = 2
 """Which step is recorded (see the module docstring for why not the first)."""
 
@@ -430,105 +435,3 @@ class StepRecorder:
                 step_reference_bytes=self.reference, notes=(*plan.notes, line))
             record.notes.append(line)
         log.info("lynx: %s", line)
-
-
-class ProfilerRecording:
-    """Memory over a step from the profiler's allocator events (CPU: the allocator has no
-    counters), cut at ``record_function`` marks (one clock). The profiler is stopped as soon as
-    the backward call returns: stopped inside the backward, the autograd engine would switch it
-    back on when it restores the thread's state (a watch on Python's profile hook for the
-    return of ``torch.autograd.graph._engine_run_backward``; when another tool holds that hook,
-    at the next piece call)."""
-
-    def __init__(self):
-        self._profiler = None
-
-    def start(self) -> bool:
-        if _compat.profiler_running():
-            log.info("lynx: a profiler is running; the step record that plans the compiled pieces together "
-                     "waits for a step without one")
-            return False
-        from torch.profiler import ProfilerActivity, profile
-
-        from lynx_compile.memory.measure import without_kineto_log
-
-        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
-        with without_kineto_log():
-            self._profiler.start()
-        return True
-
-    def mark(self, i: int) -> None:
-        with torch.profiler.record_function(f"{MARK}{i}"):
-            pass
-
-    def stop_after_backward(self, then: Callable[[], None]) -> None:
-        code = _compat.engine_run_backward_code()
-        if code is None or sys.getprofile() is not None:
-            return
-
-        def watch(frame, event, arg):
-            if event == "return" and frame.f_code is code:
-                sys.setprofile(None)
-                then()
-
-        sys.setprofile(watch)
-
-    def finish(self, n_marks: int) -> list[int | None]:
-        from lynx_compile.memory.measure import without_kineto_log
-
-        with without_kineto_log():
-            self._profiler.stop()
-        prof, self._profiler = self._profiler, None
-        events = _compat.cpu_allocation_events(prof, "cpu")
-        times = _compat.profiler_marks(prof, MARK)
-        return segment_peaks(events, [times.get(f"{MARK}{i}") for i in range(n_marks)])
-
-
-def segment_peaks(events: list[tuple[int, int, int]], mark_times: list[int | None]) -> list[int | None]:
-    """Per mark, the highest live bytes between the previous mark and it, from allocator
-    ``events`` (time, address, signed bytes) relative to the first event's start; None for a
-    mark with no time. A free of an address not allocated in the window is of a tensor live from
-    the start (CUDA's allocator reports those; the CPU allocator knows no size and reports none)."""
-    seen: set[int] = set()
-    live = 0
-    for _, ptr, size in events:
-        if size > 0:
-            seen.add(ptr)
-        elif ptr in seen:
-            seen.discard(ptr)
-        else:
-            live -= size
-    order = sorted((t, i) for i, t in enumerate(mark_times) if t is not None)
-    out: list[int | None] = [None] * len(mark_times)
-    peak, e = live, 0
-    for t, i in order:
-        while e < len(events) and events[e][0] < t:
-            live += events[e][2]
-            peak = max(peak, live)
-            e += 1
-        out[i] = peak
-        peak = live
-    return out
-
-
-class AllocatorRecording:
-    """Memory over a step from CUDA's caching allocator: at each mark the peak since the last
-    one (``max_memory_allocated``, then ``reset_peak_memory_stats``: a user reading the peak of
-    the recorded step reads the last segment's)."""
-
-    def start(self) -> bool:
-        torch.cuda.synchronize()
-        self._base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        self._peaks: list[int] = []
-        return True
-
-    def mark(self, i: int) -> None:
-        self._peaks.append(torch.cuda.max_memory_allocated() - self._base)
-        torch.cuda.reset_peak_memory_stats()
-
-    def stop_after_backward(self, then: Callable[[], None]) -> None:
-        then()
-
-    def finish(self, n_marks: int) -> list[int | None]:
-        return [*self._peaks, *([None] * (n_marks - len(self._peaks)))][:n_marks]

@@ -1,0 +1,124 @@
+"""Memory over one training step, between marks the caller places (``lynx_compile.step_record``
+marks every piece boundary of a model compiled in pieces): per mark, the highest bytes allocated
+since the previous one.
+
+``ProfilerRecording`` (CPU: the allocator has no counters) reads a memory-profiling profiler's
+allocator events; ``AllocatorRecording`` (CUDA) the caching allocator's peak statistics. Both:
+``start()`` (False when it cannot start), ``mark(i)``, ``stop_after_backward(then)`` (called from
+inside the backward that ends the step: ``then()`` once it can be read), ``finish(n_marks)``.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Callable
+
+import torch
+
+from lynx_compile import _compat
+
+log = logging.getLogger("lynx_compile")
+MARK = "lynx.piece."
+"""Prefix of the ``record_function`` names of the marks."""
+
+
+class ProfilerRecording:
+    """Memory over a step from the profiler's allocator events (CPU: the allocator has no
+    counters), cut at ``record_function`` marks (one clock). The profiler is stopped as soon as
+    the backward call returns: stopped inside the backward, the autograd engine would switch it
+    back on when it restores the thread's state (a watch on Python's profile hook for the
+    return of ``torch.autograd.graph._engine_run_backward``; when another tool holds that hook,
+    at the next piece call)."""
+
+    def __init__(self):
+        self._profiler = None
+
+    def start(self) -> bool:
+        if _compat.profiler_running():
+            log.info("lynx: a profiler is running; the step record that plans the compiled pieces together "
+                     "waits for a step without one")
+            return False
+        from torch.profiler import ProfilerActivity, profile
+
+        from lynx_compile.memory.measure import without_kineto_log
+
+        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
+        with without_kineto_log():
+            self._profiler.start()
+        return True
+
+    def mark(self, i: int) -> None:
+        with torch.profiler.record_function(f"{MARK}{i}"):
+            pass
+
+    def stop_after_backward(self, then: Callable[[], None]) -> None:
+        code = _compat.engine_run_backward_code()
+        if code is None or sys.getprofile() is not None:
+            return
+
+        def watch(frame, event, arg):
+            if event == "return" and frame.f_code is code:
+                sys.setprofile(None)
+                then()
+
+        sys.setprofile(watch)
+
+    def finish(self, n_marks: int) -> list[int | None]:
+        from lynx_compile.memory.measure import without_kineto_log
+
+        with without_kineto_log():
+            self._profiler.stop()
+        prof, self._profiler = self._profiler, None
+        events = _compat.cpu_allocation_events(prof, "cpu")
+        times = _compat.profiler_marks(prof, MARK)
+        return segment_peaks(events, [times.get(f"{MARK}{i}") for i in range(n_marks)])
+
+
+def segment_peaks(events: list[tuple[int, int, int]], mark_times: list[int | None]) -> list[int | None]:
+    """Per mark, the highest live bytes between the previous mark and it, from allocator
+    ``events`` (time, address, signed bytes) relative to the first event's start; None for a
+    mark with no time. A free of an address not allocated in the window is of a tensor live from
+    the start (CUDA's allocator reports those; the CPU allocator knows no size and reports none)."""
+    seen: set[int] = set()
+    live = 0
+    for _, ptr, size in events:
+        if size > 0:
+            seen.add(ptr)
+        elif ptr in seen:
+            seen.discard(ptr)
+        else:
+            live -= size
+    order = sorted((t, i) for i, t in enumerate(mark_times) if t is not None)
+    out: list[int | None] = [None] * len(mark_times)
+    peak, e = live, 0
+    for t, i in order:
+        while e < len(events) and events[e][0] < t:
+            live += events[e][2]
+            peak = max(peak, live)
+            e += 1
+        out[i] = peak
+        peak = live
+    return out
+
+
+class AllocatorRecording:
+    """Memory over a step from CUDA's caching allocator: at each mark the peak since the last
+    one (``max_memory_allocated``, then ``reset_peak_memory_stats``: a user reading the peak of
+    the recorded step reads the last segment's)."""
+
+    def start(self) -> bool:
+        torch.cuda.synchronize()
+        self._base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        self._peaks: list[int] = []
+        return True
+
+    def mark(self, i: int) -> None:
+        self._peaks.append(torch.cuda.max_memory_allocated() - self._base)
+        torch.cuda.reset_peak_memory_stats()
+
+    def stop_after_backward(self, then: Callable[[], None]) -> None:
+        then()
+
+    def finish(self, n_marks: int) -> list[int | None]:
+        return [*self._peaks, *([None] * (n_marks - len(self._peaks)))][:n_marks]
