@@ -284,11 +284,18 @@ def run_in_subprocess(args: argparse.Namespace, model: str, style: str, compiler
            json.dumps({"model": model, "style": style, "compiler": compiler, "budget": budget}),
            "--attn", args.attn, "--warmup", str(args.warmup), "--steps", str(args.steps),
            "--threads", str(args.threads)]
+    return run_json_child(cmd, env, args.timeout, cache)
+
+
+def run_json_child(cmd: list[str], env: dict, timeout: float, cache: str) -> dict:
+    """Run one row's child process (``cmd``, ``env``); its last JSON line on stdout, plus its
+    ``wall_s``, or an ``error: ...`` result naming the timeout or the last line on stderr.
+    ``cache`` (the child's cache directory) is removed afterwards."""
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
-        return {"result": f"error: TimeoutExpired: no result after {args.timeout:g} s",
+        return {"result": f"error: TimeoutExpired: no result after {timeout:g} s",
                 "wall_s": time.perf_counter() - t0}
     finally:
         shutil.rmtree(cache, ignore_errors=True)

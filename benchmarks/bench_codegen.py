@@ -59,8 +59,6 @@ import csv
 import json
 import os
 import re
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -122,25 +120,15 @@ def keep_only(names: tuple[str, ...]) -> None:
 
 
 def run_row(model: str, variant: str) -> dict:
-    import logging
-
-    from unittest import mock
-
     import torch
-    from torch._dynamo.utils import counters
-    from torch._inductor import metrics
-    from torch._inductor.graph import GraphLowering
 
+    from lynx_compile import _compat
     from lynx_compile.backend import find_backend_error
     from lynx_compile.decisions import BudgetError
     from lynx_compile.memory.measure import measure_step
     from lynx_compile.variants import describe_failure
 
     torch.set_num_threads(1)
-    log = logging.getLogger("torch._inductor.compile_fx.__inductor_metrics")  # turns on num_bytes_accessed
-    log.setLevel(logging.INFO)
-    log.propagate = False
-    log.addHandler(logging.NullHandler())
     options, keep = VARIANTS[variant]
     if keep is not None:
         keep_only(keep)
@@ -150,10 +138,10 @@ def run_row(model: str, variant: str) -> dict:
         fn = torch.compile(module, backend="inductor") if options is None else torch.compile(
             module, backend="lynx", options=options)
         params = list(module.parameters())
-        codes: list[str] = []
+        metrics, counters = _compat.inductor_metrics(), _compat.dynamo_counters()  # (num_bytes_accessed on)
         metrics.reset()
         t0 = time.perf_counter()
-        with mock.patch.object(GraphLowering, "save_output_code", codes.append, create=True):
+        with _compat.inductor_output_code() as codes:
             loss = loss_of(fn)
             row["fw_kernels"] = sum(len(set(KERNEL_DEF.findall(c))) for c in codes)
             loss.backward()
@@ -178,20 +166,10 @@ def run_row(model: str, variant: str) -> dict:
 def run_in_subprocess(model: str, variant: str, timeout: float) -> dict:
     cache = tempfile.mkdtemp(prefix="bench_codegen_cache_")
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TRANSFORMERS_VERBOSITY="error")
+    from bench_budget import run_json_child
+
     cmd = [sys.executable, os.path.abspath(__file__), "--one", json.dumps([model, variant])]
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"result": f"error: no result after {timeout:g} s", "wall_s": time.perf_counter() - t0}
-    finally:
-        shutil.rmtree(cache, ignore_errors=True)
-    wall = time.perf_counter() - t0
-    for line in reversed(proc.stdout.strip().splitlines()):
-        if line.startswith("{"):
-            return {**json.loads(line), "wall_s": wall}
-    tail = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-    return {"result": f"error: exit {proc.returncode}: {tail[-1] if tail else 'no output'}", "wall_s": wall}
+    return run_json_child(cmd, env, timeout, cache)
 
 
 def add_ratios(rows: list[dict]) -> None:

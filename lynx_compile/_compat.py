@@ -555,6 +555,43 @@ def cpu_allocation_events(prof: Any, device_type: str = "cpu") -> list[tuple[int
     return sorted(out)
 
 
+def inductor_metrics() -> Any:
+    """``torch._inductor.metrics``: Inductor's counters of what it generated (kernels, bytes
+    accessed, IR nodes; ``reset()`` before a compile). Turns on ``num_bytes_accessed``, which
+    Inductor counts only while its ``inductor_metrics`` log is on (2.11 and 2.13): that log is
+    enabled here with its output discarded."""
+    import logging
+
+    from torch._inductor import compile_fx, metrics
+
+    log = compile_fx.inductor_metrics_log
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    if not log.handlers:
+        log.addHandler(logging.NullHandler())
+    return metrics
+
+
+def dynamo_counters() -> Any:
+    """``torch._dynamo.utils.counters`` (e.g. ``["inductor"]["fxgraph_cache_hit"]``)."""
+    from torch._dynamo.utils import counters
+
+    return counters
+
+
+@contextlib.contextmanager
+def inductor_output_code():
+    """Yields a list that receives the output code (wrapper and kernels) of every graph Inductor
+    compiles inside the block (``GraphLowering.save_output_code``)."""
+    from unittest import mock
+
+    from torch._inductor.graph import GraphLowering
+
+    codes: list[str] = []
+    with mock.patch.object(GraphLowering, "save_output_code", codes.append, create=True):
+        yield codes
+
+
 def profiler_marks(prof: Any, prefix: str) -> dict[str, int]:
     """Start time (ns, the clock of :func:`cpu_allocation_events`) of every ``record_function``
     range whose name starts with ``prefix`` in a finished profile, by name."""

@@ -175,26 +175,14 @@ def with_plan_cache(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: i
     runs and its outcome replaces the entry. A hit's decisions carry ``source="cache"``; the
     solver, status, exposed seconds, candidates and notes are the ones the plan was made with;
     ``plan_time_s`` is the hit's own; ``record.problem`` stays None (nothing was extracted)."""
-    from lynx_compile.costs import get_profile
-    from lynx_compile.distributed.agreement import gather_values, planning_world_size
-
     cfg = ctx.config
     if not cfg.plan_cache or budget is None or cfg.plan:
         return plan()
     start = time.perf_counter()
-    fields = plan_cache.key_fields(
-        cfg, graph_hash=ctx.record.decisions.get("graph_hash", ""), graph_digest=graph_digest(joint),
-        reference_peak=reference_peak, budget=budget, world_size=planning_world_size(),
-        profile={"hardware": get_profile(cfg.hardware).to_dict(), "link": ctx.record.decisions.get("link")})
-    key = plan_cache.plan_key(fields)
-    ctx.record.decisions["plan_cache_key"] = key  # Inductor's compiled peak is added to it later
+    key, fields = _cache_key(joint, ctx, reference_peak, budget)
     entry = plan_cache.load(key)
     hit = _apply_cached(joint, ctx, kw, budget, entry, key) if entry is not None else None
-    # every rank takes the same path: the hit only where every rank hit with the same partition
-    token = partition_token(hit) if hit is not None else None
-    with _compat.eager_dispatch():  # real tensors for the all-gather, not the compile's fakes
-        everyone = set(gather_values(token))
-    if hit is not None and everyone == {token}:
+    if _every_rank_hit(hit):
         log.info("lynx plan cache: hit %s", key[:12])
         ctx.record.decisions["plan_cache"] = "hit"
         ctx.record.decisions["plan_source"] = "cache"
@@ -216,6 +204,37 @@ def with_plan_cache(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: i
     return outcome
 
 
+def _cache_key(joint: fx.GraphModule, ctx: PassContext, reference: int, budget: int,
+               scope: str | None = None) -> tuple[str, dict]:
+    """(key, its fields) of ``joint``'s plan-cache entry (``plan_cache.key_fields``); ``scope``
+    ``"piece"`` keys a piece's provisional choice apart from a whole graph's plan. The key goes on
+    the record (Inductor's compiled peak is added to its entry later)."""
+    from lynx_compile.costs import get_profile
+    from lynx_compile.distributed.agreement import planning_world_size
+
+    cfg = ctx.config
+    fields = plan_cache.key_fields(
+        cfg, graph_hash=ctx.record.decisions.get("graph_hash", ""), graph_digest=graph_digest(joint),
+        reference_peak=reference, budget=budget, world_size=planning_world_size(),
+        profile={"hardware": get_profile(cfg.hardware).to_dict(), "link": ctx.record.decisions.get("link")})
+    if scope is not None:
+        fields["scope"] = scope
+    key = plan_cache.plan_key(fields)
+    ctx.record.decisions["plan_cache_key"] = key
+    return key, fields
+
+
+def _every_rank_hit(hit: Applied | None) -> bool:
+    """Whether this rank's cache ``hit`` is used: every rank takes the same path, so a hit only
+    where every rank hit with the same partition (one all-gather of its token)."""
+    from lynx_compile.distributed.agreement import gather_values
+
+    token = partition_token(hit) if hit is not None else None
+    with _compat.eager_dispatch():  # real tensors for the all-gather, not the compile's fakes
+        everyone = set(gather_values(token))
+    return hit is not None and everyone == {token}
+
+
 def with_piece_cache(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: int | None, reference_saved: int,
                      plan: Callable[[], tuple[Applied, LynxOutcome]]) -> tuple[Applied, LynxOutcome]:
     """``plan()`` (``decide.decide_piece``'s provisional choice for a piece of a model, and its
@@ -225,26 +244,14 @@ def with_piece_cache(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: 
     numbers (``CachedPlan.step``), so a hit realizes one candidate instead of weighing them all.
     A hit is used where it partitions as when it was made (the same saved bytes) and every
     rank hit alike."""
-    from lynx_compile.costs import get_profile
-    from lynx_compile.distributed.agreement import gather_values, planning_world_size
-
     cfg = ctx.config
     if not cfg.plan_cache or budget is None or cfg.plan:
         return plan()
     start = time.perf_counter()
-    fields = plan_cache.key_fields(
-        cfg, graph_hash=ctx.record.decisions.get("graph_hash", ""), graph_digest=graph_digest(joint),
-        reference_peak=reference_saved, budget=budget, world_size=planning_world_size(),
-        profile={"hardware": get_profile(cfg.hardware).to_dict(), "link": ctx.record.decisions.get("link")})
-    fields["scope"] = "piece"
-    key = plan_cache.plan_key(fields)
-    ctx.record.decisions["plan_cache_key"] = key
+    key, fields = _cache_key(joint, ctx, reference_saved, budget, scope="piece")
     entry = plan_cache.load(key)
     hit = _apply_cached_piece(joint, ctx, kw, entry, key) if entry is not None else None
-    token = partition_token(hit[0]) if hit is not None else None
-    with _compat.eager_dispatch():
-        everyone = set(gather_values(token))
-    if hit is not None and everyone == {token}:
+    if _every_rank_hit(hit[0] if hit is not None else None):
         applied, choices = hit
         log.info("lynx plan cache: hit %s", key[:12])
         ctx.record.decisions.update(plan_cache="hit", plan_source="cache", candidates=entry.candidates)

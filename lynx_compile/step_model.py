@@ -20,6 +20,7 @@ the plans that ran and moves by the model's differences for the others.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -91,9 +92,10 @@ class StepModel:
     calls: tuple[int, ...]
     segments: tuple[Segment, ...]
 
-    @property
+    @functools.cached_property
     def positions(self) -> tuple[int, ...]:
-        """Per call, how many calls of the same graph came before it in the step."""
+        """Per call, how many calls of the same graph came before it in the step (read by every
+        prediction ``choose`` makes: computed once)."""
         seen: dict[int, int] = {}
         out = []
         for g in self.calls:
