@@ -158,7 +158,8 @@ def inductor_partitioner_base() -> type:
 def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, partitioner: Any,
                                       keep_placement: bool = True, post_grad: Callable | None = None,
                                       post_fusion: Callable | None = None,
-                                      inner_compile: Callable | None = None) -> Callable:
+                                      inner_compile: Callable | None = None,
+                                      autograd_cache: bool = False) -> Callable:
     """Compile a dynamo graph with Inductor end to end (``compile_fx``: decompositions, joint
     passes, then ``partitioner`` instead of min-cut, post-grad passes, fused codegen) —
     ``torch.compile``'s own pipeline with only the partition replaced.
@@ -169,10 +170,9 @@ def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, 
     the hash of the file defining it). ``post_fusion``: called
     with the scheduler's fused nodes of every graph this compile schedules (forward, backward),
     in run order (``config._post_fusion_custom_pass``, 2.11 and 2.13); it must return them.
-    Inductor's FX-graph cache stays on where torch keys it on the pass (2.13: a
-    ``CustomSchedulerPass`` whose ``uuid`` is the hash of the file defining ``post_fusion``'s
-    class); a cache hit skips the scheduler, so ``post_fusion`` is not called. 2.11 has no such
-    key: the cache is off there for these graphs. ``inner_compile``: what compiles each
+    Inductor's FX-graph cache stays on, keyed on the pass by the hash of the file defining
+    ``post_fusion``'s class (2.13: a ``CustomSchedulerPass``; 2.11: the pass pickled as that
+    hash); a cache hit skips the scheduler, so ``post_fusion`` is not called. ``inner_compile``: what compiles each
     partitioned graph in place of ``compile_fx_inner`` (it gets the same arguments, the
     backward's with ``is_backward=True``; see :func:`inductor_compile_graph`)."""
     from torch._inductor import config as inductor_config
@@ -186,14 +186,15 @@ def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, 
                                                                         post_grad)
     if post_fusion is not None:
         patches.update(_scheduler_pass(post_fusion))
-    # AOTAutograd's cache would return an earlier compile of this graph without calling the
-    # partitioner (the partitioner's uuid is part of Inductor's FX-graph key, not of this one),
-    # leaving no plan: it is off for lynx graphs. Inductor's FX-graph cache (of each partitioned
-    # graph, after the partitioner ran) and its kernel caches stay on.
+    # ``autograd_cache``: AOTAutograd's cache may return an earlier compile of this graph
+    # without calling the partitioner (its key holds the partitioner's uuid); the caller then
+    # restores the plan (lynx_compile.autograd_cache). Off, the partitioner always runs.
+    # Inductor's FX-graph cache (of each partitioned graph) and its kernel caches stay on.
     # (config_patches, not a patch around the call: the backward may be compiled lazily, at the
     # first backward, and compile_fx re-applies these to every inner compile.)
     with inductor_config.patch(custom_partitioner_fn=_keyed_partitioner_class()(partitioner)), \
-            _functorch_config.patch(enable_autograd_cache=False):
+            _functorch_config.patch(enable_autograd_cache=autograd_cache
+                                    and _functorch_config.enable_autograd_cache):
         if inner_compile is None:
             return compile_fx(gm, example_inputs, config_patches=patches or None)
         return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches or None)
@@ -246,10 +247,6 @@ def inductor_at_activation_budget(budget: float) -> Callable:
 
 def _scheduler_pass(fn: Callable[[list], list]) -> dict[str, Any]:
     """Inductor config patches installing ``fn`` as the post-fusion scheduler pass."""
-    from torch._inductor import custom_graph_pass
-
-    if getattr(custom_graph_pass, "CustomSchedulerPass", None) is None:  # 2.11: no cache key for it
-        return {"_post_fusion_custom_pass": fn, "fx_graph_cache": False}
     return {"_post_fusion_custom_pass": _scheduled_pass_class()(fn)}
 
 
@@ -296,10 +293,14 @@ def _lynx_source_digest() -> str:
 def _scheduled_pass_class() -> type:
     """A ``CustomSchedulerPass`` (2.13) calling a function; its ``uuid`` (the hash of the file
     defining the function's class) is what Inductor's FX-graph cache key holds, and what it
-    pickles of the config (the function itself may hold anything)."""
+    pickles of the config (the function itself may hold anything). 2.11 has no such class and
+    pickles the config's ``_post_fusion_custom_pass`` as it is: the same object, pickled as its
+    uuid, keys it there (lynx's pass reads the schedule, it changes nothing in it)."""
     from torch._inductor import custom_graph_pass
 
-    class ScheduledPass(custom_graph_pass.CustomSchedulerPass):
+    base = getattr(custom_graph_pass, "CustomSchedulerPass", object)
+
+    class ScheduledPass(base):
         def __init__(self, fn: Callable[[list], list] | None, uuid: Any = None):
             self.fn = fn
             self._uuid = uuid if fn is None else custom_graph_pass.get_hash_for_files(
@@ -498,6 +499,23 @@ def optimization_hint(x: Any, fallback: int | None = None) -> int:
     fn = (getattr(symbolic_shapes, "optimization_hint", None) or getattr(symbolic_shapes, "size_hint", None)
           or symbolic_shapes.hint_int)
     return fn(x, fallback=fallback)
+
+
+@contextlib.contextmanager
+def static_tracing(example_inputs: list):
+    """A tracing context like dynamo's, for compiling a graph again outside dynamo (a piece
+    recompiled with the step's plan): a fake mode with its own ``ShapeEnv``, and the example
+    inputs as fake tensors of static shapes in it (yielded). Without a shape env AOTAutograd's
+    and Inductor's caches bypass the compile ("No shape env"); real inputs would be fakified
+    with dynamic sizes there, a symbolic compile of another graph."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    fakes = [mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+    with tracing(TracingContext(mode)):
+        yield fakes
 
 
 def detect_fake_mode(values: Any) -> Any:

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from lynx_compile import _compat
+from lynx_compile import _compat, autograd_cache
 from lynx_compile.config import LynxConfig, make_config
 from lynx_compile.partition import lynx_partition
 from lynx_compile.passes import GraphRecord
@@ -122,7 +122,12 @@ class LynxBackend:
         calls run two compiles)."""
         record = GraphRecord(graph_id=old.graph_id, policy=self.config.policy, step_choice=choice,
                              takes_activations=old.takes_activations)
-        compiled = self._compile(gm, inputs.inputs(), record)
+        if self.config.compiler == "inductor" and not self.config.weight_split:
+            # dynamo's tracing context is gone: one of our own, so torch's caches serve it
+            with _compat.static_tracing(inputs.inputs()) as example_inputs:
+                compiled = self._compile(gm, example_inputs, record)
+        else:  # (the eager path's weight deferral holds the real parameters)
+            compiled = self._compile(gm, inputs.inputs(), record)
         with self._lock:
             at = next(i for i, r in enumerate(self.records) if r is old)
             self.records[at:at + 1] = [record] if replace else [old, record]
@@ -179,11 +184,22 @@ class LynxBackend:
             split = WeightSplitCompile(deferral)
         # Inductor's estimate reads the forward and one backward; B and W are two graphs
         peak = None if self.plan_only or split is not None else CompiledPeak(record=record)
-        partitioner = LynxPartitioner(config, record, plan_only=self.plan_only, peak=peak)
+        key = None
         with planning_group(self.planning_group):
-            return _compat.inductor_compile_with_partitioner(
-                gm, example_inputs, partitioner, keep_placement=own_placement,
-                post_grad=lynx_post_grad if own_placement else None, post_fusion=peak, inner_compile=split)
+            if not self.plan_only and split is None:
+                key = autograd_cache.cache_key(gm, example_inputs, config, record)
+            for cached in ((True, False) if key is not None else (False,)):
+                partitioner = LynxPartitioner(config, record, plan_only=self.plan_only, peak=peak, cache_key=key)
+                hits = _compat.dynamo_counters()["aot_autograd"]["autograd_cache_hit"]
+                compiled = _compat.inductor_compile_with_partitioner(
+                    gm, example_inputs, partitioner, keep_placement=own_placement,
+                    post_grad=lynx_post_grad if own_placement else None, post_fusion=peak, inner_compile=split,
+                    autograd_cache=cached)
+                served = _compat.dynamo_counters()["aot_autograd"]["autograd_cache_hit"] > hits
+                # served by AOTAutograd's cache, not partitioned: the plan is the one kept
+                if not served or partitioner.ran or autograd_cache.restore(record, key):
+                    return compiled
+        return compiled
 
     def run_early(self, key: Any) -> int:
         """Run the recompute prefix of micro-batch ``key``'s backward in every graph now (see

@@ -47,11 +47,13 @@ weights, shared pointwise values and the windows below). What follows:
   Llama at 0.5 and 0.7; README's table). An FX-graph cache hit skips the scheduler: the
   estimate is then the one kept in the plan cache's entry (``plan_cache.keep_compiled_peak`` /
   ``restore_compiled_peak``), when a compile has read it before.
-* **Caching.** AOTAutograd's cache is off while lynx compiles
-  (``_compat.inductor_compile_with_partitioner``): a hit would skip the partitioner and leave
-  the backend's ``records`` without a plan. The partitioner always runs (its plan from lynx's
-  plan cache when it holds one); Inductor's FX-graph cache of the partitioned graphs and its
-  kernel caches stay on. ``uuid()`` is None.
+* **Caching.** AOTAutograd's cache serves lynx's graphs as it serves torch.compile's
+  (``lynx_compile.autograd_cache``): the partitioner's ``uuid()`` is a digest of the graph and
+  of all that decides its plan, and the record of the plan is kept beside torch's entry, so a
+  hit restores it without partitioning. Where that cache stays off (several planning ranks, a
+  plan file, measured costs, offload, ``plan_cache=False``) the partitioner always runs (its
+  plan from lynx's plan cache when it holds one); Inductor's FX-graph cache of the partitioned
+  graphs and its kernel caches stay on.
 """
 from __future__ import annotations
 
@@ -62,7 +64,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from lynx_compile import _compat, plan_cache
+from lynx_compile import _compat, autograd_cache, plan_cache
 from lynx_compile.config import LynxConfig
 from lynx_compile.memory.simulate import aliased_input, splits_late_addmm
 from lynx_compile.passes import GraphRecord
@@ -78,11 +80,14 @@ class LynxPartitioner(_compat.inductor_partitioner_base()):
     graph hash for ``options={"plan": ...}``)."""
 
     def __init__(self, config: LynxConfig, record: GraphRecord, *, plan_only: bool = False,
-                 peak: "CompiledPeak | None" = None):
+                 peak: "CompiledPeak | None" = None, cache_key: str | None = None):
         self.config = config
         self.record = record
         self.plan_only = plan_only
         self.peak = peak
+        self.cache_key = cache_key
+        """``autograd_cache.cache_key``: this partitioner's uuid; the record is kept under it."""
+        self.ran = False
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
         from lynx_compile.backend import PlanningDone
@@ -91,15 +96,20 @@ class LynxPartitioner(_compat.inductor_partitioner_base()):
         if self.peak is not None:
             self.peak.tangent_bytes = {p.name: _nbytes(p.meta.get("val")) for p in gm.graph.find_nodes(op="placeholder")
                                        if p.name.startswith("tangents")}
+        self.ran = True
         fw, bw = lynx_partition(gm, joint_inputs, config=self.config, record=self.record, **kwargs)
         if self.plan_only:
             raise PlanningDone()
         if self.peak is not None:  # a plan-cache hit's estimate: Inductor's FX-graph cache may skip the scheduler
             plan_cache.restore_compiled_peak(self.record)
+        if self.cache_key is not None:
+            autograd_cache.keep(self.record, self.cache_key)
         return fw, bw
 
-    def uuid(self) -> None:
-        return None
+    def uuid(self) -> str | None:
+        """Part of AOTAutograd's and Inductor's FX-graph cache keys: None while AOTAutograd's
+        cache is off for this graph (``autograd_cache``)."""
+        return self.cache_key
 
 
 def _nbytes(v: Any) -> int:
@@ -271,6 +281,8 @@ class CompiledPeak:
         if self.step_bytes is not None and plan is not None:
             self.record.plan = dataclasses.replace(plan, compiled_peak_bytes=self.step_bytes)
             plan_cache.keep_compiled_peak(self.record, self.step_bytes)
+            if self.record.decisions.get("autograd_cache_key"):
+                autograd_cache.keep(self.record, self.record.decisions["autograd_cache_key"])
             log.info("lynx graph %d: Inductor's estimate of the compiled step's peak %d B (lynx's "
                      "prediction for the unfused graphs %d B)", self.record.graph_id, self.step_bytes,
                      plan.peak_bytes)

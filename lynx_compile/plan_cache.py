@@ -207,6 +207,31 @@ def step_key(piece_keys: list[str], budget: str) -> str:
 def load_step(key: str) -> dict | None:
     """The step plan stored under ``key`` (``store_step``), or None; an unreadable or malformed
     one is ignored with a warning, as a plan is."""
+    return _load_body(key, "step", "a step plan")
+
+
+def store_step(key: str, step: dict) -> Path | None:
+    """Write a step plan (per graph of the step, its candidate per call, and the numbers its
+    log line reports) atomically under ``key``."""
+    return _write(entry_path(key), {"schema": SCHEMA, "key": key, "step": step})
+
+
+def store_record(key: str, record: dict) -> Path | None:
+    """Write a graph's record (``GraphRecord.to_dict``) atomically under ``key``: what a later
+    process restores when torch's AOTAutograd cache serves the graph's compile and lynx's
+    partitioner does not run (``lynx_compile.autograd_cache``)."""
+    return _write(entry_path(key), {"schema": SCHEMA, "key": key, "record": record})
+
+
+def load_record(key: str) -> dict | None:
+    """The record stored under ``key`` (``store_record``), or None; an unreadable or malformed
+    one is ignored with a warning, as a plan is."""
+    return _load_body(key, "record", "a graph record")
+
+
+def _load_body(key: str, name: str, what: str) -> dict | None:
+    """The object ``name`` of the entry stored under ``key``, or None (with a warning when the
+    entry cannot be read or is not ``what`` of this lynx)."""
     path = entry_path(key)
     try:
         data = json.loads(path.read_text())
@@ -215,15 +240,9 @@ def load_step(key: str) -> dict | None:
     except (OSError, UnicodeDecodeError, ValueError) as e:
         return _ignored(path, f"unreadable ({type(e).__name__}: {e})")
     if not isinstance(data, dict) or data.get("schema") != SCHEMA or data.get("key") != key \
-            or not isinstance(data.get("step"), dict):
-        return _ignored(path, "not a step plan of this lynx")
-    return data["step"]
-
-
-def store_step(key: str, step: dict) -> Path | None:
-    """Write a step plan (per graph of the step, its candidate per call, and the numbers its
-    log line reports) atomically under ``key``."""
-    return _write(entry_path(key), {"schema": SCHEMA, "key": key, "step": step})
+            or not isinstance(data.get(name), dict):
+        return _ignored(path, f"not {what} of this lynx")
+    return data[name]
 
 
 def _write(path: Path, body: dict) -> Path | None:

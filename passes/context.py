@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lynx_compile.config import LynxConfig
+from lynx_compile.plan import RecomputePlan
+from lynx_compile.step_model import GraphChoices
 
 
 @dataclass(kw_only=True)
@@ -58,6 +60,24 @@ class GraphRecord:
             self.problem, self.unit_index = problem, index
         out["plan"] = self.plan.to_dict() if self.plan is not None else None
         return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], **given: Any) -> "GraphRecord":
+        """The record ``to_dict`` wrote (``problem`` and ``unit_index`` stay None); ``given``
+        fields (e.g. this process's ``graph_id``) replace the written ones. Raises ``TypeError``
+        / ``KeyError`` / ``ValueError`` on anything but ``to_dict``'s form."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(data, dict) or not set(data) <= names:
+            raise ValueError(f"expected an object with the fields {sorted(names)}")
+        data = {k: v for k, v in data.items() if k not in ("problem", "unit_index")}
+        data["timings"] = [PassTiming(**t) for t in data.get("timings", ())]
+        data["plan"] = RecomputePlan.from_dict(data["plan"]) if data.get("plan") else None
+        data["step"] = GraphChoices.from_dict(data["step"]) if data.get("step") else None
+        data["saved_names"] = tuple(data.get("saved_names", ()))
+        seg = data.get("segment_costs")
+        if isinstance(seg, dict) and isinstance(seg.get("blocks"), dict):  # JSON made the block indices text
+            data["segment_costs"] = {**seg, "blocks": {int(k): v for k, v in seg["blocks"].items()}}
+        return cls(**{**data, **given})
 
 
 @dataclass(kw_only=True)

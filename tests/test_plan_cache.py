@@ -82,17 +82,18 @@ def _step(budget: float, compiler: str = "eager") -> dict:
             "solver": plan.solver, "status": plan.solver_status, "exposed_s": plan.exposed_s,
             "notes": list(plan.notes), "candidates": record.decisions.get("candidates"),
             "cache": record.decisions.get("plan_cache"), "grads": grads.tolist(),
-            "compiled_peak": plan.compiled_peak_bytes,
-            "fx": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}}
+            "compiled_peak": plan.compiled_peak_bytes, "served_by": record.decisions.get("served_by"),
+            "fx": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")},
+            "aot": {k: v for k, v in counters["aot_autograd"].items() if k.startswith("autograd_cache")}}
 
 
-def _step_in_subprocess(cache_dir, budget: float, compiler: str = "eager") -> dict:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "OMP_NUM_THREADS": "1"}
+def _step_in_subprocess(cache_dir, budget: float, compiler: str = "eager", env: dict | None = None) -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "OMP_NUM_THREADS": "1", **(env or {})}
     out = subprocess.run([sys.executable, __file__, "step", str(budget), compiler], env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     assert "lynx plan cache: " in out.stderr, "no hit / miss log line"
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return {**json.loads(out.stdout.strip().splitlines()[-1]), "stderr": out.stderr}
 
 
 @pytest.mark.parametrize("budget", [BUDGET, 0.75])
@@ -107,19 +108,53 @@ def test_fresh_process_hits_and_compiles_the_same_plan(cache_dir, budget):
     assert hit["grads"] == miss["grads"]  # bit-identical: the same graphs ran
 
 
-def test_inductor_fx_graph_cache_serves_a_cached_plan(cache_dir):
-    """Under Inductor the partitioner runs in every process (AOTAutograd's cache stays off), its
-    plan from the plan cache; Inductor's FX-graph cache then serves both compiled graphs, and the
-    compiled-peak estimate (read from the scheduler, which a hit skips) comes from the entry."""
+def test_inductor_autograd_cache_serves_the_plan(cache_dir):
+    """Under Inductor a fresh process is served by torch's AOTAutograd cache (keyed on lynx's
+    partitioner uuid): nothing is partitioned or planned, and the record of the plan (its
+    decisions, predicted and compiled peaks) comes back from the entry kept beside it."""
     miss = _step_in_subprocess(cache_dir, BUDGET, "inductor")
-    assert miss["cache"] == "miss" and not miss["fx"].get("fxgraph_cache_hit")
+    assert miss["cache"] == "miss" and not miss["aot"].get("autograd_cache_hit")
     assert miss["compiled_peak"] is not None
     hit = _step_in_subprocess(cache_dir, BUDGET, "inductor")
-    assert hit["cache"] == "hit"
+    assert hit["cache"] == "hit" and hit["served_by"] == "autograd_cache"
+    assert hit["aot"].get("autograd_cache_hit") == 1 and not hit["aot"].get("autograd_cache_miss"), hit["aot"]
+    for field in ("units", "peak_bytes", "compiled_peak", "solver", "status", "notes", "candidates"):
+        assert hit[field] == miss[field], field
+    assert hit["grads"] == miss["grads"]  # bit-identical to the compile that missed both caches
+
+
+def test_inductor_fx_graph_cache_serves_a_cached_plan(cache_dir):
+    """With AOTAutograd's cache off (here by torch's own switch; lynx keeps it off for several
+    planning ranks) the partitioner runs in every process, its plan from the plan cache;
+    Inductor's FX-graph cache then serves both compiled graphs, and the compiled-peak estimate
+    (read from the scheduler, which a hit skips) comes from the entry."""
+    off = {"TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
+    miss = _step_in_subprocess(cache_dir, BUDGET, "inductor", env=off)
+    assert miss["cache"] == "miss" and not miss["fx"].get("fxgraph_cache_hit")
+    assert miss["compiled_peak"] is not None
+    hit = _step_in_subprocess(cache_dir, BUDGET, "inductor", env=off)
+    assert hit["cache"] == "hit" and hit["served_by"] is None
     assert hit["fx"].get("fxgraph_cache_hit") == 2 and not hit["fx"].get("fxgraph_cache_miss"), hit["fx"]
     for field in ("units", "peak_bytes", "compiled_peak", "solver", "status"):
         assert hit[field] == miss[field], field
-    assert hit["grads"] == miss["grads"]  # bit-identical to the compile that missed both caches
+    assert hit["grads"] == miss["grads"]
+
+
+def test_autograd_cache_hit_without_its_record_compiles_again(cache_dir):
+    """``lynx cache clear`` removes lynx's records, not torch's entries: a process then served by
+    AOTAutograd's cache has no plan to restore, warns, and compiles with that cache off."""
+    miss = _step_in_subprocess(cache_dir, BUDGET, "inductor")
+    assert main(["cache", "clear"]) == 0
+    again = _step_in_subprocess(cache_dir, BUDGET, "inductor")
+    assert "record of its plan is missing" in again["stderr"]
+    assert again["cache"] == "miss" and again["served_by"] is None  # planned again (its plan cache was cleared too)
+    # (Inductor's FX-graph cache serves the graphs, skipping the scheduler; its compiled-peak
+    # estimate was in the plan cache's entry, cleared too: it is not asserted here)
+    for field in ("units", "peak_bytes"):
+        assert again[field] == miss[field], field
+    assert again["grads"] == miss["grads"]
+    hit = _step_in_subprocess(cache_dir, BUDGET, "inductor")  # the record is kept again
+    assert hit["served_by"] == "autograd_cache" and hit["units"] == miss["units"]
 
 
 def test_torch_seed_is_partitioned_again_at_its_setting(cache_dir, monkeypatch):

@@ -136,10 +136,13 @@ def test_a_budget_the_pieces_cannot_reach_is_refused_naming_what_lies_outside_th
     assert "outside" in msg and "compile it too" in msg and "Use memory_budget >= 0." in msg
 
 
-def test_a_rerun_takes_the_pieces_and_the_step_plan_from_the_plan_cache(tmp_path, monkeypatch):
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_a_rerun_takes_the_pieces_and_the_step_plan_from_the_plan_cache(tmp_path, monkeypatch, compiler):
     """A script run again (a fresh backend on the same cache directory): each piece's plan and
     the step's plan across them come from the plan cache, so nothing is weighed or recorded,
-    the pieces are compiled with the same candidates at step 2, and the gradients are the same."""
+    the pieces are compiled with the same candidates at step 2, and the gradients are the same.
+    Under Inductor torch's AOTAutograd cache serves every compile of the rerun, the pieces
+    recompiled with the step's plan included (they compile in a tracing context of lynx's)."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
 
     def run(steps):
@@ -147,7 +150,7 @@ def test_a_rerun_takes_the_pieces_and_the_step_plan_from_the_plan_cache(tmp_path
         torch.manual_seed(0)
         model = build_model("gpt-tiny", dropout=0.0, n_layers=4)
         x = example_batch(model, 4, generator=torch.Generator().manual_seed(1))
-        backend = LynxBackend(make_config({"policy": "lynx", "memory_budget": 0.5, "compiler": "eager"}))
+        backend = LynxBackend(make_config({"policy": "lynx", "memory_budget": 0.5, "compiler": compiler}))
         for block in model.blocks:
             block.compile(backend=backend, fullgraph=True)
         for _ in range(steps):
@@ -163,3 +166,6 @@ def test_a_rerun_takes_the_pieces_and_the_step_plan_from_the_plan_cache(tmp_path
     assert recorder.state == "done" and recorder._cached and recorder.steps_seen == 1
     assert [r.step_choice for r in again.records] == [r.step_choice for r in first.records]
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_again))
+    if compiler == "inductor":
+        assert [r.decisions.get("served_by") for r in again.records] == ["autograd_cache"] * len(again.records)
+        assert [r.plan.peak_bytes for r in again.records] == [r.plan.peak_bytes for r in first.records]
