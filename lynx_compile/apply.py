@@ -102,14 +102,17 @@ def realize(joint: fx.GraphModule, ctx: PassContext, decisions: Decisions, kw: d
                    torch_budget=torch_budget)
 
 
-def untagged_reference(joint: fx.GraphModule, joint_inputs: Any, kw: dict, *, inductor: bool) -> StepMemory:
-    """The no-recompute reference of this compiler, whose peak budget fractions are of: the
-    untagged joint partitioned as ``partition_joint`` does (under Inductor torch.compile's own
-    min-cut partition, simulated as Inductor runs it: ``backend="inductor"``'s step; under the
-    eager compiler the default partition, every forward value the backward reads saved)."""
+def untagged_partition(joint: fx.GraphModule, joint_inputs: Any, kw: dict, *,
+                       inductor: bool) -> tuple[fx.GraphModule, fx.GraphModule, StepMemory]:
+    """(fw, bw, their step) of the no-recompute reference of this compiler, whose peak budget
+    fractions are of: the untagged joint partitioned as ``partition_joint`` does (under Inductor
+    torch.compile's own min-cut partition, simulated as Inductor runs it: ``backend="inductor"``'s
+    step; under the eager compiler the default partition, every forward value the backward reads
+    saved). The graphs are also the base of lynx's problem (``decide``), which takes them once
+    (``PassContext.untagged``) instead of partitioning the same joint again."""
     clear_decision_tags(joint)
     fw, bw = partition_joint(joint, joint_inputs, kw, inductor=inductor)
-    return simulate_step(fw, bw, fused=inductor)
+    return fw, bw, simulate_step(fw, bw, fused=inductor)
 
 
 def partition_token(applied: Applied) -> str:

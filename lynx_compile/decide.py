@@ -303,7 +303,8 @@ def _problem_base(joint: fx.GraphModule, ctx: PassContext, kw: dict):
     so they are not units to decide on."""
     clear_decision_tags(joint)
     inductor = ctx.config.compiler == "inductor"
-    base_fw, base_bw = partition_joint(joint, ctx.joint_inputs, kw, inductor=inductor)
+    taken = ctx.untagged.take() if ctx.untagged is not None else None  # the reference's partition
+    base_fw, base_bw = taken or partition_joint(joint, ctx.joint_inputs, kw, inductor=inductor)
     if inductor:
         base_bw = mark_recomputed_pass(base_bw, ctx)  # copies renamed: no name clash with units
     return base_fw, base_bw

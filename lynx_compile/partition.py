@@ -18,7 +18,7 @@ from typing import Any
 import torch.fx as fx
 
 from lynx_compile import _compat
-from lynx_compile.apply import Applied, untagged_reference
+from lynx_compile.apply import Applied, untagged_partition
 from lynx_compile.budget import budget_error as refuse
 from lynx_compile.config import LynxConfig
 from lynx_compile.decide import budget_error, decide, decide_piece, smallest_reachable, step_candidate
@@ -26,6 +26,7 @@ from lynx_compile.decisions import BudgetError
 from lynx_compile.distributed.agreement import check_plan_agreement
 from lynx_compile.memory.simulate import _nbytes, backward_inputs
 from lynx_compile.passes import JOINT_PIPELINE, GraphRecord, PassContext, meta, run_passes
+from lynx_compile.passes.context import TakeOnce
 from lynx_compile.passes.find_blocks import WHOLE_GRAPH, structural_hash
 from lynx_compile.passes.mark_recomputed import recomputed_source
 from lynx_compile.plan import BlockSummary, RecomputePlan, TensorDecision
@@ -46,14 +47,14 @@ def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs:
     kw = dict(num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static_lifetime_input_indices)
     # The reference is this compiler's no-recompute step (torch.compile's own under Inductor):
     # budgets are fractions of its peak (of its saved bytes for a piece of a model).
-    reference = untagged_reference(joint, joint_inputs, kw, inductor=config.compiler == "inductor")
     joint = _compat.canonicalize_joint(joint)
     ctx = PassContext(config=config, record=record, num_fwd_outputs=num_fwd_outputs,
                       joint_inputs=joint_inputs,
                       forward_names=frozenset(_compat.forward_node_names(joint)))
+    joint = run_passes(joint, ctx, JOINT_PIPELINE, "joint")  # (meta only: costs, blocks)
+    base_fw, base_bw, reference = untagged_partition(joint, joint_inputs, kw, inductor=config.compiler == "inductor")
+    ctx.untagged = TakeOnce((base_fw, base_bw))
     record.reference_peak_bytes = reference.peak_bytes
-
-    joint = run_passes(joint, ctx, JOINT_PIPELINE, "joint")
     # Hashed before any tagged partition: replaying RNG adds nodes to the joint graph in place.
     ctx.record.decisions["graph_hash"] = structural_hash(list(joint.graph.nodes))
     piece = record.blocks == [WHOLE_GRAPH] or record.takes_activations

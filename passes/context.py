@@ -92,3 +92,17 @@ class PassContext:
     forward_names: frozenset[str] = frozenset()
     decisions: Any = None
     """The ``lynx_compile.decisions.Decisions`` being applied (read by ``apply_decisions_pass``)."""
+    untagged: "TakeOnce | None" = None
+    """The untagged joint's (fw, bw), partitioned for the reference: the first to need that
+    partition as is takes it (``decide._problem_base``); contexts copied from this one share it."""
+
+
+class TakeOnce:
+    """A value the first ``take()`` gets; later ones get None (graphs one user may change)."""
+
+    def __init__(self, value: Any):
+        self._value = value
+
+    def take(self) -> Any:
+        value, self._value = self._value, None
+        return value
