@@ -25,7 +25,7 @@ from lynx_compile.decide import budget_error, decide, decide_piece, smallest_rea
 from lynx_compile.decisions import BudgetError
 from lynx_compile.distributed.agreement import check_plan_agreement
 from lynx_compile.memory.simulate import _nbytes, backward_inputs
-from lynx_compile.passes import JOINT_PIPELINE, GraphRecord, PassContext, meta, run_passes
+from lynx_compile.passes import JOINT_PIPELINE, PREPARE_PIPELINE, GraphRecord, PassContext, meta, run_passes
 from lynx_compile.passes.find_blocks import WHOLE_GRAPH, structural_hash
 from lynx_compile.passes.mark_recomputed import recomputed_source
 from lynx_compile.plan import BlockSummary, RecomputePlan, TensorDecision
@@ -44,6 +44,9 @@ def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs:
                    static_lifetime_input_indices: list[int] | None = None, **_: Any):
     """Partition ``joint`` into (fw, bw) under ``config.policy``; fills ``record.plan``."""
     kw = dict(num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static_lifetime_input_indices)
+    prepare = PassContext(config=config, record=record, num_fwd_outputs=num_fwd_outputs, joint_inputs=joint_inputs,
+                          forward_names=frozenset())
+    joint = run_passes(joint, prepare, PREPARE_PIPELINE, "prepare")  # the reference is of the prepared joint
     # The reference is this compiler's no-recompute step (torch.compile's own under Inductor):
     # budgets are fractions of its peak (of its saved bytes for a piece of a model).
     reference = untagged_reference(joint, joint_inputs, kw, inductor=config.compiler == "inductor")
