@@ -97,19 +97,19 @@ def _lynx_tp_matches(rank, world, configs, compiler="eager"):
 
 TP_CONFIGS = {
     2: [("gpt", False), ("gpt", True), ("llama", False), ("llama", True)],
-    # GPT at TP=4 at 0.9, not BUDGET. Its backward's four all-reduce windows (35.8 us each on
+    # GPT at TP=4 at 0.93, not BUDGET. Its backward's four all-reduce windows (35.8 us each on
     # pcie4) can take only block 0's units (block 1's recompute is needed from backward event
     # 78, before the first window opens at 103). Under the eager compiler, with
     # alias_clones_pass (the F.dropout(p=0) copy of the attention probabilities gone), lynx's
-    # optimizer reaches no peak below 0.861 of the no-recompute peak (its model counts the
+    # optimizer reaches no peak below about 0.87 of the no-recompute peak (its model counts the
     # recomputed softmax beside the whole bmm -> mul -> masked_fill chain that makes it: an
-    # upper bound), so at 0.85 the plan is a baseline's (selective, 0.809), all on demand. Until
-    # the pass the optimizer's own plan fitted 0.85 with 6 units in windows, that copy among
-    # them (a clone of the kept softmax, 36 us, in all_reduce_5's window). At 0.9 the optimizer
-    # plans: 13 of block 0's units (layer norms, the q/k/v and first MLP matmuls, gelu, the
-    # attention output, residual adds) in all_reduce_5's window and the position arange in
-    # all_reduce_7's, 3 zero-cost views on demand, predicted peak 0.873.
-    4: [("gpt", False, 0.9), ("llama", True)],
+    # upper bound), and down to 0.9 its plan recomputes attention on demand (129 us at 0.9), so
+    # a baseline wins there, all on demand (0.9: torch's min-cut, 61 us; 0.85: selective).
+    # Until the pass the optimizer's own plan fitted 0.85 with 6 units in windows, that copy
+    # among them (a clone of the kept softmax, 36 us, in all_reduce_5's window). At 0.93 (and
+    # 0.96) its plan recomputes only in windows: 7 units (layer norms, the first MLP matmul,
+    # gelu, residual adds, the position arange), nothing on demand, predicted peak 0.905.
+    4: [("gpt", False, 0.93), ("llama", True)],
 }
 
 
