@@ -6,6 +6,7 @@ each partition; ``FORWARD_PIPELINE`` / ``BACKWARD_PIPELINE`` run on the partitio
 backward graphs. Disable one with
 ``options={"disable_passes": ("<name>",)}``.
 """
+from .alias_clones import alias_clones_pass
 from .annotate_costs import annotate_costs_pass
 from .apply_decisions import apply_decisions_pass
 from .context import GraphRecord, PassContext
@@ -17,13 +18,15 @@ from .offload import offload_backward_pass, offload_forward_pass
 from .runner import run_passes
 from .side_stream import side_stream_pass
 
+PREPARE_PIPELINE = (alias_clones_pass,)
+"""Runs on the joint graph before anything is measured from it (the no-recompute reference)."""
 JOINT_PIPELINE = (annotate_costs_pass, find_blocks_pass)
 APPLY_PIPELINE = (apply_decisions_pass,)
 FORWARD_PIPELINE = (offload_forward_pass,)
 BACKWARD_PIPELINE = (mark_recomputed_pass, insert_recompute_pass, fuse_recompute_pass,
                      offload_backward_pass, side_stream_pass)
 
-__all__ = ["JOINT_PIPELINE", "APPLY_PIPELINE", "FORWARD_PIPELINE", "BACKWARD_PIPELINE", "GraphRecord", "PassContext", "run_passes",
+__all__ = ["PREPARE_PIPELINE", "JOINT_PIPELINE", "APPLY_PIPELINE", "FORWARD_PIPELINE", "BACKWARD_PIPELINE", "GraphRecord", "PassContext", "run_passes",
            "annotate_costs_pass", "find_blocks_pass", "apply_decisions_pass", "mark_recomputed_pass",
            "insert_recompute_pass", "fuse_recompute_pass", "offload_forward_pass", "offload_backward_pass",
-           "side_stream_pass"]
+           "side_stream_pass", "alias_clones_pass"]

@@ -71,13 +71,15 @@ def _assert_matches_one_process(what, cfg, sp, model, loss):
 
 
 def _lynx_tp_matches(rank, world, configs, compiler="eager"):
+    """``configs``: (model, sequence parallel[, budget]); budget ``BUDGET`` unless given."""
     out = []
-    for name, sp in configs:
+    for name, sp, *given in configs:
+        budget = given[0] if given else BUDGET
         cfg = CONFIGS[name]
         torch.manual_seed(0)
         model = tensor_parallelize(build_model(cfg), dist.group.WORLD, sequence_parallel=sp)
         torch._dynamo.reset()
-        backend = lynx_compile.backend(policy="lynx", memory_budget=BUDGET, solver="highs",
+        backend = lynx_compile.backend(policy="lynx", memory_budget=budget, solver="highs",
                                        plan_cache=False, hardware="cpu", link="pcie4",
                                        compiler=compiler)
         loss = torch.compile(model, backend=backend)(_batch(cfg)).loss
@@ -85,7 +87,7 @@ def _lynx_tp_matches(rank, world, configs, compiler="eager"):
         _assert_matches_one_process(f"{name} sp={sp}", cfg, sp, model, loss)
         plan = backend.plans[-1]
         counts = plan.decisions.counts()
-        out.append({"name": name, "sp": sp, "peak_fraction": plan.peak_fraction,
+        out.append({"name": name, "sp": sp, "budget": budget, "peak_fraction": plan.peak_fraction,
                     "recomputed": counts["demand"] + counts["window"],
                     "windowed": counts["window"],
                     "moved": backend.records[-1].decisions.get("recompute_nodes_in_windows", 0),
@@ -95,7 +97,19 @@ def _lynx_tp_matches(rank, world, configs, compiler="eager"):
 
 TP_CONFIGS = {
     2: [("gpt", False), ("gpt", True), ("llama", False), ("llama", True)],
-    4: [("gpt", False), ("llama", True)],
+    # GPT at TP=4 at 0.93, not BUDGET. Its backward's four all-reduce windows (35.8 us each on
+    # pcie4) can take only block 0's units (block 1's recompute is needed from backward event
+    # 78, before the first window opens at 103). Under the eager compiler, with
+    # alias_clones_pass (the F.dropout(p=0) copy of the attention probabilities gone), lynx's
+    # optimizer reaches no peak below about 0.87 of the no-recompute peak (its model counts the
+    # recomputed softmax beside the whole bmm -> mul -> masked_fill chain that makes it: an
+    # upper bound), and down to 0.9 its plan recomputes attention on demand (129 us at 0.9), so
+    # a baseline wins there, all on demand (0.9: torch's min-cut, 61 us; 0.85: selective).
+    # Until the pass the optimizer's own plan fitted 0.85 with 6 units in windows, that copy
+    # among them (a clone of the kept softmax, 36 us, in all_reduce_5's window). At 0.93 (and
+    # 0.96) its plan recomputes only in windows: 7 units (layer norms, the first MLP matmul,
+    # gelu, residual adds, the position arange), nothing on demand, predicted peak 0.905.
+    4: [("gpt", False, 0.93), ("llama", True)],
 }
 
 
@@ -116,7 +130,7 @@ def test_lynx_tensor_parallel_matches_single_process(tp):
         # every rank ran the same plan
         assert len({r["fingerprint"] for r in per_rank}) == 1, per_rank
         r = per_rank[0]
-        assert r["peak_fraction"] <= BUDGET + 0.02, r
+        assert r["peak_fraction"] <= r["budget"] + 0.02, r
         assert r["recomputed"] > 0 and r["windowed"] > 0 and r["moved"] > 0, r
 
 
