@@ -207,19 +207,19 @@ def test_bad_pipeline_requests_name_the_limit():
 def test_memory_bound_plan_gives_the_first_stage_fewer_layers():
     # gpt-small with 8 layers, 4 micro-batches of 8 over 2 stages: stage 0 holds 2 micro-batches
     # in flight, stage 1 one. Without a memory limit compute balance splits 4|4. With full
-    # recompute, per device, as fractions of that split's peak, the splits need 1|7 0.543,
-    # 2|6 0.499, 3|5 0.454, 4|4 0.501, 5|3 0.560 (the fuller stage; analytic costs, so these do
-    # not move with the machine). In [0.454, 0.499) 3|5 is the only split that fits, so a plan
-    # that fits must give the first stage fewer layers, whatever lynx's time model prefers;
-    # 0.475 is about that interval's middle (0.02 from either end). lynx moves layers to the
-    # last stage, which holds one micro-batch and needs less memory per layer.
-    # 0.42 until alias_clones_pass (compiler="eager", the pipeline's default): the profile then
-    # had the zoo's F.dropout(p=0) copies (of the attention probabilities and of both residual
-    # branches) in every block. Without them the no-recompute peak is lower (4|4's stage 0:
-    # 98.6 MiB, was 114.6), and the least a block saves under full recompute is HEU's last
-    # feasible rung of costs.BUDGET_LADDER, now 0.3 of the reference (0.25, taken before, is
-    # below the least reachable, 0.271): each split's need rose as a fraction (3|5 0.405 ->
-    # 0.454, 4|4 0.446 -> 0.501). (Micro-batches of 2 until the profile stopped counting
+    # recompute, per device, as fractions of that split's peak, the splits need 1|7 0.525,
+    # 2|6 0.478, 3|5 0.454, 4|4 0.507, 5|3 0.559 (the fuller stage; analytic costs, so these do
+    # not move with the machine). In [0.454, 0.507) only splits with fewer than 4 first-stage
+    # layers fit, so a plan that fits must give the first stage fewer layers, whatever lynx's
+    # time model prefers; 0.475 is 0.02 above that interval's start, 0.03 below its end. lynx
+    # moves layers to the last stage, which holds one micro-batch and needs less memory per
+    # layer. 0.42 until alias_clones_pass (compiler="eager", the pipeline's default): the profile
+    # then had the zoo's F.dropout(p=0) copies (of the attention probabilities and of both
+    # residual branches) in every block. Without them the no-recompute peak is lower (4|4's
+    # stage 0: 98.5 MiB, was 114.6), and the least a block saves under full recompute, HEU's
+    # last feasible rung of costs.BUDGET_LADDER, is a higher rung's (1.5 MiB a block, was 0.5:
+    # the least reachable now lies between rungs): each split's need rose as a fraction (3|5
+    # 0.405 -> 0.454, 4|4 0.446 -> 0.507). (Micro-batches of 2 until the profile stopped counting
     # intermediates no stage saves: at 2 the weights dominate and 4|4 is also the least-memory
     # split.)
     from lynx_compile.pipeline import plan_pipeline
