@@ -48,6 +48,11 @@ def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs:
     # budgets are fractions of its peak (of its saved bytes for a piece of a model).
     reference = untagged_reference(joint, joint_inputs, kw, inductor=config.compiler == "inductor")
     joint = _compat.canonicalize_joint(joint)
+    if config.accumulate_grad_in_graph:  # after the reference: fractions stay of torch.compile's step
+        from lynx_compile.grad_in_graph import param_indices, rewrite_joint
+
+        record.decisions["grads_in_graph"] = rewrite_joint(
+            joint, num_fwd_outputs, param_indices(joint, num_fwd_outputs, static_lifetime_input_indices))
     ctx = PassContext(config=config, record=record, num_fwd_outputs=num_fwd_outputs,
                       joint_inputs=joint_inputs,
                       forward_names=frozenset(_compat.forward_node_names(joint)))
