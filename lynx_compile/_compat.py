@@ -60,6 +60,14 @@ def default_partition(joint_gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_ou
     )
 
 
+def mark_side_effect(op: Any) -> None:
+    """Keep ``op`` out of dead-code elimination (FX, AOTAutograd's partitioners, Inductor) though
+    nothing reads its result: ``torch.fx.node.has_side_effect``."""
+    from torch.fx.node import has_side_effect
+
+    has_side_effect(op)
+
+
 def canonicalize_joint(joint_gm: fx.GraphModule) -> fx.GraphModule:
     """Dead code out and common subexpressions merged (``functorch.config.cse``), in place:
     what torch's min-cut partitioner does to the joint graph on every call. Done once before

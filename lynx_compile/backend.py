@@ -101,6 +101,10 @@ class LynxBackend:
                 log.warning("lynx: compiling more than one graph with these options (graph breaks, "
                             "recompiles, or another model); each graph gets its own plan, listed in "
                             "backend.records. TORCH_LOGS=graph_breaks shows why dynamo split a model.")
+        if self.config.accumulate_grad_in_graph:
+            from lynx_compile.grad_in_graph import check_applicable
+
+            check_applicable(example_inputs)
         if self.step_recorder is not None:
             # an activation with gradients comes in: the graph is a piece of a model compiled in
             # pieces (per block, after a graph break), whatever modules it holds

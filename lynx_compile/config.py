@@ -136,6 +136,14 @@ class LynxConfig:
     ``compiler="eager"`` the split is always available and this changes nothing. Outside a
     pipeline stage it changes nothing but the compile time."""
 
+    accumulate_grad_in_graph: bool = False
+    """Add each parameter's gradient into ``.grad`` inside the compiled backward, right after it
+    is computed, instead of returning them all at the backward's end for autograd to add (the
+    "gradient pile": ``lynx_compile.grad_in_graph``). Lowers the step's peak where the pile sets
+    it; the plan's memory model counts each gradient until it is added. Refused where a hook on
+    ``AccumulateGrad`` would be skipped (DDP, FSDP, post-accumulate-grad hooks, several ranks);
+    ``torch.autograd.grad`` gets no gradient for the parameters."""
+
     fuse_kernels: bool | str = False
     """Replace recognized recompute chains in the backward (causal softmax, LayerNorm, GeLU) with
     lynx's fused Triton kernels (``lynx_compile.kernels``; pass ``fuse_recompute_pass``).
@@ -258,6 +266,9 @@ def make_config(options: dict[str, Any] | None = None) -> LynxConfig:
         clash = [k for k in ("side_stream", "recompute_in_wait") if options.get(k)]
         if clash:
             raise ValueError(f"offload=True is not combined with {clash[0]}=True yet; choose one")
+    if options.get("accumulate_grad_in_graph") and options.get("weight_split"):
+        raise ValueError("accumulate_grad_in_graph=True adds weight gradients into .grad where they are "
+                         "computed, weight_split=True defers them to a W graph; choose one")
     if options.get("weight_split") and options.get("side_stream"):
         raise ValueError("weight_split=True cuts the backward into B and W, side_stream=True into "
                          "stream segments; choose one")
@@ -282,7 +293,7 @@ def make_config(options: dict[str, Any] | None = None) -> LynxConfig:
 
 
 _BOOLS = ("plan_cache", "windows", "offload", "recompute_in_wait", "side_stream", "check_plan_agreement",
-          "trace_recompute", "verbose", "weight_split")
+          "trace_recompute", "verbose", "weight_split", "accumulate_grad_in_graph")
 
 
 def _check_types(options: dict[str, Any]) -> None:

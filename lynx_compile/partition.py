@@ -52,6 +52,11 @@ def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs:
     # compiler every plan runs the CSE'd joint, and the joint as traced can compute a value
     # several times (HF Llama: its causal mask once per layer, each saved: 2.6% of the step)
     joint = _compat.canonicalize_joint(joint)
+    if config.accumulate_grad_in_graph:  # after the reference: fractions stay of torch.compile's step
+        from lynx_compile.grad_in_graph import param_indices, rewrite_joint
+
+        record.decisions["grads_in_graph"] = rewrite_joint(
+            joint, num_fwd_outputs, param_indices(joint, num_fwd_outputs, static_lifetime_input_indices))
     ctx = PassContext(config=config, record=record, num_fwd_outputs=num_fwd_outputs,
                       joint_inputs=joint_inputs,
                       forward_names=frozenset(_compat.forward_node_names(joint)))
