@@ -52,19 +52,23 @@ def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs:
     # compiler every plan runs the CSE'd joint, and the joint as traced can compute a value
     # several times (HF Llama: its causal mask once per layer, each saved: 2.6% of the step)
     joint = _compat.canonicalize_joint(joint)
-    if config.accumulate_grad_in_graph:  # after the reference: fractions stay of torch.compile's step
+    # The reference is this compiler's no-recompute step (torch.compile's own under Inductor):
+    # budgets are fractions of its peak (of its saved bytes for a piece of a model).
+    inductor = config.compiler == "inductor"
+    reference = None
+    if config.accumulate_grad_in_graph:  # the reference first: fractions stay of torch.compile's step
         from lynx_compile.grad_in_graph import param_indices, rewrite_joint
 
+        *_, reference = untagged_partition(joint, joint_inputs, kw, inductor=inductor)
         record.decisions["grads_in_graph"] = rewrite_joint(
             joint, num_fwd_outputs, param_indices(joint, num_fwd_outputs, static_lifetime_input_indices))
     ctx = PassContext(config=config, record=record, num_fwd_outputs=num_fwd_outputs,
                       joint_inputs=joint_inputs,
                       forward_names=frozenset(_compat.forward_node_names(joint)))
     joint = run_passes(joint, ctx, JOINT_PIPELINE, "joint")  # (meta only: costs, blocks)
-    # The reference is this compiler's no-recompute step (torch.compile's own under Inductor):
-    # budgets are fractions of its peak (of its saved bytes for a piece of a model).
-    base_fw, base_bw, reference = untagged_partition(joint, joint_inputs, kw, inductor=config.compiler == "inductor")
-    ctx.untagged = TakeOnce((base_fw, base_bw))
+    if reference is None:  # its graphs are lynx's problem base too, taken once (decide._problem_base)
+        base_fw, base_bw, reference = untagged_partition(joint, joint_inputs, kw, inductor=inductor)
+        ctx.untagged = TakeOnce((base_fw, base_bw))
     record.reference_peak_bytes = reference.peak_bytes
     # Hashed before any tagged partition: replaying RNG adds nodes to the joint graph in place.
     ctx.record.decisions["graph_hash"] = structural_hash(list(joint.graph.nodes))
