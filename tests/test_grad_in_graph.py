@@ -93,11 +93,12 @@ def _smallest(acc):
 
 
 def test_smallest_budget_drops():
-    """4 layers: the pile sets the smallest reachable budget (0.458 of the no-recompute step);
-    with the option it drops (0.334), and the plan at the new smallest holds on the measured step.
-    (2 layers: the logits at the backward's start set it, 0.567 -> 0.550.)"""
+    """4 layers: the pile sets the smallest reachable budget (0.422 of the no-recompute step);
+    with the option it drops (0.346), and the plan at the new smallest holds on the measured step.
+    (Before alias_clones_pass, whose reference no longer saves the zoo's dropout copies:
+    0.458 -> 0.334. 2 layers: the logits at the backward's start set it, 0.567 -> 0.550.)"""
     without, with_acc = _smallest(False), _smallest(True)
-    assert with_acc < without - 0.1, (without, with_acc)
+    assert with_acc < without - 0.05, (without, with_acc)
     torch._dynamo.reset()
     model, x, run, backend = _compiled({"memory_budget": with_acc, "compiler": "eager",
                                         "accumulate_grad_in_graph": True}, 4)
