@@ -19,10 +19,13 @@ three) or ``--attn manual`` / ``sdpa`` for all.
 torchtitan 0.3.0 (``pip install -e ".[torchtitan]"``): ``tt-llama3``, ``tt-qwen3``, ``tt-deepseek``
 (MoE): each package's own ``debugmodel`` (``benchmarks/torchtitan_models.py``: every layer and
 width of the registry's model, SDPA in place of FlexAttention as torchtitan's graph_trainer tests
-do, float32, torchtitan's ``init_weights`` and loss), batch 2 x sequence 256 (``TT_SHAPE``;
-``--attn`` does not apply). Their ``per-block`` style is torchtitan's own
-``torchtitan.distributed.compile.apply_compile`` with ``CompileConfig(backend=...)`` set to
-``"inductor"`` or the lynx backend object (``lynx_compile.backend(memory_budget=B, ...)``).
+do, float32, torchtitan's ``init_weights``), batch 2 x sequence 256 (``TT_SHAPE``; ``--attn`` does
+not apply). Their ``per-block`` style is torchtitan's own ``torchtitan.distributed.compile.apply_compile``
+with ``CompileConfig(backend=...)`` set to ``"inductor"`` or the lynx backend object
+(``lynx_compile.backend(memory_budget=B, ...)``), ``whole`` is ``torch.compile(model, backend=...)``;
+in both the loss (torchtitan's ``CrossEntropyLoss``) is compiled with the same backend by
+torchtitan's own ``BaseLoss._maybe_compile``, as its trainer does (a graph after the model's).
+``graph-break`` is not run for them.
 
 Compile styles: ``whole``: ``torch.compile(model)``; ``per-block``: each transformer block (the
 model's largest ``nn.ModuleList``) compiled on its own, ``block.compile(backend=...,
@@ -146,12 +149,6 @@ def build(model: str, style: str, attn: str) -> tuple[Any, Callable[[Callable], 
     import torch
     import torch.nn.functional as F
 
-    if model in TORCHTITAN:
-        import torchtitan_models as tt
-
-        module = tt.build(model)
-        tokens, labels = tt.batch(TT_SHAPE["batch"], TT_SHAPE["seq"])
-        return module, tt.loss_fn(tokens, labels)
     if model == "hf-gpt2":
         hf_attn = "eager" if attn == "manual" else "sdpa"
         torch.manual_seed(0)
@@ -204,12 +201,6 @@ def prepare(module: Any, style: str, compiler: str, budget: Optional[float], mod
     if opts is None and compiler == "eager":
         return module  # the eager reference: nothing compiled
     kw = {"backend": "inductor"} if opts is None else {"backend": "lynx", "options": opts}
-    if style == "per-block" and model in TORCHTITAN:
-        import lynx_compile
-        import torchtitan_models as tt
-
-        tt.apply_compile(module, "inductor" if opts is None else lynx_compile.backend(**opts))
-        return module
     if style == "per-block":
         for block in transformer_blocks(module):
             block.compile(fullgraph=True, **kw)  # torchtitan's apply_compile
@@ -237,8 +228,15 @@ def run_row(model: str, style: str, compiler: str, budget: Optional[float], attn
     opts = lynx_opts(compiler, budget)
     try:
         known = len(lynx_compile.backend(**opts).plans) if opts else 0
-        module, loss_of = build(model, style, attn)
-        fn = prepare(module, style, compiler, budget, model)
+        if model in TORCHTITAN:  # model and loss compiled as torchtitan does (torchtitan_models)
+            import torchtitan_models as tt
+
+            backend = (lynx_compile.backend(**opts) if opts else None if compiler == "eager" else "inductor")
+            module, tt_step = tt.step_fn(model, style, backend, TT_SHAPE["batch"], TT_SHAPE["seq"])
+            fn, loss_of = tt_step, lambda f: f()
+        else:
+            module, loss_of = build(model, style, attn)
+            fn = prepare(module, style, compiler, budget, model)
         params = list(module.parameters())
 
         def zero() -> None:
@@ -246,7 +244,9 @@ def run_row(model: str, style: str, compiler: str, budget: Optional[float], attn
                 p.grad = None
 
         def step() -> None:
-            loss_of(fn).backward()
+            loss = loss_of(fn)
+            if model not in TORCHTITAN:  # a torchtitan step runs its backward itself
+                loss.backward()
 
         t0 = time.perf_counter()
         step()

@@ -16,8 +16,10 @@ them with ``--no-deps`` so pip never resolves torch.
   (``experiments/graph_trainer/common_utils.build_decoder_config_for_backend``; SDPA is causal,
   with no per-document mask). Built on the meta device, ``to_empty`` on the CPU and
   ``init_weights`` as ``torchtitan.trainer.Trainer`` does; float32, train mode.
-- **Loss**: torchtitan's ``components.loss.cross_entropy_loss`` (sum) divided by the number of
-  tokens, as ``Trainer.forward_backward_step`` does (``loss / global_valid_tokens``).
+- **Loss**: torchtitan's ``components.loss.CrossEntropyLoss`` (summed cross-entropy, divided by
+  the number of tokens as ``Trainer.forward_backward_step`` does), compiled with the same backend
+  by torchtitan itself (``CompileConfig.components`` defaults to model *and* loss): a graph of
+  its own, after the model's.
 - **Per-block compile**: ``torchtitan.distributed.compile.apply_compile`` itself, with a
   ``CompileConfig`` whose ``backend`` is the backend object (``"inductor"`` or
   ``lynx_compile.backend(memory_budget=...)``): it calls ``block.compile(backend=backend,
@@ -74,23 +76,65 @@ def batch(batch_size: int, seq: int, *, seed: int = 1) -> tuple[Any, Any]:
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
-def loss_fn(tokens: Any, labels: Any) -> Callable[[Callable], Any]:
-    """``loss_of(model)``: torchtitan's summed cross-entropy / the number of tokens."""
-    from torchtitan.components.loss import cross_entropy_loss
+def compile_config(backend: Any) -> Any:
+    """torchtitan's ``CompileConfig`` with ``backend`` (a name or a backend object): model and
+    loss compiled (its default ``components``)."""
+    from torchtitan.config import CompileConfig
 
-    n = labels.numel()
-    return lambda m: cross_entropy_loss(m(tokens), labels) / n
+    return CompileConfig(enable=True, backend=backend)
+
+
+def loss(backend: Any = None) -> Callable[[Any, Any], Any]:
+    """torchtitan's ``CrossEntropyLoss`` (summed cross-entropy / the number of tokens, as
+    ``Trainer.forward_backward_step`` calls it), compiled with ``backend`` by torchtitan's own
+    ``BaseLoss._maybe_compile`` as the trainer does with ``compile.components`` = model, loss
+    (``backend`` None: eager). ``loss(backend)(logits, labels)`` -> scalar."""
+    from torchtitan.components.loss import CrossEntropyLoss
+
+    fn = CrossEntropyLoss.Config(global_vocab_size=VOCAB).build(
+        compile_config=None if backend is None else compile_config(backend))
+    return lambda pred, labels: fn(pred, labels, labels.numel())[0]
 
 
 def apply_compile(model: Any, backend: Any) -> None:
     """torchtitan's per-block compile (``torchtitan.distributed.compile.apply_compile``) with
     ``backend`` (a name or a backend object), one process, no parallelism."""
-    from torchtitan.config import CompileConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed.compile import apply_compile as tt_apply_compile
 
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
-    tt_apply_compile(model, compile_config=CompileConfig(enable=True, backend=backend), parallel_dims=dims)
+    tt_apply_compile(model, compile_config=compile_config(backend), parallel_dims=dims)
+
+
+def compiled(model: Any, style: str, backend: Any) -> Callable:
+    """The model's callable: ``per-block`` = ``apply_compile``; ``whole`` =
+    ``torch.compile(model, backend=backend)``; ``backend`` None: eager."""
+    import torch
+
+    if backend is None:
+        return model
+    if style == "per-block":
+        apply_compile(model, backend)
+        return model
+    if style == "whole":
+        return torch.compile(model, backend=backend)
+    raise ValueError(f"style {style!r}: per-block or whole")
+
+
+def step_fn(name: str, style: str, backend: Any, batch_size: int, seq: int) -> tuple[Any, Callable[[], Any]]:
+    """(model, step): ``step()`` runs one forward, torchtitan's loss and backward, both compiled
+    with ``backend`` (None: eager), and returns the loss."""
+    model = build(name)
+    fn = compiled(model, style, backend)
+    loss_of = loss(backend)
+    tokens, labels = batch(batch_size, seq)
+
+    def step() -> Any:
+        out = loss_of(fn(tokens), labels)
+        out.backward()
+        return out
+
+    return model, step
 
 
 def blocks(model: Any) -> list:
