@@ -48,14 +48,17 @@ def available() -> str | None:
     return None
 
 
-def build(name: str, *, seed: int = 0) -> Any:
+def build(name: str, *, seed: int = 0, layers: int | None = None) -> Any:
     """torchtitan's ``debugmodel`` of ``name`` (a key of MODELS), SDPA attention, float32, on
-    the CPU, initialized by torchtitan's ``init_weights`` under ``torch.manual_seed(seed)``."""
+    the CPU, initialized by torchtitan's ``init_weights`` under ``torch.manual_seed(seed)``.
+    ``layers``: keep only the registry's first ``layers`` blocks (a quicker compile)."""
     import torch
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
     pkg = importlib.import_module(f"torchtitan.models.{MODELS[name]}")
     config = pkg.model_registry("debugmodel").model
+    if layers is not None:
+        config.layers = config.layers[:layers]
     for layer in config.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     torch.manual_seed(seed)
