@@ -138,8 +138,3 @@ def step_fn(name: str, style: str, backend: Any, batch_size: int, seq: int) -> t
         return out
 
     return model, step
-
-
-def blocks(model: Any) -> list:
-    """The transformer blocks apply_compile compiles (``model.layers``' children)."""
-    return list(model.layers.children())
