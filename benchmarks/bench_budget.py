@@ -15,8 +15,17 @@ preset, ``lynx_compile.models.build_model``, hidden 64, 4 heads, vocabulary 128)
 ``labels=``: no graph break), sized like gpt-tiny (built by ``bench_step.build``), and
 ``hf-gpt2`` (transformers ``GPT2LMHeadModel``, n_embd 64, 4 heads, vocabulary 128). Attention:
 each model's own default (``--attn default``: the zoo's manual attention, SDPA for the other
-three) or ``--attn manual`` / ``sdpa`` for all. ``torchtitan`` (its llama3 debug model) is a
-row saying whether it could be imported; this script does not build it.
+three) or ``--attn manual`` / ``sdpa`` for all.
+torchtitan 0.3.0 (``pip install -e ".[torchtitan]"``): ``tt-llama3``, ``tt-qwen3``, ``tt-deepseek``
+(MoE): each package's own ``debugmodel`` (``benchmarks/torchtitan_models.py``: every layer and
+width of the registry's model, SDPA in place of FlexAttention as torchtitan's graph_trainer tests
+do, float32, torchtitan's ``init_weights``), batch 2 x sequence 256 (``TT_SHAPE``; ``--attn`` does
+not apply). Their ``per-block`` style is torchtitan's own ``torchtitan.distributed.compile.apply_compile``
+with ``CompileConfig(backend=...)`` set to ``"inductor"`` or the lynx backend object
+(``lynx_compile.backend(memory_budget=B, ...)``), ``whole`` is ``torch.compile(model, backend=...)``;
+in both the loss (torchtitan's ``CrossEntropyLoss``) is compiled with the same backend by
+torchtitan's own ``BaseLoss._maybe_compile``, as its trainer does (a graph after the model's).
+``graph-break`` is not run for them.
 
 Compile styles: ``whole``: ``torch.compile(model)``; ``per-block``: each transformer block (the
 model's largest ``nn.ModuleList``) compiled on its own, ``block.compile(backend=...,
@@ -78,7 +87,7 @@ Summary (printed and in the .md): per budget row whether ms, act and step are <=
 ``none``, and per (model, style, compiler) whether each measure is monotone in the budget (a
 smaller budget never measures a larger peak).
 
-Writes ``<out>/budget.csv`` and ``.md`` (``budget_quick.*`` with ``--quick``), rewritten after
+Writes ``<out>/budget.csv`` and ``.md`` (``budget_quick.*`` with ``--quick``, ``<stem>.*`` with ``--stem``), rewritten after
 every row, so a run stopped early keeps what it measured.
 """
 from __future__ import annotations
@@ -102,12 +111,14 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 RESULTS = os.path.join(HERE, "results")
-MODELS = ("gpt-tiny", "postln-gqa", "hf-llama", "hf-gpt2", "torchtitan")
+MODELS = ("gpt-tiny", "postln-gqa", "hf-llama", "hf-gpt2", "tt-llama3", "tt-qwen3", "tt-deepseek")
+TORCHTITAN = ("tt-llama3", "tt-qwen3", "tt-deepseek")
 STYLES = ("whole", "per-block", "graph-break")
 COMPILERS = ("inductor", "eager")
 BUDGETS = ("none", "0.7", "0.5", "min")
 QUICK = dict(models="gpt-tiny,postln-gqa,hf-llama", styles="whole", compilers="inductor", budgets="none,0.7,0.5")
 SHAPE = dict(layers=4, batch=3, seq=48)
+TT_SHAPE = dict(batch=2, seq=256)  # torchtitan's debug models keep their own layers and widths
 TOLERANCE = 0.02
 MAX_MIN_TRIES = 4
 MIB = 2 ** 20
@@ -217,8 +228,15 @@ def run_row(model: str, style: str, compiler: str, budget: Optional[float], attn
     opts = lynx_opts(compiler, budget)
     try:
         known = len(lynx_compile.backend(**opts).plans) if opts else 0
-        module, loss_of = build(model, style, attn)
-        fn = prepare(module, style, compiler, budget, model)
+        if model in TORCHTITAN:  # model and loss compiled as torchtitan does (torchtitan_models)
+            import torchtitan_models as tt
+
+            backend = (lynx_compile.backend(**opts) if opts else None if compiler == "eager" else "inductor")
+            module, tt_step = tt.step_fn(model, style, backend, TT_SHAPE["batch"], TT_SHAPE["seq"])
+            fn, loss_of = tt_step, lambda f: f()
+        else:
+            module, loss_of = build(model, style, attn)
+            fn = prepare(module, style, compiler, budget, model)
         params = list(module.parameters())
 
         def zero() -> None:
@@ -226,7 +244,9 @@ def run_row(model: str, style: str, compiler: str, budget: Optional[float], attn
                 p.grad = None
 
         def step() -> None:
-            loss_of(fn).backward()
+            loss = loss_of(fn)
+            if model not in TORCHTITAN:  # a torchtitan step runs its backward itself
+                loss.backward()
 
         t0 = time.perf_counter()
         step()
@@ -357,15 +377,6 @@ def git_state() -> str:
         f", with uncommitted changes (other people's work in progress) in {', '.join(dirty)}" if dirty else ""))
 
 
-def torchtitan_row() -> dict:
-    try:
-        import torchtitan  # noqa: F401
-        what = "skipped: torchtitan imports, but this script does not build its models yet"
-    except Exception as exc:  # noqa: BLE001
-        what = f"skipped: torchtitan is not installed ({type(exc).__name__}: {exc})"
-    return {"model": "torchtitan", "style": "-", "compiler": "-", "budget": "-", "result": what}
-
-
 # ------------------------------------------------------------------------------------ reporting
 
 def finish(rows: Sequence[dict]) -> list[dict]:
@@ -438,8 +449,13 @@ def environment_line() -> str:
         tv = transformers.__version__
     except Exception:  # noqa: BLE001
         tv = "not installed"
+    try:
+        from importlib.metadata import version
+        ttv = version("torchtitan")
+    except Exception:  # noqa: BLE001
+        ttv = "not installed"
     return (f"{datetime.date.today().isoformat()}; CPU {env['cpu']} ({os.cpu_count()} cores, shared); "
-            f"torch {torch.__version__}, transformers {tv}; python {platform.python_version()}.")
+            f"torch {torch.__version__}, transformers {tv}, torchtitan {ttv}; python {platform.python_version()}.")
 
 
 def write(out: str, stem: str, rows: Sequence[dict], argv: Sequence[str], notes: Sequence[str],
@@ -455,7 +471,9 @@ def write(out: str, stem: str, rows: Sequence[dict], argv: Sequence[str], notes:
              "Command: `" + " ".join(["python benchmarks/bench_budget.py", *argv]) + "`", "",
              "Code measured: " + git_state_start + "; `tree` column: hash of lynx_compile/ and passes/ "
              "*.py when the row started (rows with different hashes measured different code).", "",
-             f"{SHAPE['layers']} layers, batch {SHAPE['batch']} x seq {SHAPE['seq']}, fp32, dropout 0, "
+             f"{SHAPE['layers']} layers, batch {SHAPE['batch']} x seq {SHAPE['seq']} (torchtitan's tt-* models: "
+             f"their debugmodel's own layers, batch {TT_SHAPE['batch']} x seq {TT_SHAPE['seq']}, SDPA; "
+             "per-block = torchtitan's apply_compile), fp32, dropout 0, "
              "one thread, attention " + attn + "; step = forward + loss + backward, no optimizer; each row "
              "in its own process (cold Inductor cache). Peaks from the CPU profiler's allocator events "
              "over one step, above what is allocated when it starts: ms = the tree's "
@@ -532,6 +550,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--timeout", type=float, default=900, help="seconds per row process")
     p.add_argument("--out", default=RESULTS)
+    p.add_argument("--stem", default=None, help="file name of the results, without .csv/.md (default budget, "
+                   "budget_quick with --quick)")
     p.add_argument("--merge", type=lambda v: [x for x in v.split(",") if x], default=[], metavar="CSV,...",
                    help="budget.csv files of earlier runs of this script: their rows join the table (a row "
                         "run now replaces a merged one with the same model, style, compiler, budget); their "
@@ -590,7 +610,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     compilers, budgets = pick(args.compilers, "compilers", COMPILERS), pick(args.budgets, "budgets", BUDGETS)
     if "none" in budgets:  # the reference first: fractions are of it
         budgets = ["none"] + [b for b in budgets if b != "none"]
-    stem = "budget_quick" if args.quick else "budget"
+    stem = args.stem or ("budget_quick" if args.quick else "budget")
     env_line = environment_line()
     info = {"git_state_start": git_state(), "attn": {"default": "each model's default (zoo: manual; "
             "post-LN GQA, HF Llama, HF GPT-2: SDPA)"}.get(args.attn, args.attn)}
@@ -605,12 +625,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.merge:
         info["git_state_start"] = ("rows from several runs (see the notes); this report written with "
                                    + git_state())
-    if "torchtitan" in models and not any(r["model"] == "torchtitan" for r in rows):
-        rows.append(torchtitan_row())
-        print(f"torchtitan: {rows[-1]['result']}", file=sys.stderr)
     # compiler outermost (Inductor, the default, first), then style, then model: a run stopped
     # early has every model under the first styles rather than every style of the first models
-    todo = [(m, st, c, b) for c in compilers for st in styles for m in models if m != "torchtitan" for b in budgets]
+    todo = [(m, st, c, b) for c in compilers for st in styles for m in models for b in budgets]
     if args.report_only:
         have = {key(r) for r in rows}
         missing = [t for t in todo if t not in have]

@@ -178,7 +178,11 @@ class LynxBackend:
         from lynx_compile.distributed.agreement import planning_group
         from lynx_compile.inductor import CompiledPeak, LynxPartitioner, WeightSplitCompile, lynx_post_grad
 
-        own_placement = self.config.policy not in ("none", "torch")
+        # policy lynx with no budget (and no plan file) keeps torch.compile's own partition: no
+        # placement of lynx's to keep, so Inductor runs as in torch.compile (bit for bit: its
+        # addmm of a tied weight's two gradients is not split, qwen3's tied embedding)
+        own_placement = self.config.policy not in ("none", "torch") and not (
+            self.config.policy == "lynx" and config.budget is None and not config.plan)
         split = None
         if self.config.weight_split and not self.plan_only:
             from lynx_compile.runtime.weight_split import WeightDeferral
