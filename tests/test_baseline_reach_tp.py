@@ -2,8 +2,9 @@
 
 On every rank: each baseline (full = checkpointing each block, selective, torch's min-cut at
 0.5) is planned, then lynx with the peak it reached as its budget in bytes; lynx's plan peaks no
-higher and exposes no more recompute. And lynx at memory_budget=0.5 plans (the issue saw a
-BudgetError there on a 2-rank DTensor model) and the compiled step's gradients equal eager's on
+higher and exposes no more recompute. And lynx at memory_budget=0.53 plans, where only torch's
+min-cut reaches (the issue saw a BudgetError at 0.5 on a 2-rank DTensor model, with the larger
+reference of before alias_clones_pass) and the compiled step's gradients equal eager's on
 that rank. With several ranks torch's min-cut was no seed at all (its partition may differ per
 rank), so at torch@0.5's peak (0.49 of the no-recompute peak, below what lynx's optimizer
 reaches) lynx fell back to full: 246 us of exposed recompute against torch's 114 us. One run
@@ -23,6 +24,12 @@ from lynx_compile.models import LlamaConfig, build_model
 CONFIG = LlamaConfig(vocab_size=64, seq_len=16, n_layers=2, hidden=32, n_heads=8, n_kv_heads=4, ffn_hidden=48)
 BATCH = 2
 BASELINES = (("full", {}), ("selective", {}), ("torch", {"memory_budget": 0.5}))
+LYNX_BUDGET = 0.53
+"""Below full's peak (0.549 of the no-recompute peak) and above torch's min-cut at 0.5 / 0.4
+(0.522 / 0.520): only a torch seed reaches it, which with several ranks is one only where every
+rank partitioned it alike. (It was 0.5 before alias_clones_pass: the eager compiler's reference
+no longer counts the copies eager PyTorch does not save, and 0.5 of it is below what any plan
+reaches, 0.520.)"""
 # compiler="eager": lynx's exact reference partition. What several ranks change (torch's
 # min-cut as a seed only where every rank partitions it alike) does not depend on the compiler,
 # and Inductor's joint passes and min-cut base make each plan about twice as slow on these
@@ -58,7 +65,7 @@ def _reach_ranks(rank: int, world_size: int) -> dict:
 
     eager = _dtensor_llama(mesh)
     eager(idx).loss.backward()
-    backend = lynx_compile.backend(policy="lynx", memory_budget=0.5, solver="highs", **COMMON)
+    backend = lynx_compile.backend(policy="lynx", memory_budget=LYNX_BUDGET, solver="highs", **COMMON)
     twin = _dtensor_llama(mesh)
     torch.compile(twin, backend=backend)(idx).loss.backward()
     want, got = _local_grads(eager), _local_grads(twin)
@@ -72,9 +79,9 @@ def test_dtensor_tp2_lynx_reaches_each_baseline_and_plans_half():
     results = run_ranks(_reach_ranks, 2, timeout_s=400)
     for rank, r in enumerate(results):
         report = "\n".join(map(str, r["rows"]))
-        print(f"rank {rank}:\n{report}\nlynx@0.5: {r['fraction']:.3f} of the no-recompute peak ({r['solver']})")
+        print(f"rank {rank}:\n{report}\nlynx@{LYNX_BUDGET}: {r['fraction']:.3f} of the no-recompute peak ({r['solver']})")
         assert all(row.ok for row in r["rows"]), f"rank {rank}:\n{report}"
-        assert r["fraction"] <= 0.5, r
+        assert r["fraction"] <= LYNX_BUDGET, r
         worst = max(r["grad_errors"], key=r["grad_errors"].get)
         assert r["grad_errors"][worst] <= RTOL, (rank, worst, r["grad_errors"][worst])
     # both ranks plan the same graph: the same numbers
