@@ -49,10 +49,12 @@ def test_model_bounds_full_recompute_tightly_and_highs_plans_at_0_4(compiler):
     # batch 1, but 22-26 % on eager at batch 4-8 (not analysed yet)
     assert exact <= ev.peak_bytes <= 1.15 * exact, (ev.peak_bytes / problem.reference_peak,
                                                     exact / problem.reference_peak)
-    # the MILP finds its own plan at 0.4, which fits exactly: at batch 8, since at batch 1 the
-    # parameter gradients hold full's peak at 0.65-0.71 of none's (at batch 8: 0.32 / 0.37)
+    # the MILP finds its own plan at 0.41, which fits exactly: at batch 8, since at batch 1 the
+    # parameter gradients hold full's peak at 0.65-0.71 of none's (at batch 8: 0.32 / 0.37).
+    # (0.4 before alias_clones_pass: the eager reference no longer counts the dropout copies,
+    # and the optimizer's own floor there is now 0.401 of it; it plans at 0.41, peak 0.377.)
     x8 = example_batch(model, 8, device="meta")
-    lynx = plan_model(model, (x8,), policy="lynx", memory_budget=0.4, solver="highs", compiler=compiler,
+    lynx = plan_model(model, (x8,), policy="lynx", memory_budget=0.41, solver="highs", compiler=compiler,
                       **OPTIONS)[0]
     assert lynx.plan.solver == "opt-highs", lynx.notes
-    assert lynx.plan.peak_bytes <= 0.4 * lynx.problem.reference_peak + 1
+    assert lynx.plan.peak_bytes <= 0.41 * lynx.problem.reference_peak + 1
