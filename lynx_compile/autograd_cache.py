@@ -55,9 +55,8 @@ def cache_key(gm: fx.GraphModule, example_inputs: list, config: LynxConfig, reco
     if (not trains or not config.plan_cache or config.plan is not None or config.cost_source != "analytic"
             or config.offload or planning_world_size() != 1):
         return None
-    options = {k: v for k, v in dataclasses.asdict(config).items() if k not in plan_cache.NOT_IN_KEY}
     fields = {"schema": plan_cache.SCHEMA, "kind": "autograd_cache", "graph": graph_digest(gm, example_inputs),
-              "options": options, "takes_activations": record.takes_activations, "step_choice": record.step_choice,
+              "options": plan_cache.planning_options(config), "takes_activations": record.takes_activations, "step_choice": record.step_choice,
               "profile": get_profile(config.hardware).to_dict(), "lynx": plan_cache.lynx_source_digest()}
     return plan_cache.plan_key(fields)
 

@@ -106,7 +106,6 @@ def rewrite_joint(joint: fx.GraphModule, num_fwd_outputs: int, params: list[int]
         for key in ("seq_nr", "fwd_nn_module_stack", "nn_module_stack", "stack_trace"):
             if key in grad.meta:
                 acc.meta[key] = grad.meta[key]
-        acc.meta["lynx_accumulate_grad"] = i
         outputs[num_fwd_outputs + i] = None
         moved += 1
     out.args = (tuple(outputs) if isinstance(out.args[0], tuple) else outputs,)
@@ -138,8 +137,4 @@ def _error(why: str) -> Exception:
     return LynxOptionError(f"accumulate_grad_in_graph=True cannot apply: {why}; compile without it")
 
 
-def is_accumulate(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is torch.ops.lynx.accumulate_grad.default
-
-
-__all__ = ["accumulate_grad", "rewrite_joint", "param_indices", "check_applicable", "is_accumulate"]
+__all__ = ["accumulate_grad", "rewrite_joint", "param_indices", "check_applicable"]

@@ -128,11 +128,16 @@ def key_fields(config: Any, *, graph_hash: str, graph_digest: str, reference_pea
 
     import lynx_compile
 
-    options = {k: v for k, v in dataclasses.asdict(config).items() if k not in NOT_IN_KEY}
-    return {"schema": SCHEMA, "graph_hash": graph_hash, "graph_digest": graph_digest, "options": options,
+    return {"schema": SCHEMA, "graph_hash": graph_hash, "graph_digest": graph_digest,
+            "options": planning_options(config),
             "reference_peak_bytes": int(reference_peak), "budget_bytes": int(budget),
             "world_size": int(world_size), "torch": torch.__version__,
             "lynx": {"version": lynx_compile.__version__, "source": lynx_source_digest()}, "profile": profile}
+
+
+def planning_options(config: Any) -> dict[str, Any]:
+    """Every ``LynxConfig`` field that can change a plan (all but ``NOT_IN_KEY``)."""
+    return {k: v for k, v in dataclasses.asdict(config).items() if k not in NOT_IN_KEY}
 
 
 def plan_key(fields: dict[str, Any]) -> str:
