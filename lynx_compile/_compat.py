@@ -651,6 +651,12 @@ def engine_run_backward_code() -> Any:
         return None
 
 
+def backward_roots(frame: Any) -> Any:
+    """The roots (tensors or gradient edges) of a backward, from the frame of a call of
+    :func:`engine_run_backward_code`'s function (its first argument, ``t_outputs``)."""
+    return frame.f_locals.get("t_outputs", ())
+
+
 def queue_backward_callback(fn: Callable[[], None]) -> None:
     """Run ``fn`` once the backward pass now executing ends (call from inside it: a hook)."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)

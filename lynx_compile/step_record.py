@@ -44,6 +44,7 @@ import torch
 from lynx_compile import _compat
 from lynx_compile.budget import budget_error, format_bytes
 from lynx_compile.decisions import BudgetError
+from lynx_compile.memory.param_grads import GradWatch
 from lynx_compile.memory.step_recording import AllocatorRecording, ProfilerRecording
 from lynx_compile.step_model import Segment, StepChoice, StepModel, choose
 
@@ -166,6 +167,9 @@ class StepRecorder:
         self.calls: list[Piece] = []
         self.open: set[int] = set()  # calls whose backward has not ended
         self.marks: list[tuple[int, str]] = []  # (call, fw0 / fw1 / bw0 / bw1 / end)
+        self.mark_grads: list[int] = []  # per mark: .grad bytes accumulated into so far (GradWatch)
+        self._grads: GradWatch | None = None
+        self.grads_note = ""
         self._queued = False
         self._recording: ProfilerRecording | AllocatorRecording | None = None
         self._device_type = "cpu"
@@ -233,14 +237,14 @@ class StepRecorder:
             return
         self.steps_seen += 1
         if self.state == "warming" and self.steps_seen == 1 and self._cached_step():
-            self.calls, self.marks = [], []
+            self.calls, self.marks, self.mark_grads = [], [], []
             return
         if self.state == "recording":
             self._mark(-1, "end")
             self.state = "ending"
             self._recording.stop_after_backward(self._finish_recording)
             return
-        self.calls, self.marks = [], []
+        self.calls, self.marks, self.mark_grads = [], [], []
 
     def _step_key(self) -> str | None:
         """The plan cache's key of this step's plan (``plan_cache.step_key``), from the piece
@@ -300,6 +304,7 @@ class StepRecorder:
     def _mark(self, call: int, kind: str) -> None:
         if self.state == "recording":
             self.marks.append((call, kind))
+            self.mark_grads.append(self._grads.accumulated if self._grads is not None else 0)
             self._recording.mark(len(self.marks) - 1)
 
     # -- recording ---------------------------------------------------------------------------
@@ -312,6 +317,9 @@ class StepRecorder:
             return
         self._resident = self._resident_bytes()
         self._recording = recording
+        self._grads = GradWatch()
+        if not self._grads.start():
+            self._grads = None
         self.state = "recording"
 
     def _resident_bytes(self) -> tuple[int, str]:
@@ -331,6 +339,17 @@ class StepRecorder:
             return
         peaks = self._recording.finish(len(self.marks))
         self._recording = None
+        if self._grads is not None:
+            self._grads.stop()
+            held = self._grads.held_bytes
+            self.grads_note = (f"parameter gradients: {format_bytes(held)} of .grad were allocated as step "
+                               f"{RECORDED_STEP} started; planned as if the step allocates them (.grad None "
+                               "at the start, torch's zero_grad default)") if held else ""
+        else:
+            self.grads_note = (f"parameter gradients: planned as step {RECORDED_STEP} ran (another tool holds "
+                               "Python's profile hook, so lynx could not see whether .grad was allocated)")
+            self.mark_grads = [0] * len(self.marks)
+        self._grads = None
         self.model = self._model(peaks)
         self._choose()
         self.state = "recorded"
@@ -340,13 +359,16 @@ class StepRecorder:
         """The recorded step as segments: ``peaks[i]`` is the highest bytes measured between
         mark ``i - 1`` and mark ``i`` (None: mark ``i`` was not seen)."""
         calls, marks, self.calls, self.marks = self.calls, self.marks, [], []
+        grads, self.mark_grads = self.mark_grads, []
         segments: list[Segment] = []
         alive: set[int] = set()
         running: tuple[int, str] | None = None
-        for (call, kind), peak in zip(marks, peaks):
+        for (call, kind), peak, held in zip(marks, peaks, grads):
             if peak is None:
                 continue
-            segments.append(Segment(peak=peak, alive=tuple(sorted(alive)), running=running))
+            # + the gradients accumulated into an allocated .grad by this segment's end, which a
+            # step starting with .grad None holds (memory.param_grads)
+            segments.append(Segment(peak=peak + held, alive=tuple(sorted(alive)), running=running))
             if kind == "fw0":
                 running = (call, "fw")
             elif kind == "fw1":
@@ -410,7 +432,8 @@ class StepRecorder:
         seen = "from the plan cache" if self._cached else f"step {RECORDED_STEP} recorded"
         summary = (f"{seen}: {len(model.calls)} piece calls of {len(model.graphs)} "
                    f"graph(s); outside the compiled pieces up to {format_bytes(outside_peak)}; the step with no "
-                   f"piece recomputing peaks at {format_bytes(self.reference)}")
+                   f"piece recomputing peaks at {format_bytes(self.reference)}"
+                   + (f"; {self.grads_note}" if self.grads_note else ""))
         if not choice.fits:
             choice = self._tighten(choice)
         if not choice.fits:

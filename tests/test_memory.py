@@ -166,3 +166,27 @@ def test_matmul_fused_into_a_late_add_runs_there():
     kw = dict(live_inputs={}, input_keys={}, count_outputs=False)
     assert simulate_graph(gm, fused=True, **kw).peak_bytes == 64 + 64 + 256
     assert simulate_graph(gm, fused=False, **kw).peak_bytes == 256 + 256
+
+
+def test_grad_watch_counts_the_gradients_accumulated_into_an_allocated_grad():
+    """``memory.param_grads.GradWatch``: bytes of the ``.grad`` allocated when the backward
+    starts (2 x Linear(4, 4): 2 x (16 + 4) floats), counted as each is accumulated into; a
+    parameter whose ``.grad`` is None then is the step's own allocation and not counted."""
+    from lynx_compile.memory.param_grads import GradWatch, leaf_tensors
+
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    loss = b(a(x).relu()).sum()
+    assert {id(t) for t in leaf_tensors([loss])} == {id(p) for p in [*a.parameters(), *b.parameters()]}
+    loss.backward()
+    watch = GradWatch()
+    assert watch.start()
+    b(a(x).relu()).sum().backward()
+    watch.stop()
+    assert watch.held_bytes == watch.accumulated == 2 * 20 * 4
+    a.weight.grad = a.bias.grad = None
+    watch = GradWatch()
+    assert watch.start()
+    b(a(x).relu()).sum().backward()
+    watch.stop()
+    assert watch.held_bytes == watch.accumulated == 20 * 4

@@ -14,7 +14,7 @@ import torch
 from lynx_compile.backend import LynxBackend
 from lynx_compile.config import make_config
 from lynx_compile.decisions import BudgetError
-from lynx_compile.memory.measure import measure_step
+from lynx_compile.memory.measure import cpu_peak_bytes, measure_step
 from lynx_compile.models import build_model, example_batch
 from lynx_compile.step_model import Candidate, GraphChoices, Segment, StepModel, choose
 
@@ -121,6 +121,37 @@ def test_per_block_budget_holds_on_the_measured_whole_step():
     assert lynx.peak_bytes <= 0.5 * 1.02 * none.peak_bytes, (lynx.peak_bytes, none.peak_bytes)
     # lynx's model of torch.compile's per-block step is the measured one to a few percent
     assert abs(plan.step_reference_bytes - none.peak_bytes) <= 0.05 * none.peak_bytes
+
+
+def test_a_step_recorded_with_grad_allocated_is_planned_for_grad_none_too():
+    """Gradient accumulation (or ``zero_grad(set_to_none=False)``): step 2, the recorded one,
+    starts with ``.grad`` allocated, so its parameter gradients are added into ``.grad`` and
+    freed; a step starting with ``.grad`` None (``zero_grad()``'s default, the first
+    micro-batch) keeps them. lynx plans for both (``memory.param_grads``): the step measured
+    from ``.grad`` None stays within the budget of torch.compile's own per-block step. (Planned
+    for the recorded regime alone, this case measured 0.540 of it at 0.5.)"""
+    torch.manual_seed(0)
+    model = build_model("gpt-tiny", dropout=0.0, n_layers=4)
+    plain = copy.deepcopy(model)
+    x = example_batch(model, 4, generator=torch.Generator().manual_seed(1))
+    backend = _per_block(model, {"policy": "lynx", "memory_budget": 0.5})
+    _inductor_per_block(plain)
+    for m in (model, plain):
+        for _ in range(3):  # .grad never set to None: allocated from step 2 on
+            m(x).loss.backward()
+    plan = backend.records[0].plan
+    assert plan.budget_scope == "step"
+    assert any("of .grad were allocated as step 2 started" in n for n in plan.notes)
+
+    def from_grad_none(m):
+        for p in m.parameters():
+            p.grad = None
+        return cpu_peak_bytes(lambda: m(x).loss.backward())
+
+    lynx, none = from_grad_none(model), from_grad_none(plain)
+    assert lynx <= 0.5 * 1.02 * none, (lynx, none)
+    kept = cpu_peak_bytes(lambda: model(x).loss.backward())  # the regime recorded: lower still
+    assert kept <= lynx
 
 
 def test_a_budget_the_pieces_cannot_reach_is_refused_naming_what_lies_outside_them():
