@@ -10,6 +10,7 @@ import contextlib
 import functools
 import inspect
 import os
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -814,3 +815,34 @@ def inductor_cache_dir() -> str:
         return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
             tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
     return cache_dir()
+
+
+def fsdp2_groups_holding(tensors: list) -> list[tuple[int, bool, int]]:
+    """Per FSDP2 (``fully_shard``) parameter group whose unsharded parameters are among
+    ``tensors`` (by identity: dynamo hands a block's unsharded parameters to the backend during
+    its forward): ``(shard world size, resharded after forward, unsharded bytes of the group)``.
+    Empty without FSDP2. Reads ``torch.distributed._composable_state._module_state_mapping``
+    and each state's param groups (``_fsdp_param_groups`` on 2.13, ``_fsdp_param_group`` on 2.11)."""
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    except ImportError:  # pragma: no cover - present on 2.11-2.13
+        return []
+    ids = {id(t) for t in tensors if isinstance(t, torch.Tensor)}
+    out = []
+    for state in list(_module_state_mapping.values()):
+        state = state() if isinstance(state, weakref.ref) else state  # weak references on 2.13
+        if not isinstance(state, FSDPState):
+            continue
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            group = state.__dict__.get("_fsdp_param_group")
+            groups = [group] if group is not None else []
+        for group in groups:
+            params = [getattr(fp, "_unsharded_param", None) for fp in group.fsdp_params]
+            if not any(p is not None and id(p) in ids for p in params):
+                continue
+            nbytes = sum(p.numel() * p.element_size() for p in params if p is not None)
+            mesh = group.mesh_info
+            out.append((int(getattr(mesh, "shard_mesh_size", 1)), group.post_forward_mesh_info is not None, nbytes))
+    return out

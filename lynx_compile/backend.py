@@ -110,6 +110,10 @@ class LynxBackend:
             # pieces (per block, after a graph break), whatever modules it holds
             record.takes_activations = any(isinstance(t, torch.Tensor) and t.requires_grad
                                            and not isinstance(t, torch.nn.Parameter) for t in example_inputs)
+        from lynx_compile.distributed.fsdp import comm_of
+
+        fsdp = comm_of(example_inputs)  # FSDP2's collectives around this graph's backward
+        record.fsdp = fsdp.as_tuple() if fsdp is not None else None
         compiled = self._compile(gm, example_inputs, record)
         if self.step_recorder is None:
             return compiled
@@ -125,7 +129,7 @@ class LynxBackend:
         its record replaces ``old`` in ``records`` (``replace``) or follows it (a graph whose
         calls run two compiles)."""
         record = GraphRecord(graph_id=old.graph_id, policy=self.config.policy, step_choice=choice,
-                             takes_activations=old.takes_activations)
+                             takes_activations=old.takes_activations, fsdp=old.fsdp)
         if self.config.compiler == "inductor" and not self.config.weight_split:
             # dynamo's tracing context is gone: one of our own, so torch's caches serve it
             with _compat.static_tracing(inputs.inputs()) as example_inputs:
@@ -138,7 +142,7 @@ class LynxBackend:
         return compiled, record
 
     def _compile(self, gm: fx.GraphModule, example_inputs: list, record: GraphRecord) -> Callable:
-        config = self.config
+        config = self.config.with_fsdp(record.fsdp)
         if config.device_budget is not None:  # what is on the device as this graph's step starts
             config = config.with_resident(*resident_bytes(example_inputs, plan_only=self.plan_only))
         on_meta = any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in example_inputs)

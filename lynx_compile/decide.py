@@ -131,6 +131,18 @@ def _plan_piece(joint, ctx: PassContext, kw: dict, budget: int | None, reference
             scored.append(("lynx", exposed(own.applied, joint), own.applied))
         except BudgetError as e:
             ctx.record.notes.append(f"lynx's optimizer: {e}")
+            own = None
+            smallest = e.smallest_bytes
+        else:
+            smallest = None
+        for target in _window_targets(ctx, smallest):
+            try:  # where the graph has windows, lynx's optimizer at more peaks: it fills them first
+                more = plan_lynx(joint, ctx, *_problem_base(joint, ctx, kw), target, kw)
+            except BudgetError as e:
+                ctx.record.notes.append(f"lynx's optimizer at {target} B: {e}")
+                continue
+            scored.append((f"lynx@{target}", exposed(more.applied, joint), more.applied))
+            own = own or more
     # no budget: only none (recompute nothing beyond what the compiler does on its own)
     policies = ("none", *BASELINES) if budget is not None else ("none",)
     # with a budget, torch's min-cut at every setting too: the step's plan across pieces
@@ -178,14 +190,32 @@ def _piece_outcome(joint, ctx: PassContext, name: str, cost: float, applied: App
     return outcome.applied, outcome
 
 
+def _window_targets(ctx: PassContext, smallest: int | None) -> list[int]:
+    """Peaks at which a piece with communication windows (in-graph collectives, FSDP2's
+    prefetch: ``distributed/fsdp.py``) is planned by lynx's optimizer besides the budget's
+    fraction (``candidate 'lynx@<bytes>'``): the smallest it reaches when the fraction is below
+    it, and halfway from there to the no-recompute peak, so that the step's plan across pieces
+    has candidates that recompute inside the windows. None without windows (no solve more)."""
+    problem = ctx.record.problem
+    if problem is None or not problem.windows or not ctx.record.reference_peak_bytes:
+        return []
+    low = smallest if smallest is not None else None
+    ref = ctx.record.reference_peak_bytes
+    targets = [low] if low is not None else []
+    base = low if low is not None else int(0.5 * ref)
+    targets.append((base + ref) // 2)
+    return sorted(set(t for t in targets if 0 < t < ref))
+
+
 def _forced_piece(joint, ctx: PassContext, kw: dict, name: str, frac: float):
     """Candidate ``name`` of :func:`decide_piece` made as it was then: lynx's optimizer at the
     same fraction, a baseline, or torch's min-cut at the setting in its name (``torch@0.25``)."""
     own = None
-    if name == "lynx":
+    if name == "lynx" or name.startswith("lynx@"):
         from lynx_compile.optimize import plan_lynx
 
-        own = plan_lynx(joint, ctx, *_problem_base(joint, ctx, kw), int(frac * ctx.record.reference_peak_bytes), kw)
+        target = int(name[5:]) if name.startswith("lynx@") else int(frac * ctx.record.reference_peak_bytes)
+        own = plan_lynx(joint, ctx, *_problem_base(joint, ctx, kw), target, kw)
         applied = own.applied
     elif name.startswith("torch@"):
         applied = next(a for _, a in _baseline_candidates(joint, ctx, kw, (), None, (float(name[6:]),)))

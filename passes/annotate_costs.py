@@ -36,4 +36,9 @@ def annotate_costs_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     ctx.record.decisions["link"] = link.name
     ctx.record.decisions["forward_s"] = sum(c.runtime_s for n, c in costs.items() if n in fwd)
     ctx.record.decisions["backward_s"] = sum(c.runtime_s for n, c in costs.items() if n not in fwd)
+    if cfg._fsdp is not None:  # FSDP2's collectives overlap this backward (distributed/fsdp.py)
+        from lynx_compile.distributed.fsdp import FsdpComm, free_seconds
+
+        ctx.record.decisions["fsdp_comm_s"] = FsdpComm(*cfg._fsdp).seconds(link)
+        ctx.record.decisions["fsdp_window_s"] = free_seconds(cfg._fsdp, link, ctx.record.decisions["backward_s"])
     return gm

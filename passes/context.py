@@ -48,6 +48,9 @@ class GraphRecord:
     """An input is an activation with gradients (not a parameter): the graph is a piece of a
     model compiled in pieces and is planned as one (``partition.lynx_partition``); set only
     where the backend plans pieces together (``step_record``)."""
+    fsdp: tuple[int, int, int] | None = None
+    """FSDP2's collectives around this graph's backward (``distributed.fsdp.FsdpComm``), when
+    its parameters are ``fully_shard``-ed over several ranks."""
     step_choice: str | None = None
     """The candidate the step's plan chose for this graph (``lynx_compile.step_record``): a
     compile with it set applies that candidate as is."""
@@ -74,6 +77,7 @@ class GraphRecord:
         data["plan"] = RecomputePlan.from_dict(data["plan"]) if data.get("plan") else None
         data["step"] = GraphChoices.from_dict(data["step"]) if data.get("step") else None
         data["saved_names"] = tuple(data.get("saved_names", ()))
+        data["fsdp"] = tuple(data["fsdp"]) if data.get("fsdp") else None
         seg = data.get("segment_costs")
         if isinstance(seg, dict) and isinstance(seg.get("blocks"), dict):  # JSON made the block indices text
             data["segment_costs"] = {**seg, "blocks": {int(k): v for k, v in seg["blocks"].items()}}

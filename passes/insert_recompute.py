@@ -4,7 +4,9 @@ Reads ``meta.DECISION`` (``Window(collective)``, set by ``apply_decisions_pass``
 nodes and copied onto their backward copies) and ``meta.RECOMPUTED``. torch's partitioner
 already put every recompute on demand, right before its first use; this pass moves the ones the
 plan assigned to a window right after that collective (found by name in the backward) is
-issued, so they run while it is in flight::
+issued, so they run while it is in flight (FSDP2's window, ``distributed/fsdp.py``, has no
+collective in the graph: it is in flight as the backward starts, so its recompute goes right
+after the backward's inputs)::
 
     before:  ar = all_reduce(g) ... x_recomputed = gelu(h) ... wait_tensor(ar) ... use(x_recomputed)
     after:   ar = all_reduce(g); x_recomputed = gelu(h) ... wait_tensor(ar) ... use(x_recomputed)
@@ -24,6 +26,7 @@ import torch.fx as fx
 
 from lynx_compile.costs import is_collective_node
 from lynx_compile.decisions import Window
+from lynx_compile.distributed.fsdp import WINDOW as FSDP_WINDOW
 
 from . import meta
 from .context import PassContext
@@ -58,11 +61,18 @@ def insert_recompute_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
         decision = n.meta.get(meta.DECISION)
         if n.meta.get(meta.RECOMPUTED) and isinstance(decision, Window):
             by_window.setdefault(decision.collective, []).append(n)
+    fsdp = by_window.pop(FSDP_WINDOW, [])
+    if fsdp:  # FSDP2's prefetch is in flight as the backward starts: right after its inputs
+        anchor = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+        fsdp = _with_recomputed_inputs(fsdp, anchor, gm)
+        for node in fsdp:
+            anchor.append(node)
+            anchor = node
     stray = sorted(w for w in by_window if w not in collectives)
     if stray:
         raise RuntimeError(f"plan places recompute in the windows of {stray}, collectives this backward "
                            f"does not have ({sorted(collectives)}); the plan is stale for this graph")
-    moved = 0
+    moved = len(fsdp)
     for name, coll in collectives.items():  # graph order
         group = _with_recomputed_inputs(by_window.get(name, []), coll, gm)
         anchor = coll

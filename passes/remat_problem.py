@@ -132,7 +132,8 @@ def extract_remat_problem(joint: fx.GraphModule, fw_ref: fx.GraphModule, bw_ref:
     problem = RematProblem(
         units=tuple(units), num_fw_events=len(fw_nodes), num_bw_events=len(bw_nodes),
         fw_base=fw_base, bw_base=bw_base,
-        windows=_windows(bw_nodes, joint_by_name) if ctx.config.windows else (),
+        windows=_windows(bw_nodes, joint_by_name, ctx.record.decisions.get("fsdp_window_s", 0.0))
+        if ctx.config.windows else (),
         block_groups=_block_groups(ctx.record.block_hashes), reference_peak=ctx.record.reference_peak_bytes or 0,
         graph_hash=structural_hash(list(joint.graph.nodes)))
     return problem, UnitIndex(nodes=tuple(tuple(members[op]) for op in kept))
@@ -262,9 +263,17 @@ def _base(timeline: list[tuple[str, int]], intervals: list[tuple[int, int, int]]
     return tuple(out)
 
 
-def _windows(bw_nodes: list[fx.Node], joint_by_name: dict) -> tuple[Window, ...]:
+def _windows(bw_nodes: list[fx.Node], joint_by_name: dict, fsdp_s: float = 0.0) -> tuple[Window, ...]:
+    """The backward's collectives, issue to wait; with ``fsdp_s`` > 0 first FSDP2's window at
+    the backward's start (``distributed/fsdp.py``: the collectives outside the graph that
+    outlast its compute by ``fsdp_s``)."""
     pos = {n: i for i, n in enumerate(bw_nodes)}
     windows = []
+    if fsdp_s > 0:
+        from lynx_compile.distributed.fsdp import WINDOW
+
+        start = next((i for i, n in enumerate(bw_nodes) if n.op != "placeholder"), 0)
+        windows.append(Window(id=0, start=start, end=start, duration_s=fsdp_s, kind="fsdp", name=WINDOW))
     for n in bw_nodes:
         if not is_collective_node(n):
             continue

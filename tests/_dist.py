@@ -36,6 +36,10 @@ PRELOAD = ("torch._dynamo", "torch._inductor.compile_fx", "lynx_compile", "lynx_
 """What the fork server imports (besides torch, which this module imports) before it forks any
 child: nearly all of what a child imports (dynamo and Inductor alone take seconds)."""
 
+BACKEND_ENV = "LYNX_TESTS_DIST_BACKEND"
+"""The process group backend of the children (default gloo; ``lynx_emulated`` for lynx's emulated
+link, configured by ``LYNX_EMULATED_LINK`` in the same environment)."""
+
 _SERVER_FLAG = "LYNX_TESTS_DIST_FORKSERVER"
 """Set only in the fork server's environment: this module, imported there, then imports PRELOAD."""
 
@@ -106,8 +110,11 @@ def _child(payload: bytes, parent: tuple, rank: int, world_size: int, port: int,
         if sys.platform.startswith("linux"):
             # Keep gloo on loopback: the hostname may resolve to an address that is not.
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        backend = os.environ.get(BACKEND_ENV, "gloo")
+        if backend != "gloo":  # lynx's emulated link (registered when its module is imported)
+            import lynx_compile.distributed.emulated_link  # noqa: F401
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
         # Pickle here, not in the queue's feeder thread, so an unpicklable result is reported
