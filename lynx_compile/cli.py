@@ -202,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (stages)")
     s.add_argument("--microbatch", type=int, default=1, help="sequences per micro-batch")
     s.add_argument("--global-batch", type=int, default=128, help="sequences per iteration")
+    s.add_argument("--fsdp", action="store_true",
+                   help="shard parameters, gradients and optimizer state over the data-parallel replicas "
+                        "(FSDP2 / ZeRO-3): per-layer all-gathers and reduce-scatters, in whose time recompute hides")
     s.add_argument("--strategy", default="all", choices=["all", *STRATEGIES],
                    help="the recompute strategy to simulate, or all of them")
     s.add_argument("--trace", default=None, metavar="PATH", help="Chrome trace JSON of the (last) strategy")
@@ -250,7 +253,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise ValueError(f"--tp x --pp = {devices} must divide the {cluster.devices} devices of "
                          f"{cluster.name}; choose --tp and --pp whose product divides {cluster.devices}")
     layout = Layout(tp=args.tp, pp=args.pp, dp=cluster.devices // devices, microbatch=args.microbatch,
-                    global_batch=args.global_batch)
+                    global_batch=args.global_batch, fsdp=args.fsdp)
     from lynx_compile.sim.profile import profile_layer
 
     _say(f"profiling {args.model} (tp={args.tp}, micro-batch {args.microbatch}) on {cluster.hardware} ...")
@@ -258,19 +261,27 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     logging.getLogger("lynx_compile").setLevel(logging.ERROR)  # the torch policy's budget notes
     profile = profile_layer(args.model, hardware=cluster.hardware, link=cluster.intra_link, tp=args.tp,
                             microbatch=args.microbatch)
-    print(f"{args.model} on {cluster.name}: tp={layout.tp} pp={layout.pp} dp={layout.dp}, micro-batch "
+    print(f"{args.model} on {cluster.name}: tp={layout.tp} pp={layout.pp} dp={layout.dp}"
+          f"{' (FSDP)' if layout.fsdp else ''}, micro-batch "
           f"{layout.microbatch} x {layout.num_microbatches}, simulated ({cluster.hardware} roofline, "
           f"{cluster.intra_link}; profile {profile.profile_s:.1f} s)\n")
-    print("| strategy | iteration s | tokens/s | MFU | peak GiB per stage | fits | layers per stage | decision |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| strategy | iteration s | tokens/s | MFU | peak GiB per stage | fits | layers per stage | decision "
+          "| recompute s | hidden H |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     outcomes, result = [], None
+    none_s = evaluate(profile, "none", cluster, layout).iteration_s
     for strategy in strategies:
         out, result = evaluate(profile, strategy, cluster, layout, result=True)
-        outcomes.append(out.to_dict())
+        recompute_s = sum(e.end_s - e.start_s for e in result.events if e.kind == "R") / max(1, len(out.peak_bytes))
+        hidden = hidden_fraction(out.iteration_s, none_s, recompute_s)
+        outcomes.append({**out.to_dict(), "recompute_s": recompute_s, "hidden": hidden})
         peaks = "/".join(f"{b / 2**30:.1f}" for b in out.peak_bytes)
         fits = "yes" if out.fits else f"OOM (needs {out.need_bytes / 2**30:.1f} GiB of {cluster.memory_bytes / 2**30:.0f})"
         print(f"| {strategy} | {out.iteration_s:.3f} | {out.tokens_per_s:.0f} | {out.mfu:.3f} | {peaks} | {fits} | "
-              f"{'/'.join(map(str, out.layers_per_stage))} | {'; '.join(out.choices)} |")
+              f"{'/'.join(map(str, out.layers_per_stage))} | {'; '.join(out.choices)} | {recompute_s:.3f} | "
+              f"{'-' if hidden is None else f'{hidden:.2f}'} |")
+    print("\nrecompute s: per rank (on demand and in windows, kappa included); hidden H = 1 - (iteration - "
+          "none's iteration) / recompute s: the share of the recompute the step does not pay for")
     if args.trace:
         from lynx_compile.sim.timeline import to_chrome_trace
 
@@ -283,6 +294,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump({"profile": profile.to_dict(), "layout": dataclasses.asdict(layout), "outcomes": outcomes}, f, indent=1)
     return 0
+
+
+def hidden_fraction(iteration_s: float, none_s: float, recompute_s: float) -> float | None:
+    """Share of ``recompute_s`` (per rank) the iteration does not pay for against no recompute
+    (``none_s``), clipped to [0, 1]; None when nothing is recomputed."""
+    if recompute_s <= 0:
+        return None
+    return min(1.0, max(0.0, 1.0 - (iteration_s - none_s) / recompute_s))
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -291,3 +291,15 @@ def test_rank_orders_cover_every_action_once():
         actions = sorted(a for order in rank_orders(step) for a in order)
         expect = sorted((k, s, j) for k in "FB" for s in range(len(step.stages)) for j in range(4))
         assert actions == expect
+
+
+def test_fsdp_communication_hides_recompute_up_to_its_length():
+    """One stage, one layer, one micro-batch (ms): F = 1 beside a 1.5 all-gather ends at 1.5;
+    B = 2 with R = 0.5 on demand beside 3 of all-gather + reduce-scatter ends 3 later: the
+    recompute is hidden. With R = 1.5 the compute (3.5) outlasts the communication."""
+    for r, end in ((0.5, 1.5 + 3.0), (1.5, 1.5 + 3.5)):
+        res = simulate_step(StepSim(stages=(stage(1.0, 2.0, R=r, fsdp_forward_comm_s=1.5, fsdp_backward_comm_s=3.0),),
+                                    num_microbatches=1))
+        assert res.iteration_s == pytest.approx(end)
+        fsdp = [e for e in res.events if e.kind == "FSDP"]
+        assert [(e.lane, e.start_s, e.end_s) for e in fsdp] == [("fsdp", 0.0, 1.5), ("fsdp", 1.5, 4.5)]

@@ -16,9 +16,18 @@ Strategies (``STRATEGIES``):
   with uniform cuts.
 
 Memory per device: parameters in bf16 with fp32 master weights and Adam (16 B per parameter,
-no ZeRO), in-flight micro-batches x kept activations, the backward's recomputed bytes, and on the
+no ZeRO; with ``Layout.fsdp`` all of it sharded over the data-parallel replicas, plus two
+layers' gathered bf16 parameters), in-flight micro-batches x kept activations, the backward's recomputed bytes, and on the
 last stage the logits in fp32 for the loss (b x s x V x 4 B, transient). Time: the profile's
 analytic per-layer costs; recompute inside a window runs ``kappa`` times slower.
+
+FSDP (``Layout.fsdp``, torchtitan's ``dp_shard``, ZeRO-3): every layer's parameters are
+all-gathered over the data-parallel replicas before its forward and again before its backward
+(prefetched one layer ahead), its gradients reduce-scattered in fp32 after its backward; no
+all-reduce at the end. A layer's backward overlaps the next layer's all-gather and the previous
+layer's reduce-scatter (``LayerSim.fsdp_backward_comm_s``), so recompute up to what they take
+beyond the backward's compute is hidden, for every strategy alike; the lynx planners count
+that slack when they choose (``_exposed``), the others do not.
 """
 from __future__ import annotations
 
@@ -71,6 +80,8 @@ class Layout:
     global_batch: int
     """Sequences per iteration over all data-parallel replicas."""
     schedule: str = "1F1B"
+    fsdp: bool = False
+    """Shard parameters, gradients and optimizer state over the ``dp`` replicas (FSDP2 / ZeRO-3)."""
 
     @property
     def num_microbatches(self) -> int:
@@ -108,18 +119,19 @@ def evaluate(profile: LayerProfile, strategy: str, cluster: Cluster, layout: Lay
                          f"of {layout.microbatch} on {layout.dp} replicas")
     cuts = _cuts(profile, strategy, cluster, layout)
     stages, choices = [], []
+    dp_link = LINKS[cluster.inter_link if cluster.devices > cluster.devices_per_node and layout.dp > 1
+                    else cluster.intra_link]
+    fsdp = fsdp_comm_s(profile, layout, dp_link)
     for i, n in enumerate(cuts):
-        layers, label = _stage_layers(profile, strategy, cluster, layout, i, n)
+        layers, label = _stage_layers(profile, strategy, cluster, layout, i, n, fsdp)
         stages.append(StageSim(layers=tuple(layers), static_bytes=_static(profile, layout, i, n),
                                send_bytes=layout.microbatch * profile.seq_len * profile.hidden * 2))
         choices.append(label)
     p2p = LINKS[cluster.inter_link if layout.tp * layout.pp > cluster.devices_per_node else cluster.intra_link]
-    dp_link = LINKS[cluster.inter_link if cluster.devices > cluster.devices_per_node and layout.dp > 1
-                    else cluster.intra_link]
     grad_bytes = max(_param_bytes(profile, layout, i, n) for i, n in enumerate(cuts))
     step = StepSim(stages=tuple(stages), num_microbatches=layout.num_microbatches, schedule=layout.schedule,
                    p2p_latency_s=p2p.alpha_s, p2p_bytes_per_s=p2p.bandwidth_bytes_per_s,
-                   dp_allreduce_s=collective_time("all_reduce", grad_bytes, layout.dp, dp_link),
+                   dp_allreduce_s=0.0 if layout.fsdp else collective_time("all_reduce", grad_bytes, layout.dp, dp_link),
                    overlap_slowdown=cluster.kappa, device_memory_bytes=cluster.memory_bytes)
     res = simulate_step(step)
     tokens = layout.global_batch * profile.seq_len
@@ -182,12 +194,28 @@ def _candidates(profile: LayerProfile, strategy: str) -> tuple[LayerPoint, ...]:
     return tuple(sorted(pts, key=lambda q: q.kept_bytes))
 
 
-def _exposed(point: LayerPoint, profile: LayerProfile, cluster: Cluster) -> float:
+def fsdp_comm_s(profile: LayerProfile, layout: Layout, link) -> tuple[float, float]:
+    """(forward, backward) FSDP communication in flight per layer: the all-gather of a layer's
+    bf16 parameters; in the backward that plus the reduce-scatter of its gradients in fp32.
+    (0, 0) without ``layout.fsdp`` or with one replica."""
+    if not layout.fsdp or layout.dp <= 1:
+        return 0.0, 0.0
+    gather = collective_time("all_gather", profile.layer_param_bytes, layout.dp, link)
+    return gather, gather + collective_time("reduce_scatter", 2 * profile.layer_param_bytes, layout.dp, link)
+
+
+def _exposed(point: LayerPoint, profile: LayerProfile, cluster: Cluster, fsdp_slack_s: float = 0.0) -> float:
     over = sum(max(0.0, cluster.kappa * r - c) for r, c in zip(point.window_s, profile.comm_s))
-    return point.demand_s + over
+    return max(0.0, point.demand_s + over - fsdp_slack_s)
 
 
-def _stage_layers(profile, strategy, cluster, layout, i, n) -> tuple[list[LayerSim], str]:
+def fsdp_slack_s(profile: LayerProfile, fsdp: tuple[float, float]) -> float:
+    """What a layer's FSDP backward communication takes beyond its backward (compute and TP
+    collectives): recompute that fits there is hidden."""
+    return max(0.0, fsdp[1] - profile.backward_s - sum(profile.comm_s))
+
+
+def _stage_layers(profile, strategy, cluster, layout, i, n, fsdp=(0.0, 0.0)) -> tuple[list[LayerSim], str]:
     from lynx_compile.pipeline.placement import in_flight
 
     k = in_flight(layout.schedule, layout.pp, layout.num_microbatches, i)
@@ -201,9 +229,10 @@ def _stage_layers(profile, strategy, cluster, layout, i, n) -> tuple[list[LayerS
     else:
         cands = _candidates(profile, strategy)
         fitting = [q for q in cands if _fits([q] * n, k, room)]
-        best = min(fitting, key=lambda q: _exposed(q, profile, cluster)) if fitting else cands[0]
+        slack = fsdp_slack_s(profile, fsdp) if strategy.startswith("lynx") else 0.0
+        best = min(fitting, key=lambda q: _exposed(q, profile, cluster, slack)) if fitting else cands[0]
         points = [best] * n
-    layers = [_layer(profile, q) for q in points]
+    layers = [_layer(profile, q, fsdp) for q in points]
     if i == 0:
         layers.insert(0, LayerSim(forward_s=profile.pre_s[0], backward_s=profile.pre_s[1],
                                   kept_bytes=profile.pre_bytes, name="embed"))
@@ -219,11 +248,12 @@ def _fits(points: list[LayerPoint], in_flight: int, room: int) -> bool:
     return in_flight * kept + max((q.transient_bytes for q in points), default=0) <= room
 
 
-def _layer(profile: LayerProfile, q: LayerPoint) -> LayerSim:
+def _layer(profile: LayerProfile, q: LayerPoint, fsdp: tuple[float, float] = (0.0, 0.0)) -> LayerSim:
     return LayerSim(forward_s=profile.forward_s, backward_s=profile.backward_s, tp_forward_comm_s=profile.comm_s,
                     tp_backward_comm_s=profile.comm_s, recompute_on_demand_s=q.demand_s,
                     recompute_in_window_s=tuple(q.window_s) if q.window_s else (), kept_bytes=q.kept_bytes,
-                    backward_transient_bytes=q.transient_bytes, name=q.label)
+                    backward_transient_bytes=q.transient_bytes, fsdp_forward_comm_s=fsdp[0],
+                    fsdp_backward_comm_s=fsdp[1], name=q.label)
 
 
 def _param_bytes(profile: LayerProfile, layout: Layout, i: int, n: int) -> int:
@@ -232,6 +262,8 @@ def _param_bytes(profile: LayerProfile, layout: Layout, i: int, n: int) -> int:
 
 
 def _static(profile: LayerProfile, layout: Layout, i: int, n: int) -> int:
+    if layout.fsdp:  # sharded dp ways; the layer running and the one prefetched are gathered
+        return _param_bytes(profile, layout, i, n) * STATE_BYTES_PER_PARAM_BYTE // layout.dp + 2 * profile.layer_param_bytes
     return _param_bytes(profile, layout, i, n) * STATE_BYTES_PER_PARAM_BYTE
 
 

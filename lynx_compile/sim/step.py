@@ -14,6 +14,12 @@ a time. ``F`` of stage s waits for stage s-1's ``F`` plus the send; ``B`` waits 
 ``B`` plus the send (the last stage's ``B`` follows its own ``F``). With ``recompute_in_wait``
 the stage's on-demand recompute runs as its own ``R`` action as soon as the rank is free.
 
+With FSDP (ZeRO-3) each layer also has communication on a stream of its own
+(``fsdp_forward_comm_s``, ``fsdp_backward_comm_s``: the parameter all-gather prefetch and the
+gradient reduce-scatter): the layer ends when its compute and that communication both end, so
+recompute (on demand or in a window) that fits in what the communication takes beyond the
+compute is hidden.
+
 Memory: a rank holds its stages' ``static_bytes``; each micro-batch holds its stage's
 ``kept_bytes`` from the start of its ``F`` to the end of its ``B``; each layer holds
 ``backward_transient_bytes`` during its backward (with ``recompute_in_wait``, from the early
@@ -29,7 +35,7 @@ from typing import Any, Literal
 from .pipeline import schedule_order
 
 SCHEDULES = frozenset({"1F1B", "GPipe", "Interleaved1F1B"})
-Lane = Literal["compute", "comm", "p2p"]
+Lane = Literal["compute", "comm", "p2p", "fsdp"]
 
 
 def _nonneg(owner: str, **values: float) -> None:
@@ -58,6 +64,13 @@ class LayerSim:
     """Activations kept per micro-batch from the forward until the backward."""
     backward_transient_bytes: int = 0
     """Extra bytes live only during this layer's backward."""
+    fsdp_forward_comm_s: float = 0.0
+    """FSDP: the all-gather of the next layer's parameters, in flight on its own stream while
+    this layer's forward computes (the forward's prefetch); the layer ends when both end."""
+    fsdp_backward_comm_s: float = 0.0
+    """FSDP: the all-gather of the next layer to run backward plus the reduce-scatter of the
+    previous one's gradients, in flight while this layer's backward (and its recompute) runs;
+    the layer ends when both end, so recompute up to the difference is hidden."""
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -66,6 +79,7 @@ class LayerSim:
         owner = f"LayerSim {self.name!r}"
         _nonneg(owner, forward_s=self.forward_s, backward_s=self.backward_s,
                 recompute_on_demand_s=self.recompute_on_demand_s, kept_bytes=self.kept_bytes,
+                fsdp_forward_comm_s=self.fsdp_forward_comm_s, fsdp_backward_comm_s=self.fsdp_backward_comm_s,
                 backward_transient_bytes=self.backward_transient_bytes,
                 **{f"{f}[{i}]": v for f in ("tp_forward_comm_s", "tp_backward_comm_s", "recompute_in_window_s")
                    for i, v in enumerate(getattr(self, f))})
@@ -181,7 +195,7 @@ class Event:
 
     rank: int
     lane: Lane
-    kind: Literal["F", "B", "R", "TP", "P2P", "DP"]
+    kind: Literal["F", "B", "R", "TP", "P2P", "DP", "FSDP"]
     stage: int
     microbatch: int
     start_s: float
@@ -282,6 +296,7 @@ class _Timeline:
         (forward_s split evenly; Megatron: attention | all-reduce | MLP | all-reduce)."""
         r = self.step.rank_of(s)
         for i, layer in enumerate(self.step.stages[s].layers):
+            start = t
             comms = layer.tp_forward_comm_s
             seg = layer.forward_s / max(1, len(comms))
             if not comms:
@@ -289,6 +304,7 @@ class _Timeline:
             for c in comms:
                 t = self.emit(r, "compute", "F", s, j, t, seg, i)
                 t = self.emit(r, "comm", "TP", s, j, t, c, i)
+            t = max(t, self.emit(r, "fsdp", "FSDP", s, j, start, layer.fsdp_forward_comm_s, i))
         return t
 
     def backward(self, s: int, j: int, t: float, early_r: float | None) -> float:
@@ -298,6 +314,7 @@ class _Timeline:
         layers = self.step.stages[s].layers
         for i in reversed(range(len(layers))):
             layer, start = layers[i], t
+            fsdp_end = self.emit(r, "fsdp", "FSDP", s, j, t, layer.fsdp_backward_comm_s, i)
             if early_r is None:
                 t = self.emit(r, "compute", "R", s, j, t, layer.recompute_on_demand_s, i)
             elif layer.recompute_on_demand_s > 0:
@@ -312,6 +329,7 @@ class _Timeline:
                 self.emit(r, "comm", "TP", s, j, t, c, i)
                 self.emit(r, "compute", "R", s, j, t, rw, i)
                 t += max(c, rw)  # the window closes when both the collective and its recompute end
+            t = max(t, fsdp_end)  # the next layer's parameters: FSDP's prefetch must have landed
             self.held[r].append((start, t, layer.backward_transient_bytes))
         return t
 
