@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import json
 import os
@@ -220,8 +221,6 @@ def update_from_config(config: Any, parallelism: Any, training: Any, debug: Any)
     torchtitan's own checks (TP divides the heads) and TP sharding configs (llama3:
     ``set_llama3_sharding_config``), then its trainer-only part (``decoder.py:166-181``): RoPE
     caches sized to ``training.seq_len``, the MoE router's debug flag."""
-    import dataclasses
-
     with _trainer_module():
         config.update_from_config(config=types.SimpleNamespace(parallelism=parallelism, training=training,
                                                                debug=debug))
@@ -247,49 +246,53 @@ def _sum_reductions_for_gloo(model: torch.nn.Module) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
-def train(args: argparse.Namespace) -> dict[str, Any]:
-    """Run ``args.steps`` training steps; returns (on every rank) the per-step losses, as the
-    trainer logs them (summed over the loss mesh), and gradient norms."""
-    import spmd_types as spmd
-    from torchtitan.components.loss import IGNORE_INDEX, CrossEntropyLoss
+@dataclasses.dataclass
+class Run:
+    """What ``Trainer.__init__`` builds and ``train_step`` uses."""
+
+    dims: Any  # ParallelDims
+    model: torch.nn.Module
+    loss_fn: Any
+    optimizers: Any
+    schedulers: Any
+    training: Any  # TrainingConfig
+    train_context: Any
+    gc_handler: Any
+
+
+def build_run(args: argparse.Namespace, device: torch.device, world: int) -> Run:
+    """``Trainer.__init__``'s order: parallel dims, GC, determinism, model config and meta
+    model, loss (compiled by torchtitan), ``parallelize_fn``, weights, optimizer, LR schedule."""
+    from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
     from torchtitan.config import DebugConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
-    from torchtitan.distributed.spmd_types import annotate_input_spmd_types
     from torchtitan.tools import utils as tt_utils
 
-    device, rank, world = init_distributed(args.timeout)
     parallelism = ParallelismConfig(data_parallel_shard_degree=args.dp_shard,
                                     tensor_parallel_degree=args.tp, spmd_backend=args.spmd_backend)
     if args.dp_shard * args.tp != world:
         raise SystemExit(f"--dp-shard {args.dp_shard} x --tp {args.tp} != {world} processes; launch with "
                          f"`torchrun --nproc-per-node {args.dp_shard * args.tp} -m lynx_compile.torchtitan_train ...`")
     dims = ParallelDims.from_config(parallelism, world)
-    # the trainer's: automatic GC off, a collection every gc_freq steps (also what keeps the
-    # memory of the step lynx records the same from run to run: docs/torchtitan.md)
-    gc_handler = tt_utils.GarbageCollection(gc_freq=TrainingConfig().gc_freq)
-    dist_utils.set_spmd_backend(args.spmd_backend)
-    dist_utils.set_determinism(dims, device, DebugConfig(seed=args.seed), distinct_seed_mesh_dims=["pp"])
-    batch_rank, batch_degree = 0, 1
-    if dims.dp_enabled:
-        batch_mesh = dims.get_mesh("batch")
-        batch_degree, batch_rank = batch_mesh.size(), batch_mesh.get_local_rank()
-    train_context = dist_utils.get_spmd_context(parallel_dims=dims, spmd_typechecking=False)
-
-    spec = model_spec(args.model)
-    config = model_config(args.model, layers=args.layers)
     training = TrainingConfig(local_batch_size=args.batch_size, seq_len=args.seq, steps=args.steps,
                               mixed_precision_param=args.mixed_precision_param)
+    gc_handler = tt_utils.GarbageCollection(gc_freq=training.gc_freq)  # automatic GC off, as the trainer
+    dist_utils.set_spmd_backend(args.spmd_backend)
     debug = DebugConfig(seed=args.seed)
+    dist_utils.set_determinism(dims, device, debug, distinct_seed_mesh_dims=["pp"])
+
+    config = model_config(args.model, layers=args.layers)
     update_from_config(config, parallelism, training, debug)
     with torch.device("meta"):
         model = config.build()
     compile_cfg = compile_config(args.compile_backend)
     loss_fn = CrossEntropyLoss.Config(global_vocab_size=VOCAB).build(compile_config=compile_cfg)
     with tempfile.TemporaryDirectory() as dump_folder:
-        model = spec.parallelize_fn(model, parallel_dims=dims, training=training, parallelism=parallelism,
-                                    compile_config=compile_cfg, ac_config=None, dump_folder=dump_folder)
+        model = model_spec(args.model).parallelize_fn(
+            model, parallel_dims=dims, training=training, parallelism=parallelism, compile_config=compile_cfg,
+            ac_config=None, dump_folder=dump_folder)
     if device.type == "cpu":
         _sum_reductions_for_gloo(model)
     model = materialize(model, device)
@@ -297,37 +300,62 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     schedulers = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear",
                                               min_lr_factor=0.0).build(optimizers=optimizers,
                                                                        training_steps=args.steps)
+    train_context = dist_utils.get_spmd_context(parallel_dims=dims, spmd_typechecking=False)
+    return Run(dims, model, loss_fn, optimizers, schedulers, training, train_context, gc_handler)
 
+
+def train_step(run: Run, step: int, tokens: torch.Tensor, labels: torch.Tensor, spmd_backend: str) -> tuple[float, float]:
+    """``Trainer.train_step`` for one micro-batch (no gradient accumulation, no PP): the loss as
+    the trainer logs it (summed over the loss mesh) and the gradient norm before clipping."""
+    import spmd_types as spmd
+    from torchtitan.components.loss import IGNORE_INDEX
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.spmd_types import annotate_input_spmd_types
+
+    dims = run.dims
+    run.gc_handler.run(step)
+    run.optimizers.zero_grad(set_to_none=True)
+    local_valid_tokens = (labels != IGNORE_INDEX).sum()
+    global_valid_tokens = (dist_utils.dist_sum_tensor(local_valid_tokens, dims.get_mesh("batch"))
+                           if dims.dp_enabled else local_valid_tokens)
+    inputs, targets, extra = tokens, labels, {}
+    if spmd_backend == "spmd_types":
+        inputs, targets, extra = annotate_input_spmd_types(dims, inputs, targets, extra)
+    with run.train_context():
+        pred = run.model(inputs, **extra)
+        loss, _ = run.loss_fn(pred, targets, global_valid_tokens)
+        del pred
+        with spmd.no_typecheck():
+            loss.backward()
+    grad_norm = dist_utils.clip_grad_norm_(list(run.model.parameters()), run.training.max_norm, foreach=True,
+                                           pp_mesh=None, ep_enabled=dims.ep_enabled)
+    run.optimizers.step()
+    run.schedulers.step()
+    loss = loss.detach()
+    global_loss = (dist_utils.dist_sum(loss, dims.get_optional_mesh("loss")) if dims.dp_cp_enabled
+                   else float(loss.item()))
+    return global_loss, float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    """Run ``args.steps`` training steps on one fixed batch (each data-parallel rank its rows);
+    returns (on every rank) the per-step losses and gradient norms."""
+    device, rank, world = init_distributed(args.timeout)
+    run = build_run(args, device, world)
+    batch_rank, batch_degree = 0, 1
+    if run.dims.dp_enabled:
+        batch_mesh = run.dims.get_mesh("batch")
+        batch_degree, batch_rank = batch_mesh.size(), batch_mesh.get_local_rank()
     tokens, labels = batch(args.batch_size * batch_degree, args.seq, seed=args.seed + 1)
     rows = slice(batch_rank * args.batch_size, (batch_rank + 1) * args.batch_size)
     tokens, labels = tokens[rows].to(device), labels[rows].to(device)  # (local batch, seq) each
     losses, grad_norms = [], []
     for step in range(1, args.steps + 1):
-        gc_handler.run(step)
-        optimizers.zero_grad(set_to_none=True)
-        local_valid_tokens = (labels != IGNORE_INDEX).sum()
-        global_valid_tokens = (dist_utils.dist_sum_tensor(local_valid_tokens, dims.get_mesh("batch"))
-                               if dims.dp_enabled else local_valid_tokens)
-        inputs, targets, extra = tokens, labels, {}
-        if args.spmd_backend == "spmd_types":
-            inputs, targets, extra = annotate_input_spmd_types(dims, inputs, targets, extra)
-        with train_context():
-            pred = model(inputs, **extra)
-            loss, _ = loss_fn(pred, targets, global_valid_tokens)
-            del pred
-            with spmd.no_typecheck():
-                loss.backward()
-        grad_norm = dist_utils.clip_grad_norm_(list(model.parameters()), training.max_norm, foreach=True,
-                                               pp_mesh=None, ep_enabled=dims.ep_enabled)
-        optimizers.step()
-        schedulers.step()
-        loss = loss.detach()
-        global_loss = (dist_utils.dist_sum(loss, dims.get_optional_mesh("loss")) if dims.dp_cp_enabled
-                       else float(loss.item()))
-        losses.append(global_loss)
-        grad_norms.append(float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm))
+        loss, grad_norm = train_step(run, step, tokens, labels, args.spmd_backend)
+        losses.append(loss)
+        grad_norms.append(grad_norm)
         if rank == 0:
-            print(f"step {step:2d}  loss {global_loss!r}  grad_norm {grad_norms[-1]!r}", flush=True)
+            print(f"step {step:2d}  loss {loss!r}  grad_norm {grad_norm!r}", flush=True)
     return {"losses": losses, "grad_norms": grad_norms, "rank": rank, "world_size": world,
             "device": str(device), "backend": args.compile_backend}
 
@@ -345,6 +373,21 @@ def lynx_summary() -> dict[str, Any]:
               "step_peak_bytes": p.step_peak_bytes, "step_reference_bytes": p.step_reference_bytes}
              for p in bound.plans]
     return {"options": options, "graphs": len(bound.records), "plans": plans}
+
+
+def _options_problem(backend: str) -> str | None:
+    """``$LYNX_OPTIONS`` checked before anything is built: a bad value, or a value that no
+    backend would read (it configures only ``lynx``)."""
+    from lynx_compile.config import OPTIONS_ENV, options_from_env
+
+    try:
+        options = options_from_env()
+    except ValueError as e:
+        return str(e)
+    if options is not None and backend != "lynx":
+        return (f"{OPTIONS_ENV} is set but --compile-backend is {backend!r}: it configures only the lynx "
+                f"backend; unset {OPTIONS_ENV} or use --compile-backend lynx")
+    return None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -375,7 +418,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if (why := available()) is not None:
+    if (why := available() or _options_problem(args.compile_backend)) is not None:
         print(f"lynx_compile.torchtitan_train: {why}", file=sys.stderr)
         return 2
     result = train(args)

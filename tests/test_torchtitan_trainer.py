@@ -115,3 +115,16 @@ def test_lynx_at_a_budget_is_within_inductors_tolerance(runs):
               f"(inductor vs eager x {ERR_MULTIPLE}); lynx {budget[key]}, inductor {r['inductor'][key]}, "
               f"eager {r['eager'][key]}")
         assert worst <= tol, (key, budget[key], r["inductor"][key], r["eager"][key])
+
+
+@pytest.mark.parametrize("value, backend, says", [
+    ('{"memory_budjet": 0.9}', "lynx", "unknown lynx option(s) ['memory_budjet']"),
+    ('{"memory_budget": 0.9}', "inductor", "LYNX_OPTIONS is set but --compile-backend is 'inductor'"),
+])
+def test_launcher_refuses_bad_options_before_building(monkeypatch, capsys, value, backend, says):
+    from lynx_compile.torchtitan_train import main
+
+    monkeypatch.setenv("LYNX_OPTIONS", value)
+    assert main(["--compile-backend", backend]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and "\n" not in err
