@@ -202,10 +202,11 @@ def _trainer_module():
     instance of stands in for the block, so torchtitan takes its path for non-trainer callers."""
     try:
         importlib.import_module("torchtitan.trainer")
-        yield
-        return
     except ImportError:
         pass
+    else:
+        yield
+        return
     placeholder = types.ModuleType("torchtitan.trainer")
     placeholder.Trainer = type("Trainer", (), {"Config": type("Config", (), {})})
     sys.modules["torchtitan.trainer"] = placeholder
