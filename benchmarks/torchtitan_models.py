@@ -30,61 +30,11 @@ them with ``--no-deps`` so pip never resolves torch.
 """
 from __future__ import annotations
 
-import importlib
 from typing import Any, Callable
 
-MODELS = {"tt-llama3": "llama3", "tt-qwen3": "qwen3", "tt-deepseek": "deepseek_v3"}
-VOCAB = 2048  # every debugmodel's vocabulary
-
-
-def available() -> str | None:
-    """None when torchtitan's models and apply_compile import, else why not (one line)."""
-    try:
-        import torchtitan.distributed.compile  # noqa: F401
-        for pkg in MODELS.values():
-            importlib.import_module(f"torchtitan.models.{pkg}")
-    except Exception as exc:  # noqa: BLE001 - any import failure is the reason to skip
-        return f"torchtitan cannot be imported ({type(exc).__name__}: {exc}); pip install -e '.[torchtitan]'"
-    return None
-
-
-def build(name: str, *, seed: int = 0, layers: int | None = None) -> Any:
-    """torchtitan's ``debugmodel`` of ``name`` (a key of MODELS), SDPA attention, float32, on
-    the CPU, initialized by torchtitan's ``init_weights`` under ``torch.manual_seed(seed)``.
-    ``layers``: keep only the registry's first ``layers`` blocks (a quicker compile)."""
-    import torch
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-
-    pkg = importlib.import_module(f"torchtitan.models.{MODELS[name]}")
-    config = pkg.model_registry("debugmodel").model
-    if layers is not None:
-        config.layers = config.layers[:layers]
-    for layer in config.layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    torch.manual_seed(seed)
-    with torch.device("meta"):
-        model = config.build()
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights(buffer_device=torch.device("cpu"))
-    return model.train()
-
-
-def batch(batch_size: int, seq: int, *, seed: int = 1) -> tuple[Any, Any]:
-    """Token ids and next-token labels, ``(batch_size, seq)`` each."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (batch_size, seq + 1), generator=gen)
-    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
-
-
-def compile_config(backend: Any) -> Any:
-    """torchtitan's ``CompileConfig`` with ``backend`` (a name or a backend object): model and
-    loss compiled (its default ``components``)."""
-    from torchtitan.config import CompileConfig
-
-    return CompileConfig(enable=True, backend=backend)
+# The model, its batch and torchtitan's CompileConfig are the launcher's
+# (``python -m lynx_compile.torchtitan_train``), shared so both build the same model.
+from lynx_compile.torchtitan_train import MODELS, VOCAB, available, batch, build, compile_config  # noqa: F401
 
 
 def loss(backend: Any = None) -> Callable[[Any, Any], Any]:

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from lynx_compile import _compat, autograd_cache
-from lynx_compile.config import LynxConfig, make_config
+from lynx_compile.config import OPTIONS_ENV, LynxConfig, make_config, options_from_env
 from lynx_compile.partition import lynx_partition
 from lynx_compile.passes import GraphRecord
 
@@ -365,7 +365,17 @@ def backend(**options: Any) -> LynxBackend:
 
 def lynx_backend(gm: fx.GraphModule, example_inputs: list, *, options: dict | None = None,
                  **kwargs: Any) -> Callable:
-    """Entry point registered as ``lynx`` in ``torch_dynamo_backends``."""
+    """Entry point registered as ``lynx`` in ``torch_dynamo_backends``. Without ``options=``
+    the options come from ``$LYNX_OPTIONS`` (``lynx_compile.config.options_from_env``: a JSON
+    object or the path of a JSON file), for launchers that take only the backend's name; both
+    given is a ``LynxOptionError`` (one source of options per compile)."""
     if kwargs.get("mode") not in (None, "default"):
         raise LynxOptionError(f"backend 'lynx' takes options=..., not mode={kwargs['mode']!r}")
-    return backend(**(options or {}))(gm, example_inputs)
+    try:
+        env_options = options_from_env()
+    except ValueError as e:
+        raise LynxOptionError(str(e)) from None
+    if options and env_options is not None:
+        raise LynxOptionError(f"backend 'lynx' got options={options!r} and {OPTIONS_ENV} is set too; "
+                              f"unset {OPTIONS_ENV} or drop options=")
+    return backend(**(options or env_options or {}))(gm, example_inputs)

@@ -389,3 +389,49 @@ def budget_argument(text: str) -> float | int:
         return parse_budget(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+# --- Options of the string backend "lynx" from the environment ---------------------------------
+
+OPTIONS_ENV = "LYNX_OPTIONS"
+"""The environment variable :func:`options_from_env` reads."""
+
+
+def options_from_env(environ: dict[str, str] | None = None) -> dict[str, Any] | None:
+    """lynx's options for ``torch.compile(..., backend="lynx")`` given without ``options=``, read
+    from ``$LYNX_OPTIONS`` (for launchers that pass the backend only by name, e.g. torchtitan's
+    ``--compile.backend lynx``). None when the variable is unset or blank.
+
+    ``LYNX_OPTIONS`` holds either a JSON object (its first non-blank character is ``{``):
+    ``LYNX_OPTIONS='{"memory_budget": 0.7, "solver": "heu"}'``, or the path of a file holding one:
+    ``LYNX_OPTIONS=lynx_options.json``. The keys are those of ``options=`` (:class:`LynxConfig`)
+    and are validated by :func:`make_config`. A missing file, text that is not a JSON object, or a
+    bad option raises ``ValueError`` naming ``LYNX_OPTIONS``. The backend refuses ``options=``
+    together with a set ``LYNX_OPTIONS`` (``lynx_compile.backend.lynx_backend``): one source of
+    options per compile; ``lynx_compile.backend(**options)`` never reads the variable."""
+    text = (os.environ if environ is None else environ).get(OPTIONS_ENV, "").strip()
+    if not text:
+        return None
+    where = f"{OPTIONS_ENV}={text!r}"
+    if not text.startswith("{"):
+        try:
+            with open(text) as f:
+                body = f.read()
+        except OSError as e:
+            raise ValueError(f"{where}: cannot read it as a file ({e.strerror}); set it to a JSON "
+                             f"object or to the path of a file holding one") from None
+        where = f"{OPTIONS_ENV} file {text!r}"
+        text = body
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where} is not JSON ({e}); write an object such as "
+                         f'{{"memory_budget": 0.7}}') from None
+    if not isinstance(options, dict):
+        raise ValueError(f"{where} is not a JSON object of lynx options; write an object such as "
+                         f'{{"memory_budget": 0.7}}')
+    try:
+        make_config(options)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return options

@@ -1,0 +1,149 @@
+"""torchtitan's training step under torchrun, 2 gloo ranks, compiled with ``lynx`` by name
+(issue N item 2): ``torchrun --nproc-per-node 2 -m lynx_compile.torchtitan_train`` on
+torchtitan 0.3.0's llama3 ``debugmodel`` (SDPA), parallelized by torchtitan's own
+``parallelize_llama``, FSDP2 (``--dp-shard 2``) and TP with sequence parallelism (``--tp 2``),
+each run with ``--compile-backend`` eager, inductor, lynx (no ``LYNX_OPTIONS``) and lynx with
+``LYNX_OPTIONS='{"memory_budget": ...}'``, 4 steps (the budget re-plans at step 3).
+
+Oracles, independent of lynx: ``--compile-backend inductor``'s losses and gradient norms (lynx
+with no budget is Inductor's own partition: equal bit for bit), and eager PyTorch's: how far
+Inductor is from eager bounds how far lynx at a budget may be from Inductor.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lynx_compile.torchtitan_train import available
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_MISSING = available()
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
+              pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))]
+
+PARALLEL = {"fsdp2": ["--dp-shard", "2"], "tp": ["--tp", "2"]}
+BUDGET = {"fsdp2": 0.9, "tp": 0.97}
+"""Reachable with a margin: the smallest budget lynx reaches here varies between identical runs
+(6 runs each: 0.614-0.812 for FSDP2, 0.817-0.941 for TP; one process: 0.857 every time): lynx's
+record of the step's memory outside the compiled blocks differs from run to run under gloo
+(docs/torchtitan.md)."""
+STEPS = 4
+ERR_MULTIPLE = 4.0  # lynx at a budget vs Inductor: within this multiple of Inductor's own error vs eager
+RUN_TIMEOUT_S = 420
+
+
+def _run(tmp_path, parallel: str, backend: str, options: dict | None = None) -> dict:
+    """The launcher under torchrun; rank 0's JSON (losses, grad norms, lynx's plans)."""
+    name = f"{parallel}-{backend}" + ("" if options is None else "-budget")
+    out = tmp_path / f"{name}.json"
+    env = {k: v for k, v in os.environ.items() if k != "LYNX_OPTIONS"}
+    env["OMP_NUM_THREADS"] = "1"
+    if options is not None:
+        env["LYNX_OPTIONS"] = json.dumps(options)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "lynx_compile.torchtitan_train", *PARALLEL[parallel], "--compile-backend", backend,
+           "--steps", str(STEPS), "--timeout", str(RUN_TIMEOUT_S), "--out", str(out)]
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{name}: torchrun ran past {RUN_TIMEOUT_S} s; output tail:\n{(e.stdout or '')[-3000:]}")
+    assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{(proc.stdout + proc.stderr)[-6000:]}"
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    """eager's, inductor's and lynx's (no options) runs of one parallelism, once per module."""
+    parallel = request.param
+    tmp = tmp_path_factory.mktemp(parallel)
+    return parallel, tmp, {name: _run(tmp, parallel, name) for name in ("eager", "inductor", "lynx")}
+
+
+def _tolerance(a: list[float], b: list[float]) -> float:
+    """``ERR_MULTIPLE`` x the largest per-step difference of Inductor from eager, at least that
+    multiple of float32's relative precision at the largest value (Inductor may equal eager
+    exactly)."""
+    diff = max(abs(x - y) for x, y in zip(a, b))
+    ulp = torch.finfo(torch.float32).eps * max(abs(x) for x in a)
+    return ERR_MULTIPLE * max(diff, ulp)
+
+
+@pytest.mark.parametrize("runs", sorted(PARALLEL), indirect=True)
+def test_runs_are_torchtitans_two_rank_training(runs):
+    parallel, _, r = runs
+    for name, run in r.items():
+        assert run["world_size"] == 2 and len(run["losses"]) == STEPS, name
+        assert run["losses"][-1] < run["losses"][0], f"{name}: the loss did not fall: {run['losses']}"
+
+
+@pytest.mark.parametrize("runs", sorted(PARALLEL), indirect=True)
+def test_lynx_without_options_is_inductor_bit_for_bit(runs):
+    parallel, _, r = runs
+    assert r["lynx"]["lynx"]["options"] == {}
+    assert r["lynx"]["losses"] == r["inductor"]["losses"]
+    assert r["lynx"]["grad_norms"] == r["inductor"]["grad_norms"]
+
+
+STAND_IN_SIGNS = ("object has no attribute 'to_local'",  # the loss graph's pred.to_local()
+                  "got mixed torch.Tensor and DTensor")  # a block's rms_norm(x) with x a plain tensor
+
+
+class DTensorStandInError(AssertionError):
+    """The run failed as lynx's step-3 rebuild does on a DTensor input (see the xfail)."""
+
+
+# Once InputSpec stands DTensors in as DTensors, this runs to the checks below, where TP at a
+# budget has been seen off Inductor's step-1 gradient norm by 1.2e-5 (docs/torchtitan.md).
+def _tp_budget_fails(parallel: str):
+    return pytest.mark.xfail(
+        parallel == "tp", strict=True, raises=DTensorStandInError,
+        reason="lynx re-plans the pieces at step 3 by compiling them again on stand-in inputs "
+               "(step_record.InputSpec); a DTensor input (TP) whose tensor is gone is stood in for "
+               "by a plain tensor (the loss graph: \"'FunctionalTensor' object has no attribute "
+               "'to_local'\"; a block: \"aten.mul.Tensor got mixed torch.Tensor and DTensor\")")
+
+
+@pytest.mark.parametrize("runs", [pytest.param(p, marks=_tp_budget_fails(p)) for p in sorted(PARALLEL)],
+                         indirect=True)
+def test_lynx_at_a_budget_is_within_inductors_tolerance(runs):
+    parallel, tmp, r = runs
+    # plan_cache off: a step plan cached by an earlier run (any earlier test session on this
+    # machine) would be swapped in at step 2 instead of re-planned at step 3, a different path
+    options = {"memory_budget": BUDGET[parallel], "plan_cache": False}
+    try:
+        budget = _run(tmp, parallel, "lynx", options)
+    except AssertionError as e:
+        if any(sign in str(e) for sign in STAND_IN_SIGNS):
+            raise DTensorStandInError(str(e)[-3000:]) from None
+        raise
+    lynx = budget["lynx"]
+    assert lynx["options"] == options
+    # planned on the recorded step (step 2) and in force from step 3: lynx's own prediction
+    assert lynx["plans"] and all(p["budget_scope"] == "step" for p in lynx["plans"]), lynx
+    for p in lynx["plans"]:
+        assert p["step_peak_bytes"] <= BUDGET[parallel] * p["step_reference_bytes"] * 1.001, p
+    for key in ("losses", "grad_norms"):
+        tol = _tolerance(r["inductor"][key], r["eager"][key])
+        worst = max(abs(x - y) for x, y in zip(budget[key], r["inductor"][key]))
+        print(f"{parallel} {key}: lynx@{BUDGET[parallel]} vs inductor {worst:.3g}, tolerance {tol:.3g} "
+              f"(inductor vs eager x {ERR_MULTIPLE}); lynx {budget[key]}, inductor {r['inductor'][key]}, "
+              f"eager {r['eager'][key]}")
+        assert worst <= tol, (key, budget[key], r["inductor"][key], r["eager"][key])
+
+
+@pytest.mark.parametrize("value, backend, says", [
+    ('{"memory_budjet": 0.9}', "lynx", "unknown lynx option(s) ['memory_budjet']"),
+    ('{"memory_budget": 0.9}', "inductor", "LYNX_OPTIONS is set but --compile-backend is 'inductor'"),
+])
+def test_launcher_refuses_bad_options_before_building(monkeypatch, capsys, value, backend, says):
+    from lynx_compile.torchtitan_train import main
+
+    monkeypatch.setenv("LYNX_OPTIONS", value)
+    assert main(["--compile-backend", backend]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and "\n" not in err
