@@ -42,10 +42,17 @@ def _call_by_keyword(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 def aot_autograd(**kwargs: Any) -> Any:
-    """``torch._dynamo.backends.common.aot_autograd`` (stable across 2.11-2.13)."""
+    """``torch._dynamo.backends.common.aot_autograd`` (stable across 2.11-2.13); a graph with
+    data-dependent sizes compiled outside dynamo is refused (``refuse_unbacked_retrace``)."""
     from torch._dynamo.backends.common import aot_autograd as _aot
 
-    return _aot(**kwargs)
+    compile_ = _aot(**kwargs)
+
+    def compile_graph(gm: fx.GraphModule, example_inputs: Any, **kw: Any) -> Any:
+        refuse_unbacked_retrace(gm)
+        return compile_(gm, example_inputs, **kw)
+
+    return compile_graph
 
 
 def default_partition(joint_gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
@@ -846,3 +853,22 @@ def adopt_unbacked_symbols(gm: fx.GraphModule) -> None:
         # declared, not the output of an op being traced: nothing is to bind it
         env.pending_fresh_unbacked_symbols[:] = [p for p in env.pending_fresh_unbacked_symbols if p != s]
     env.unbacked_symint_counter = max(env.unbacked_symint_counter, top + 1)
+
+
+def refuse_unbacked_retrace(gm: fx.GraphModule) -> None:
+    """Raise (one line) when ``gm`` binds unbacked symbols and no tracing context is active:
+    AOTAutograd would fakify real example inputs without a ``ShapeEnv`` and fail deep inside
+    with ``DataDependentOutputException: aten._local_scalar_dense`` (the ``.item()`` /
+    ``.tolist()`` that made them). Seen when ``compiler="eager"`` compiles a piece again with
+    the step's plan (real inputs, no ``static_tracing``) on expert-parallel MoE."""
+    from torch._guards import TracingContext
+
+    if TracingContext.try_get() is not None:
+        return
+    names = sorted({str(s) for n in gm.graph.nodes for s in (n.meta.get("unbacked_bindings") or {})})
+    if names:
+        raise NotImplementedError(
+            f"lynx: compiler='eager' cannot compile again, for the step's plan, a graph with data-dependent "
+            f"sizes (aten._local_scalar_dense: .item()/.tolist(), unbacked {', '.join(names[:4])}"
+            f"{', ...' if len(names) > 4 else ''}; e.g. expert-parallel token counts); use compiler='inductor' "
+            "(the default)")
