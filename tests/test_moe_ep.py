@@ -146,6 +146,7 @@ def _ep_rank(rank: int, world: int):
     """Eager EP, then lynx EP (``STEPS`` steps); each one's full gradients vs one process."""
     import lynx_compile
     from lynx_compile.distributed.expert_parallel import all_to_all_windows, describe
+    from torch._inductor.utils import run_and_get_code
     from torchtitan.distributed.compile import apply_compile
 
     reference = _one_process_grads()
@@ -161,12 +162,16 @@ def _ep_rank(rank: int, world: int):
     apply_compile(model, compile_config=tt.compile_config(backend), parallel_dims=dims)
     loss_of = _loss(backend)
     first_step_windows = None
-    for _ in range(STEPS):
+    codes: list[str] = []
+    for step in range(STEPS):
         for p in model.parameters():
             p.grad = None  # torchtitan's zero_grad(set_to_none=True)
-        loss_of(model(tokens), labels).backward()
-        if first_step_windows is None:
+        if step == 0:  # Inductor's generated code of step 1 (no FX-graph cache: it is generated)
+            with torch._inductor.config.patch(fx_graph_cache=False):
+                _, codes = run_and_get_code(lambda: loss_of(model(tokens), labels).backward())
             first_step_windows = all_to_all_windows(backend.records)
+        else:
+            loss_of(model(tokens), labels).backward()
     windows = all_to_all_windows(backend.records)
     return {"eager": eager, "lynx": _errors(_full_grads(model), reference),
             "first_step_windows": first_step_windows, "windows": windows,
@@ -175,7 +180,23 @@ def _ep_rank(rank: int, world: int):
             # recompute nodes the rewrite put between a window's issue and its wait (all graphs)
             "moved": sum(r.decisions.get("recompute_nodes_in_windows", 0) for r in backend.records),
             "fingerprints": [r.decisions.get("plan_fingerprint") for r in backend.records],
-            "choices": [(r.graph_id, r.step_choice) for r in backend.records]}
+            "choices": [(r.graph_id, r.step_choice) for r in backend.records],
+            "kernels_in_all_to_alls": sum(_kernels_inside_all_to_alls(c) for c in codes)}
+
+
+def _kernels_inside_all_to_alls(code: str) -> int:
+    """Kernel calls Inductor's generated code makes between an ``all_to_all_single``'s issue and
+    its ``wait_tensor`` (lynx's ``pin_windows`` orders a window's recompute there)."""
+    inside, count = False, 0
+    for line in code.splitlines():
+        line = line.strip()
+        if line.startswith("buf") and "_c10d_functional.all_to_all_single" in line:
+            inside = True
+        elif "_c10d_functional.wait_tensor" in line:
+            inside = False
+        elif inside and (line.startswith(("extern_kernels.", "cpp_fused")) or ".run(" in line):
+            count += 1
+    return count
 
 
 @_TORCHTITAN[0]
@@ -185,7 +206,8 @@ def test_expert_parallel_all_to_alls_are_windows_with_recompute_and_one_process_
     """EP=2 deepseek_v3 per block under lynx at ``BUDGET``: eager EP gives one process's
     gradients; lynx's step plan (scope "step", after the pieces were compiled again) gives them
     within Inductor's own error; the MoE block's backward all-to-alls (combine's and dispatch's)
-    are windows of lynx's plan, with recompute in at least one; both ranks planned alike."""
+    are windows of lynx's plan, with recompute in at least one, which Inductor's generated
+    backward runs between the all-to-all's issue and its wait; both ranks planned alike."""
     results = run_ranks(_ep_rank, EP, timeout_s=560)
     for rank, r in enumerate(results):
         bad = {n: e for n, e in r["eager"].items() if e > EAGER_RTOL}
@@ -198,6 +220,9 @@ def test_expert_parallel_all_to_alls_are_windows_with_recompute_and_one_process_
             assert len({w.collective for w in windows}) >= 2, r["report"]
             assert any(w.recomputed for w in windows), r["report"]
         assert r["moved"] > 0, r["report"]
+        # and Inductor's backward runs them there: at step 1, the fused bf16 casts of the local
+        # experts' w1 / w3 inside the combine's all-to-all, a zero fill inside the dispatch's
+        assert r["kernels_in_all_to_alls"] > 0, r["report"]
         # the MoE graph compiled again for one of its calls (the step's plan): a retrace of a graph
         # with unbacked SymInts in a ShapeEnv of its own (_compat.adopt_unbacked_symbols)
         moe = {w.graph_id for w in r["windows"]}
