@@ -43,10 +43,17 @@ def _call_by_keyword(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 def aot_autograd(**kwargs: Any) -> Any:
-    """``torch._dynamo.backends.common.aot_autograd`` (stable across 2.11-2.13)."""
+    """``torch._dynamo.backends.common.aot_autograd`` (stable across 2.11-2.13); a graph with
+    data-dependent sizes compiled outside dynamo is refused (``refuse_unbacked_retrace``)."""
     from torch._dynamo.backends.common import aot_autograd as _aot
 
-    return _aot(**kwargs)
+    compile_ = _aot(**kwargs)
+
+    def compile_graph(gm: fx.GraphModule, example_inputs: Any, **kw: Any) -> Any:
+        refuse_unbacked_retrace(gm)
+        return compile_(gm, example_inputs, **kw)
+
+    return compile_graph
 
 
 def default_partition(joint_gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
@@ -187,6 +194,7 @@ def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, 
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
+    adopt_unbacked_symbols(gm)
     patches: dict[str, Any] = {}
     if keep_placement:
         patches.update(INDUCTOR_KEEP_PLACEMENT)
@@ -863,3 +871,59 @@ def dtensor_from_local(local: torch.Tensor, mesh: Any, placements: tuple, shape:
     from torch.distributed.tensor import DTensor
 
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+# --- unbacked SymInts (data-dependent sizes: expert-parallel token counts) ----------------------
+
+def adopt_unbacked_symbols(gm: fx.GraphModule) -> None:
+    """Declare the unbacked symbols ``gm``'s nodes bind (``node.meta["unbacked_bindings"]``:
+    ``u0``, ``u1``, ... of a ``.tolist()`` / ``.item()``, e.g. expert-parallel token counts) in
+    the current tracing context's ``ShapeEnv`` where it lacks them, and number its new ones past
+    them. Needed when a dynamo graph is traced again in a ``ShapeEnv`` of its own
+    (``static_tracing``: a piece compiled again with the step's plan): the retrace makes new
+    symbols and ``rebind_unbacked`` renames each to the name the node recorded, which fails
+    when the new one has that name ("u0 possible memo disaster", counters that both start at 0)
+    or when the name is unknown to the ShapeEnv (``var_to_range`` None). A no-op in dynamo's
+    own ShapeEnv (it made them). Private: ``ShapeEnv.unbacked_symint_counter``,
+    ``create_unbacked_symint``, ``var_to_range``, ``pending_fresh_unbacked_symbols`` (torch 2.13)."""
+    from torch._guards import TracingContext
+    from torch.utils._sympy.symbol import SymT, symbol_is_type
+
+    ctx = TracingContext.try_get()
+    env = getattr(getattr(ctx, "fake_mode", None), "shape_env", None)
+    if env is None:
+        return
+    names = {s for n in gm.graph.nodes for s in (n.meta.get("unbacked_bindings") or {})}
+    missing = sorted((s for s in names if s not in env.var_to_range and symbol_is_type(s, SymT.UNBACKED_INT)),
+                     key=lambda s: int(str(s)[1:]))
+    if not missing:
+        return
+    top = max(int(str(s)[1:]) for s in names if symbol_is_type(s, SymT.UNBACKED_INT))
+    for s in missing:
+        env.unbacked_symint_counter = int(str(s)[1:])
+        made = env.create_unbacked_symint().node.expr
+        if made != s:
+            raise RuntimeError(f"lynx: cannot declare the unbacked symbol {s} of a graph compiled again "
+                               f"(made {made}); compile without the step's plan (budget_scope 'saved')")
+        # declared, not the output of an op being traced: nothing is to bind it
+        env.pending_fresh_unbacked_symbols[:] = [p for p in env.pending_fresh_unbacked_symbols if p != s]
+    env.unbacked_symint_counter = max(env.unbacked_symint_counter, top + 1)
+
+
+def refuse_unbacked_retrace(gm: fx.GraphModule) -> None:
+    """Raise (one line) when ``gm`` binds unbacked symbols and no tracing context is active:
+    AOTAutograd would fakify real example inputs without a ``ShapeEnv`` and fail deep inside
+    with ``DataDependentOutputException: aten._local_scalar_dense`` (the ``.item()`` /
+    ``.tolist()`` that made them). Seen when ``compiler="eager"`` compiles a piece again with
+    the step's plan (real inputs, no ``static_tracing``) on expert-parallel MoE."""
+    from torch._guards import TracingContext
+
+    if TracingContext.try_get() is not None:
+        return
+    names = sorted({str(s) for n in gm.graph.nodes for s in (n.meta.get("unbacked_bindings") or {})})
+    if names:
+        raise NotImplementedError(
+            f"lynx: compiler='eager' cannot compile again, for the step's plan, a graph with data-dependent "
+            f"sizes (aten._local_scalar_dense: .item()/.tolist(), unbacked {', '.join(names[:4])}"
+            f"{', ...' if len(names) > 4 else ''}; e.g. expert-parallel token counts); use compiler='inductor' "
+            "(the default)")

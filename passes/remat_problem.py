@@ -98,7 +98,10 @@ def extract_remat_problem(joint: fx.GraphModule, fw_ref: fx.GraphModule, bw_ref:
     # local, so need intervals are closed over consumers of the same block only.
     boundary = {i for op, ins in inputs.items() for i in ins if region[i] != region[op]}
     local_inputs = {op: {i for i in ins if region[i] == region[op]} for op, ins in inputs.items()}
-    need = _need_intervals(unit_ops, local_inputs, uses)
+    # a unit that is never recomputed (a collective: an expert-parallel all-to-all) reads its
+    # inputs in the forward only: it does not make them needed in the backward
+    fixed = {op for op in unit_ops if not _recomputable(joint_by_name.get(op.name), ctx)}
+    need = _need_intervals(unit_ops, {op: ins for op, ins in local_inputs.items() if op not in fixed}, uses)
     kept = [op for op in unit_ops if op in need]
     ids = {op: i for i, op in enumerate(kept)}
     must = {op: op in boundary or not _recomputable(joint_by_name.get(op.name), ctx) for op in kept}

@@ -68,10 +68,11 @@ def _nbytes(val) -> int:
 def _hint(d) -> int:
     if isinstance(d, int):
         return d
-    try:
-        return int(d.node.hint) if d.node.hint is not None else int(d)
-    except Exception:  # noqa: BLE001 - unbacked symbol: size it as 1
-        return 1
+    # an unbacked size (expert-parallel token counts) as the cost model sizes it
+    # (``costs.types.UNBACKED_SIZE_HINT``), so a tensor's bytes and its time agree
+    from lynx_compile.costs.types import hint_int
+
+    return hint_int(d)
 
 
 def aliased_input(node: fx.Node) -> fx.Node | None:
