@@ -856,22 +856,6 @@ def fsdp2_groups_holding(tensors: list) -> list[tuple[int, bool, int]]:
     return out
 
 
-def is_dtensor(t: Any) -> bool:
-    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (False where it does not exist)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - present on 2.11-2.13 builds with distributed
-        return False
-    return isinstance(t, DTensor)
-
-
-def dtensor_from_local(local: torch.Tensor, mesh: Any, placements: tuple, shape: tuple, stride: tuple) -> Any:
-    """A DTensor over ``mesh`` with ``placements`` whose local shard is ``local`` and whose global
-    layout is ``shape`` / ``stride`` (no communication: ``run_check=False``)."""
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
-
 
 # --- unbacked SymInts (data-dependent sizes: expert-parallel token counts) ----------------------
 

@@ -61,12 +61,7 @@ class InputSpec:
     def __init__(self, example_inputs: list):
         self._items: list[tuple] = []
         for t in example_inputs:
-            if _compat.is_dtensor(t):  # its local shard's layout, and how it is distributed
-                local = t.to_local()
-                self._items.append(("dtensor", weakref.ref(t), tuple(local.shape), local.stride(), t.dtype,
-                                    t.device, t.requires_grad, isinstance(t, torch.nn.Parameter),
-                                    (t.device_mesh, tuple(t.placements), tuple(t.shape), t.stride())))
-            elif isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor):
                 self._items.append(("tensor", weakref.ref(t), tuple(t.shape), t.stride(), t.dtype, t.device,
                                     t.requires_grad, isinstance(t, torch.nn.Parameter)))
             else:
@@ -78,12 +73,10 @@ class InputSpec:
             if item[0] == "value":
                 out.append(item[1])
                 continue
-            kind, ref, shape, stride, dtype, device, requires_grad, is_param = item[:8]
+            _, ref, shape, stride, dtype, device, requires_grad, is_param = item
             t = ref()
             if t is None:
                 t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
-                if kind == "dtensor":  # a DTensor stands in for a DTensor (TP's activations)
-                    t = _compat.dtensor_from_local(t, *item[8])
                 t = torch.nn.Parameter(t, requires_grad) if is_param else t.requires_grad_(requires_grad)
             out.append(t)
         return out
