@@ -29,8 +29,9 @@ Peers (each row its own process, cold Inductor cache, a timeout; a failure is th
   ``remat.region(attn, "attn", recompute=False)`` and its output marked ``recompute_needs_tensor``:
   attention saved, the rest of the block recomputed. torch_remat takes no budget: these are its two
   natural policies, and lynx is run at the memory each of them measured.
-- ``rockmate``: Rockmate 2.0.0 ``Rockmate(model, inputs, budget=...)`` at 0.5 of the eager
-  step's peak (its budget is absolute bytes).
+- ``rockmate``: Rockmate 2.0.0 cannot run on this machine, and its row says why: it is CUDA-only
+  (``Rockmate.__init__`` sets ``device = cuda``), and from PyPI it does not import (its dependency
+  rkgb 2.0.0's sdist has no ``rkgb/core``).
 - ``tt-ac-full``, ``tt-ac-selective``, ``tt-ac-memory-budget@0.5``: torchtitan's own
   ``FullAC`` / ``SelectiveAC`` (per-op; saves compute ops but every second mm) / ``MemoryBudgetAC``
   policies, ``policy.apply(model)`` then torchtitan's per-block ``apply_compile`` (Inductor), as
@@ -38,7 +39,7 @@ Peers (each row its own process, cold Inductor cache, a timeout; a failure is th
   other models get an ``n/a`` row. torchtitan 0.3.0 has no selective-layer mode (a row says so).
 - ``lynx@F``: ``torch.compile(model, backend=lynx_compile.backend(memory_budget=F))``, everything
   else lynx's defaults. For every peer row that measured a fraction f < 0.97 of ``inductor``'s peak
-  a lynx row at F = f rounded down to 0.01 (equal F run once), lowest first; when lynx refuses
+  a lynx row at F = f rounded down to 0.01 (F's within 0.02 of a lower one share its row), lowest first; when lynx refuses
   (``BudgetError``: "use memory_budget >= X") the lower F's are not run (their row repeats the
   refusal) and one more row runs lynx at X (``lynx@min``).
 
@@ -80,12 +81,14 @@ FULL_MODELS = ("gpt-tiny", "hf-llama", "tt-llama3")
 TT_SHAPE = dict(layers=2, batch=2, seq=128)
 PEERS = ("eager", "inductor", "torch-budget@0.7", "torch-budget@0.5", "torch-budget@0.3",
          "checkpoint-full/eager", "checkpoint-full/inductor", "sac-mm/eager", "sac-mm/inductor",
-         "torch_remat-full/eager", "torch_remat-save-attn/eager", "torch_remat-save-attn/inductor", "rockmate",
+         "torch_remat-full/eager", "torch_remat-save-attn/eager", "rockmate",
          "inductor/per-block", "tt-ac-full", "tt-ac-selective", "tt-ac-memory-budget@0.5", "tt-ac-selective-layer")
+MORE_PEERS = ("torch_remat-save-attn/inductor",)  # by --peers only (one more compile per model)
 QUICK = dict(models=("gpt-tiny",), peers=("eager", "inductor", "torch-budget@0.5", "checkpoint-full/eager",
                                           "sac-mm/eager", "torch_remat-full/eager", "rockmate"))
 TT_ONLY = ("inductor/per-block", "tt-ac-full", "tt-ac-selective", "tt-ac-memory-budget@0.5", "tt-ac-selective-layer")
 NO_PAIR_ABOVE = 0.97  # a peer at >= this fraction of inductor's peak recomputes (almost) nothing
+MERGE = 0.02  # peers whose matching budgets lie this close share one lynx row (the lower budget)
 MIB = 2 ** 20
 COLUMNS = ["model", "peer", "budget", "result", "ms_MiB", "frac", "step_ms", "step_rel", "first_step_s",
            "grad_diff", "grad_diff_inductor", "wall_s", "tree"]
@@ -241,10 +244,19 @@ def not_applicable(peer: str, model: str) -> Optional[str]:
 # ------------------------------------------------------------------------------ one row (child)
 
 def _rockmate_row(module: Any, model: str) -> dict:
-    """Rockmate 2.0.0 at half the eager peak; its failure (import included) is the row."""
-    import rockmate  # noqa: F401 - the import is what fails with rkgb 2.0.0 from PyPI
+    """Rockmate 2.0.0 cannot run on a CPU: say why (its import, then its device)."""
+    import torch
 
-    raise NotImplementedError("rockmate imported: wire Rockmate(model, inputs, budget) in bench_peers")
+    cuda_only = ("Rockmate 2.0.0 is CUDA-only (Rockmate.__init__ sets device = cuda and inspects on cuda; its "
+                 "compiler uses torch.cuda streams and RNG state) and this machine has no GPU")
+    try:
+        import rockmate  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - the reason is the row
+        raise RuntimeError(f"cannot run here: `import rockmate` fails ({type(exc).__name__}: {exc}; the rkgb "
+                           f"2.0.0 sdist on PyPI ships rkgb/__init__.py without rkgb/core), and {cuda_only}") from None
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"cannot run here: {cuda_only}")
+    raise NotImplementedError("a GPU is present: Rockmate(model, inputs, budget) is not wired in bench_peers")
 
 
 def run_row(model: str, peer: str, budget: Optional[float], warmup: int, steps: int, threads: int) -> dict:
@@ -316,13 +328,25 @@ def lynx_budgets(rows: Sequence[dict], model: str) -> list[float]:
     ref = _reference(rows, model)
     if ref is None:
         return []
-    out = set()
-    for r in rows:
-        if r["model"] == model and r["result"] == "ok" and not r["peer"].startswith("lynx"):
-            f = r["ms_MiB"] / ref["ms_MiB"]
-            if f < NO_PAIR_ABOVE:
-                out.add(max(0.01, math.floor(f * 100 + 1e-9) / 100))
-    return sorted(out)
+    out: list[float] = []
+    for b in sorted({_matching(r["ms_MiB"] / ref["ms_MiB"]) for r in rows
+                     if r["model"] == model and r["result"] == "ok" and not r["peer"].startswith("lynx")}):
+        if b < NO_PAIR_ABOVE and not (out and b - out[-1] <= MERGE + 1e-9):
+            out.append(b)  # a budget within MERGE above one kept is served by that (lower) one
+    return out
+
+
+def _matching(frac: float) -> float:
+    """lynx's budget for a peer that measured ``frac``: rounded down to 0.01."""
+    return max(0.01, math.floor(frac * 100 + 1e-9) / 100)
+
+
+def lynx_for(table: Sequence[dict], model: str, frac: float) -> Optional[dict]:
+    """The lynx row run for a peer at ``frac``: the largest budget <= its matching one, within MERGE."""
+    b = _matching(frac)
+    rows = [x for x in table if x["model"] == model and x["peer"].startswith("lynx@")
+            and not x["peer"].startswith("lynx@min") and b - MERGE - 1e-9 <= x["budget"] <= b + 1e-9]
+    return max(rows, key=lambda x: x["budget"], default=None)
 
 
 def run_lynx(args: argparse.Namespace, model: str, rows: list[dict], on_row: Callable[[dict], None]) -> None:
@@ -384,9 +408,8 @@ def pair_lines(table: Sequence[dict]) -> list[str]:
     for r in table:
         if r["result"] != "ok" or r["peer"].startswith("lynx") or r["frac"] is None or r["frac"] >= NO_PAIR_ABOVE:
             continue
-        b = max(0.01, math.floor(r["frac"] * 100 + 1e-9) / 100)
-        lx = next((x for x in table if x["model"] == r["model"] and x["peer"] == f"lynx@{b:g}"), None)
-        head = f"{r['model']}: lynx@{b:g} vs {r['peer']}"
+        lx = lynx_for(table, r["model"], r["frac"])
+        head = f"{r['model']}: {lx['peer'] if lx else 'lynx'} vs {r['peer']}"
         if lx is None:
             lines.append(f"{head}: no lynx row")
             continue
@@ -519,7 +542,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="gpt-tiny; eager, inductor, torch@0.5, checkpoint, SAC, "
                    "torch_remat (eager), rockmate; lynx pairs")
     p.add_argument("--models", type=lambda v: v.split(","), default=None, help=f"comma list of {', '.join(MODELS)}")
-    p.add_argument("--peers", type=lambda v: v.split(","), default=None, help=f"comma list of {', '.join(PEERS)}")
+    p.add_argument("--peers", type=lambda v: v.split(","), default=None, help=f"comma list of {', '.join(PEERS + MORE_PEERS)}")
     p.add_argument("--no-lynx", action="store_true", help="peers only, no lynx rows")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS)
@@ -546,8 +569,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if x not in MODELS:
             raise SystemExit(f"unknown model {x!r}: {', '.join(MODELS)}")
     for x in peers:
-        if x not in PEERS:
-            raise SystemExit(f"unknown peer {x!r}: {', '.join(PEERS)}")
+        if x not in PEERS + MORE_PEERS:
+            raise SystemExit(f"unknown peer {x!r}: {', '.join(PEERS + MORE_PEERS)}")
     peers = ["inductor"] + [p for p in peers if p != "inductor"]  # the reference first
     stem = args.stem or ("peers_quick" if args.quick else "peers")
     env_line, git_state = bb.environment_line(), bb.git_state()
