@@ -39,7 +39,8 @@ Peers (each row its own process, cold Inductor cache, a timeout; a failure is th
   other models get an ``n/a`` row. torchtitan 0.3.0 has no selective-layer mode (a row says so).
 - ``lynx@F``: ``torch.compile(model, backend=lynx_compile.backend(memory_budget=F))``, everything
   else lynx's defaults. For every peer row that measured a fraction f < 0.97 of ``inductor``'s peak
-  a lynx row at F = f rounded down to 0.01 (F's within 0.02 of a lower one share its row), lowest first; when lynx refuses
+  a lynx row at F = f rounded down to 0.01 (F's within 0.05 above a lower one share its row: lynx
+  never gets more memory than the peer it is paired with), lowest first; when lynx refuses
   (``BudgetError``: "use memory_budget >= X") the lower F's are not run (their row repeats the
   refusal) and one more row runs lynx at X (``lynx@min``).
 
@@ -77,7 +78,7 @@ import bench_budget as bb  # noqa: E402  (stdlib-only at import)
 
 RESULTS = bb.RESULTS
 MODELS = ("gpt-tiny", "hf-llama", "postln-gqa", "tt-llama3")
-FULL_MODELS = ("gpt-tiny", "hf-llama", "tt-llama3")
+FULL_MODELS = ("tt-llama3", "gpt-tiny", "hf-llama")
 TT_SHAPE = dict(layers=2, batch=2, seq=128)
 PEERS = ("eager", "inductor", "torch-budget@0.7", "torch-budget@0.5", "torch-budget@0.3",
          "checkpoint-full/eager", "checkpoint-full/inductor", "sac-mm/eager", "sac-mm/inductor",
@@ -88,7 +89,7 @@ QUICK = dict(models=("gpt-tiny",), peers=("eager", "inductor", "torch-budget@0.5
                                           "sac-mm/eager", "torch_remat-full/eager", "rockmate"))
 TT_ONLY = ("inductor/per-block", "tt-ac-full", "tt-ac-selective", "tt-ac-memory-budget@0.5", "tt-ac-selective-layer")
 NO_PAIR_ABOVE = 0.97  # a peer at >= this fraction of inductor's peak recomputes (almost) nothing
-MERGE = 0.02  # peers whose matching budgets lie this close share one lynx row (the lower budget)
+MERGE = 0.05  # peers whose matching budgets lie this close share one lynx row (the lower budget)
 MIB = 2 ** 20
 COLUMNS = ["model", "peer", "budget", "result", "ms_MiB", "frac", "step_ms", "step_rel", "first_step_s",
            "grad_diff", "grad_diff_inductor", "wall_s", "tree"]
@@ -368,7 +369,7 @@ def run_lynx(args: argparse.Namespace, model: str, rows: list[dict], on_row: Cal
     if smallest is None:
         return
     value = smallest
-    for _ in range(3):  # as bench_budget's ``min``: the named minimum, + 0.001 when refused again
+    for _ in range(2):  # as bench_budget's ``min``: the named minimum, + 0.001 when refused again
         row = measure(args, model, "lynx@min", value)
         if not row["result"].startswith("refused"):
             break
