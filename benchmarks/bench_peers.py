@@ -359,7 +359,7 @@ def run_lynx(args: argparse.Namespace, model: str, rows: list[dict], on_row: Cal
         peer = f"lynx@{b:g}"
         if smallest is not None and b < smallest:
             on_row({"model": model, "peer": peer, "budget": b, "tree": bb.tree_hash(),
-                    "result": f"refused (not run: below the smallest reachable {smallest:g} named at {refusal})"})
+                    "result": f"refused (not run, below the smallest reachable {smallest:g} named at {refusal})"})
             continue
         row = measure(args, model, peer, b)
         on_row(row)
@@ -383,7 +383,9 @@ def _reference(rows: Sequence[dict], model: str, peer: str = "inductor") -> Opti
     return next((r for r in rows if r["model"] == model and r["peer"] == peer and r["result"] == "ok"), None)
 
 
-def finish(rows: Sequence[dict]) -> list[dict]:
+def finish(rows: Sequence[dict], digits: int = 4) -> list[dict]:
+    """Rows with every column: fractions of the model's ``inductor`` row, ``digits`` significant
+    digits, ``status``."""
     out = []
     for r in rows:
         r = dict(r)
@@ -394,9 +396,10 @@ def finish(rows: Sequence[dict]) -> list[dict]:
             r["grad_diff_inductor"] = ref.get("grad_diff")
         for k, v in list(r.items()):
             if isinstance(v, float) and k != "budget":
-                r[k] = float(f"{v:.4g}")
+                r[k] = float(f"{v:.{digits}g}")
         res = r["result"]
-        r["status"] = res if res == "ok" or res.startswith("n/a") else res.split(":")[0]
+        r["status"] = (res if res == "ok" or res.startswith("n/a") else
+                       "refused (not run)" if res.startswith("refused (not run") else res.split(":")[0])
         if r["peer"] == "lynx@min" and r.get("budget") is not None:
             r["peer"] = f"lynx@min={r['budget']:g}"
         out.append({k: r.get(k) for k in COLUMNS + ["status"]})
@@ -455,13 +458,16 @@ def plot(table: Sequence[dict], path: str) -> None:
     models = list(dict.fromkeys(r["model"] for r in table if r["result"] == "ok" and r["frac"] is not None))
     if not models:
         return
-    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 5.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(models), figsize=(8.2 * len(models), 5.2), squeeze=False)
     for ax, model in zip(axes[0], models):
         rs = [r for r in table if r["model"] == model and r["result"] == "ok" and r["frac"] is not None]
         lynx = sorted((r for r in rs if r["peer"].startswith("lynx")), key=lambda r: r["frac"])
         if lynx:
             ax.plot([r["frac"] for r in lynx], [r["step_rel"] for r in lynx], "-", color="tab:red", alpha=0.4)
-        cycle = {}
+        cycle: dict[str, int] = {}
+        for i, r in enumerate(lynx):  # budget labels beside lynx's points, alternating above / below
+            ax.annotate(r["peer"].replace("lynx@", ""), (r["frac"], r["step_rel"]), textcoords="offset points",
+                        xytext=(6, 8 if i % 2 else -14), fontsize=8, color="tab:red")
         for r in rs:
             fam = _family(r["peer"])
             marker, colour = FAMILY_STYLE[fam]
@@ -470,14 +476,17 @@ def plot(table: Sequence[dict], path: str) -> None:
                 face = colour if ("eager" not in r["peer"] or fam == "eager") and n % 2 == 0 else "white"
             else:
                 face = colour
+            first_lynx = fam == "lynx" and r is lynx[0]
             ax.scatter(r["frac"], r["step_rel"], marker=marker, s=90, edgecolors=colour, facecolors=face,
-                       linewidths=1.5, label=r["peer"], zorder=3)
+                       linewidths=1.5, zorder=3, label=("lynx@budget (labelled)" if first_lynx else
+                                                        None if fam == "lynx" else r["peer"]))
+        ax.margins(x=0.06, y=0.12)
         ax.axvline(1.0, color="grey", lw=0.5, ls=":")
         ax.axhline(1.0, color="grey", lw=0.5, ls=":")
         ax.set_title(model)
         ax.set_xlabel("measured step peak / torch.compile (Inductor) peak")
         ax.set_ylabel("step time / Inductor's (loaded 2-core CPU)")
-        ax.legend(fontsize=7, loc="upper right", ncol=1, framealpha=0.85)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), framealpha=0.9)
         ax.grid(alpha=0.2)
     fig.suptitle("Peers vs lynx: lower-left is better (less memory, faster)")
     fig.tight_layout()
@@ -486,17 +495,18 @@ def plot(table: Sequence[dict], path: str) -> None:
 
 
 def write(out: str, stem: str, rows: Sequence[dict], argv: Sequence[str], notes: Sequence[str],
-          env_line: str, git_state: str, pending: Sequence[tuple] = (), done: bool = False) -> str:
+          env_line: str, git_state: str, pending: Sequence[tuple] = (), done: bool = False,
+          command: Optional[str] = None) -> str:
     from lynx_compile.report import csv_text, markdown_table
 
     os.makedirs(out, exist_ok=True)
     table = finish(rows)
     with open(os.path.join(out, stem + ".csv"), "w") as f:
-        f.write(csv_text([{k: r[k] for k in COLUMNS} for r in table]))
+        f.write(csv_text([{k: r[k] for k in COLUMNS} for r in finish(rows, 7)]))
     plot(table, os.path.join(out, stem + ".png"))
     lines = ["# Peers side by side: measured step peak, step time, gradients (CPU)", "", env_line,
              "Peers: torch_remat 0.2.2, Rockmate 2.0.0 (rkgb 2.0.0, pulp 2.7.0), torchtitan 0.3.0.", "",
-             "Command: `" + " ".join(["python benchmarks/bench_peers.py", *argv]) + "`", "",
+             command or "Command: `" + " ".join(["python benchmarks/bench_peers.py", *argv]) + "`", "",
              "Code measured: " + git_state + "; `tree`: hash of lynx_compile/ and passes/ *.py per row (csv).", "",
              f"gpt-tiny / hf-llama / postln-gqa: {bb.SHAPE['layers']} layers, batch {bb.SHAPE['batch']} x seq "
              f"{bb.SHAPE['seq']} (bench_budget's shape and build); tt-llama3: torchtitan's llama3 debugmodel, "
@@ -551,8 +561,31 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600, help="seconds per row process")
     p.add_argument("--out", default=RESULTS)
     p.add_argument("--stem", default=None)
+    p.add_argument("--report-only", default=None, metavar="CSV", help="run nothing: rewrite the .md and .png "
+                   "of an earlier run's CSV (its .md's command, code and notes kept) under --out / --stem")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+TEXT_COLUMNS = ("model", "peer", "result", "tree")
+
+
+def report_only(args: argparse.Namespace) -> str:
+    """The .md / .png of an earlier run from its CSV and .md (header lines and notes kept)."""
+    import csv
+
+    with open(args.report_only, newline="") as f:
+        rows = [{k: (v if k in TEXT_COLUMNS else None if v == "" else float(v)) for k, v in r.items()}
+                for r in csv.DictReader(f)]
+    with open(os.path.splitext(args.report_only)[0] + ".md") as f:
+        old = f.read().splitlines()
+    env_line = old[2]
+    command = next(ln for ln in old if ln.startswith("Command:"))
+    git_state = next(ln for ln in old if ln.startswith("Code measured:")).split(": ", 1)[1].split("; `tree`")[0]
+    notes = [ln[len("Note: "):] for ln in old if ln.startswith("Note: ")]
+    stem = args.stem or os.path.splitext(os.path.basename(args.report_only))[0]
+    return write(args.out, stem, rows, [], notes, env_line, git_state, done=not any(
+        ln.startswith("**Partial") for ln in old), pending=["?"], command=command)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -563,6 +596,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with contextlib.redirect_stdout(sys.stderr):
             row = run_row(spec["model"], spec["peer"], spec["budget"], args.warmup, args.steps, args.threads)
         print(json.dumps(row))
+        return 0
+    if args.report_only:
+        print(report_only(args))
         return 0
     models = args.models or list(QUICK["models"] if args.quick else FULL_MODELS)
     peers = args.peers or list(QUICK["peers"] if args.quick else PEERS)
