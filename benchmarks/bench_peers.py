@@ -9,8 +9,8 @@ Models (float32, dropout 0, one thread): ``gpt-tiny`` (the zoo's preset), ``hf-l
 all at ``bench_budget``'s shape (4 layers, batch 3 x sequence 48, built by ``bench_budget.build``:
 the same weights, batch and measure, so fractions compare with ``results/budget*.md``), and
 ``tt-llama3``: torchtitan 0.3.0's llama3 ``debugmodel`` (dim 256, 16 heads, vocabulary 2048,
-SDPA as in ``torchtitan_models``) cut to its first ``TT_SHAPE["layers"]`` blocks, batch x seq of
-``TT_SHAPE``, with torchtitan's ``CrossEntropyLoss`` compiled by the same backend as the model
+SDPA as in ``torchtitan_models``) cut to its first ``--tt-shape`` LAYERS blocks (default 2, batch 2
+x sequence 128), with torchtitan's ``CrossEntropyLoss`` compiled by the same backend as the model
 (torchtitan's ``BaseLoss._maybe_compile``; eager rows: eager loss).
 
 Peers (each row its own process, cold Inductor cache, a timeout; a failure is the row's result):
@@ -320,7 +320,8 @@ def measure(args: argparse.Namespace, model: str, peer: str, budget: Optional[fl
                TRITON_CACHE_DIR=os.path.join(cache, "triton"), TRANSFORMERS_VERBOSITY="error")
     cmd = [sys.executable, os.path.abspath(__file__), "--one",
            json.dumps({"model": model, "peer": peer, "budget": base["budget"]}),
-           "--warmup", str(args.warmup), "--steps", str(args.steps), "--threads", str(args.threads)]
+           "--warmup", str(args.warmup), "--steps", str(args.steps), "--threads", str(args.threads),
+           "--tt-shape", args.tt_shape]
     return {**base, **bb.run_json_child(cmd, env, args.timeout, cache)}
 
 
@@ -519,8 +520,8 @@ def write(out: str, stem: str, rows: Sequence[dict], argv: Sequence[str], notes:
              "(see the load note): they order peers roughly, they are not a speed claim. See the script's "
              "docstring for each peer.", ""]
     if not done:
-        lines += [f"**Partial: the run was still going (or was stopped) when this was written; {len(pending)} "
-                  "rows of its selection had not run.**", ""]
+        lines += ["**Partial: the run was still going (or was stopped) when this was written; rows of its "
+                  "selection may be missing.**", ""]
     lines += [markdown_table(table, MD_COLUMNS), ""]
     bad = [r for r in table if r["result"] != "ok"]
     if bad:
@@ -559,6 +560,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--timeout", type=float, default=600, help="seconds per row process")
+    p.add_argument("--tt-shape", default="2,2,128", metavar="LAYERS,BATCH,SEQ",
+                   help="tt-llama3: the debugmodel's first LAYERS blocks, batch x sequence (default 2,2,128)")
     p.add_argument("--out", default=RESULTS)
     p.add_argument("--stem", default=None)
     p.add_argument("--report-only", default=None, metavar="CSV", help="run nothing: rewrite the .md and .png "
@@ -591,6 +594,7 @@ def report_only(args: argparse.Namespace) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    TT_SHAPE.update(zip(("layers", "batch", "seq"), (int(x) for x in args.tt_shape.split(","))))
     if args.one:
         spec = json.loads(args.one)
         with contextlib.redirect_stdout(sys.stderr):
