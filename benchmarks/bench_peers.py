@@ -422,7 +422,10 @@ def pair_lines(table: Sequence[dict]) -> list[str]:
             lx_min = next((x for x in table if x["model"] == r["model"] and x["peer"].startswith("lynx@min")
                            and x["result"] == "ok"), None)
             if lx_min is None:
-                lines.append(f"{head}: lynx {lx['status']} and no lynx@min row; **{r['peer']} wins on memory**")
+                tried = [x for x in table if x["model"] == r["model"] and x["peer"].startswith("lynx@min")]
+                floor = f" (lynx@min refused too, at {tried[0]['budget']:g})" if tried else ""
+                lines.append(f"{r['model']}: {r['peer']} at {r['frac']:.3f}: lynx refused at {lx['budget']:g}"
+                             f"{floor}: **{r['peer']} wins on memory**")
                 continue
             lx, head = lx_min, (f"{r['model']}: {r['peer']} at {r['frac']:.3f} is below lynx's smallest "
                                 f"reachable budget; {lx_min['peer']} vs {r['peer']}")
