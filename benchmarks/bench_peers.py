@@ -399,7 +399,7 @@ def finish(rows: Sequence[dict], digits: int = 4) -> list[dict]:
             if isinstance(v, float) and k != "budget":
                 r[k] = float(f"{v:.{digits}g}")
         res = r["result"]
-        r["status"] = (res if res == "ok" or res.startswith("n/a") else
+        r["status"] = ("ok" if res == "ok" else "n/a" if res.startswith("n/a") else
                        "refused (not run)" if res.startswith("refused (not run") else res.split(":")[0])
         if r["peer"] == "lynx@min" and r.get("budget") is not None:
             r["peer"] = f"lynx@min={r['budget']:g}"
@@ -437,23 +437,36 @@ def pair_lines(table: Sequence[dict]) -> list[str]:
     return lines
 
 
-FAMILY_STYLE = {  # family -> (marker, colour)
-    "eager": ("o", "black"), "inductor": ("s", "black"), "torch-budget": ("^", "tab:orange"),
-    "checkpoint-full": ("v", "tab:blue"), "sac-mm": ("D", "tab:green"), "torch_remat-full": ("P", "tab:purple"),
-    "torch_remat-save-attn": ("X", "tab:purple"), "tt-ac": ("*", "tab:brown"), "lynx": ("o", "tab:red"),
-}
+FAMILY_COLOUR = {"eager": "black", "inductor": "black", "torch-budget": "tab:orange", "checkpoint-full": "tab:blue",
+                 "sac-mm": "tab:green", "torch_remat-full": "tab:purple", "torch_remat-save-attn": "tab:purple",
+                 "tt-ac": "tab:brown", "lynx": "tab:red"}
+PEER_MARKER = {"eager": "o", "inductor": "s", "torch-budget@0.7": "^", "torch-budget@0.5": "<",
+               "torch-budget@0.3": ">", "checkpoint-full": "v", "sac-mm": "D", "torch_remat-full": "P",
+               "torch_remat-save-attn": "X", "inductor/per-block": "s", "tt-ac-full": "*", "tt-ac-selective": "h",
+               "tt-ac-memory-budget@0.5": "p", "lynx": "o"}
 
 
 def _family(peer: str) -> str:
     if peer.startswith("tt-ac") or peer == "inductor/per-block":
         return "tt-ac"
     head = peer.split("/")[0].split("@")[0]
-    return head if head in FAMILY_STYLE else "eager"
+    return head if head in FAMILY_COLOUR else "eager"
+
+
+def _style(peer: str) -> tuple[str, str, str]:
+    """(marker, edge colour, face colour): colour = family, marker = peer (family for checkpoint
+    wrappers), hollow = run eagerly, filled = compiled."""
+    fam = _family(peer)
+    colour = FAMILY_COLOUR[fam]
+    marker = PEER_MARKER.get(peer) or PEER_MARKER.get(peer.split("/")[0]) or PEER_MARKER.get(fam, "o")
+    eager = peer.endswith("/eager")
+    return marker, colour, "white" if eager else colour
 
 
 def plot(table: Sequence[dict], path: str) -> None:
-    """Per model: measured peak (fraction of inductor's) vs step time relative to inductor's;
-    one marker per peer (legend, no labels on the points), lynx's rows joined by a line."""
+    """Per model (one panel each, stacked): measured peak (fraction of inductor's) vs step time
+    relative to inductor's; one marker per peer in the legend (hollow: eager, filled: compiled),
+    lynx's rows joined by a line and labelled with their budget."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -462,39 +475,36 @@ def plot(table: Sequence[dict], path: str) -> None:
     models = list(dict.fromkeys(r["model"] for r in table if r["result"] == "ok" and r["frac"] is not None))
     if not models:
         return
-    fig, axes = plt.subplots(1, len(models), figsize=(8.2 * len(models), 5.2), squeeze=False)
-    for ax, model in zip(axes[0], models):
+    fig, axes = plt.subplots(len(models), 1, figsize=(10, 4.6 * len(models)), squeeze=False)
+    for ax, model in zip(axes[:, 0], models):
         rs = [r for r in table if r["model"] == model and r["result"] == "ok" and r["frac"] is not None]
         lynx = sorted((r for r in rs if r["peer"].startswith("lynx")), key=lambda r: r["frac"])
         if lynx:
             ax.plot([r["frac"] for r in lynx], [r["step_rel"] for r in lynx], "-", color="tab:red", alpha=0.4)
-        cycle: dict[str, int] = {}
         for i, r in enumerate(lynx):  # budget labels beside lynx's points, alternating above / below
             ax.annotate(r["peer"].replace("lynx@", ""), (r["frac"], r["step_rel"]), textcoords="offset points",
-                        xytext=(6, 8 if i % 2 else -14), fontsize=8, color="tab:red")
+                        xytext=(6, 8 if i % 2 else -14), fontsize=8, color="tab:red", zorder=4,
+                        bbox=dict(boxstyle="round,pad=0.1", fc="white", ec="none", alpha=0.75))
         for r in rs:
-            fam = _family(r["peer"])
-            marker, colour = FAMILY_STYLE[fam]
-            if fam != "lynx":  # distinct fill per peer in a family: compiled filled, eager hollow
-                n = cycle[fam] = cycle.get(fam, -1) + 1
-                face = colour if ("eager" not in r["peer"] or fam == "eager") and n % 2 == 0 else "white"
-            else:
-                face = colour
-            first_lynx = fam == "lynx" and r is lynx[0]
-            ax.scatter(r["frac"], r["step_rel"], marker=marker, s=90, edgecolors=colour, facecolors=face,
-                       linewidths=1.5, zorder=3, label=("lynx@budget (labelled)" if first_lynx else
-                                                        None if fam == "lynx" else r["peer"]))
+            marker, colour, face = _style(r["peer"])
+            is_lynx = r["peer"].startswith("lynx")
+            label = ("lynx@budget (labelled)" if r is lynx[0] else None) if is_lynx else r["peer"]
+            ax.scatter(r["frac"], r["step_rel"], marker=marker, s=110 if marker in "*hp" else 80, edgecolors=colour,
+                       facecolors=face, linewidths=1.5, zorder=3, label=label)
+        if not lynx:
+            ax.text(0.02, 0.03, "lynx: every budget refused (see peers.md)", transform=ax.transAxes, color="tab:red",
+                    fontsize=9)
         ax.margins(x=0.06, y=0.12)
         ax.axvline(1.0, color="grey", lw=0.5, ls=":")
         ax.axhline(1.0, color="grey", lw=0.5, ls=":")
         ax.set_title(model)
         ax.set_xlabel("measured step peak / torch.compile (Inductor) peak")
-        ax.set_ylabel("step time / Inductor's (loaded 2-core CPU)")
+        ax.set_ylabel("step time / Inductor's (loaded CPU)")
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), framealpha=0.9)
         ax.grid(alpha=0.2)
-    fig.suptitle("Peers vs lynx: lower-left is better (less memory, faster)")
+    fig.suptitle("Peers vs lynx: lower-left is better (less memory, faster); hollow = eager, filled = compiled")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -588,7 +598,9 @@ def report_only(args: argparse.Namespace) -> str:
     env_line = old[2]
     command = next(ln for ln in old if ln.startswith("Command:"))
     git_state = next(ln for ln in old if ln.startswith("Code measured:")).split(": ", 1)[1].split("; `tree`")[0]
-    notes = [ln[len("Note: "):] for ln in old if ln.startswith("Note: ")]
+    notes = [ln[len("Note: "):] for ln in old if ln.startswith("Note: ") and "--report-only" not in ln]
+    notes.append(f"this .md and .png rewritten from the CSV by `--report-only` ({bb.git_state()}); the rows are "
+                 "the run's.")
     stem = args.stem or os.path.splitext(os.path.basename(args.report_only))[0]
     return write(args.out, stem, rows, [], notes, env_line, git_state, done=not any(
         ln.startswith("**Partial") for ln in old), pending=["?"], command=command)
