@@ -437,6 +437,19 @@ def pair_lines(table: Sequence[dict]) -> list[str]:
     return lines
 
 
+def tally(pairs: Sequence[str]) -> list[str]:
+    """Per model: in how many pairs lynx used less memory / was faster (from ``pair_lines``)."""
+    out = []
+    for model in dict.fromkeys(ln.split(":")[0] for ln in pairs):
+        mine = [ln for ln in pairs if ln.startswith(model + ":")]
+        less = sum("less: lynx)" in ln for ln in mine)
+        faster = sum("faster: lynx)" in ln for ln in mine)
+        floor = sum("below lynx's smallest reachable" in ln or "wins on memory" in ln for ln in mine)
+        out.append(f"{model}: {len(mine)} pairs; lynx used less memory in {less}, was faster in {faster}; "
+                   f"{floor} peer(s) measured below every budget lynx accepted")
+    return out
+
+
 FAMILY_COLOUR = {"eager": "black", "inductor": "black", "torch-budget": "tab:orange", "checkpoint-full": "tab:blue",
                  "sac-mm": "tab:green", "torch_remat-full": "tab:purple", "torch_remat-save-attn": "tab:purple",
                  "tt-ac": "tab:brown", "lynx": "tab:red"}
@@ -542,7 +555,10 @@ def write(out: str, stem: str, rows: Sequence[dict], argv: Sequence[str], notes:
         lines += [f"- {r['model']} {r['peer']}: {r['result'][:400]}" for r in bad]
         lines.append("")
     lines += ["Pairs (lynx at the budget matching each peer's measured fraction, rounded down to 0.01):", ""]
-    lines += [f"- {ln}" for ln in pair_lines(table)] or ["- (none)"]
+    pairs = pair_lines(table)
+    lines += [f"- {ln}" for ln in pairs] or ["- (none)"]
+    lines += ["", "Tally per model (pairs above; step times from a loaded machine):", ""]
+    lines += [f"- {ln}" for ln in tally(pairs)] or ["- (none)"]
     if notes:
         lines += ["", *(f"Note: {n}" for n in notes)]
     text = "\n".join(lines) + "\n"
