@@ -39,8 +39,8 @@ Peers (each row its own process, cold Inductor cache, a timeout; a failure is th
   other models get an ``n/a`` row. torchtitan 0.3.0 has no selective-layer mode (a row says so).
 - ``lynx@F``: ``torch.compile(model, backend=lynx_compile.backend(memory_budget=F))``, everything
   else lynx's defaults. For every peer row that measured a fraction f < 0.97 of ``inductor``'s peak
-  a lynx row at F = f rounded down to 0.01 (F's within 0.05 above a lower one share its row: lynx
-  never gets more memory than the peer it is paired with), lowest first; when lynx refuses
+  a lynx row at F = f rounded down to 0.01 (F's within 0.05 above one lynx measured share its row:
+  lynx never gets more memory than the peer it is paired with), lowest first; when lynx refuses
   (``BudgetError``: "use memory_budget >= X") the lower F's are not run (their row repeats the
   refusal) and one more row runs lynx at X (``lynx@min``).
 
@@ -326,16 +326,13 @@ def measure(args: argparse.Namespace, model: str, peer: str, budget: Optional[fl
 
 
 def lynx_budgets(rows: Sequence[dict], model: str) -> list[float]:
-    """Budgets matching the peers' measured fractions: f rounded down to 0.01, distinct, lowest first."""
+    """Budgets matching the peers' measured fractions (< NO_PAIR_ABOVE): f rounded down to 0.01,
+    distinct, lowest first (``run_lynx`` lets one measured budget serve those within MERGE above it)."""
     ref = _reference(rows, model)
     if ref is None:
         return []
-    out: list[float] = []
-    for b in sorted({_matching(r["ms_MiB"] / ref["ms_MiB"]) for r in rows
-                     if r["model"] == model and r["result"] == "ok" and not r["peer"].startswith("lynx")}):
-        if b < NO_PAIR_ABOVE and not (out and b - out[-1] <= MERGE + 1e-9):
-            out.append(b)  # a budget within MERGE above one kept is served by that (lower) one
-    return out
+    return sorted(b for b in {_matching(r["ms_MiB"] / ref["ms_MiB"]) for r in rows if r["model"] == model
+                              and r["result"] == "ok" and not r["peer"].startswith("lynx")} if b < NO_PAIR_ABOVE)
 
 
 def _matching(frac: float) -> float:
@@ -356,14 +353,18 @@ def run_lynx(args: argparse.Namespace, model: str, rows: list[dict], on_row: Cal
     and lynx@min runs at that minimum."""
     smallest: Optional[float] = None
     refusal = ""
+    measured: Optional[float] = None  # the last budget lynx measured: it serves those within MERGE above
     for b in lynx_budgets(rows, model):
         peer = f"lynx@{b:g}"
+        if measured is not None and b - measured <= MERGE + 1e-9:
+            continue
         if smallest is not None and b < smallest:
             on_row({"model": model, "peer": peer, "budget": b, "tree": bb.tree_hash(),
                     "result": f"refused (not run, below the smallest reachable {smallest:g} named at {refusal})"})
             continue
         row = measure(args, model, peer, b)
         on_row(row)
+        measured = b if row["result"] == "ok" else measured
         named = bb.USE_RE.search(row["result"]) if row["result"].startswith("refused") else None
         if named and smallest is None:
             smallest, refusal = float(named.group(1)), peer

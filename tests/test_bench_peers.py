@@ -40,7 +40,7 @@ def test_report_pairs_and_plot(tmp_path):
     ]
     assert bench_peers.lynx_budgets(rows, "m") == [0.25, 0.65]
     near = {**ok, "model": "m", "peer": "sac-mm/eager", "budget": None, "ms_MiB": 1.06, "step_ms": 30.0}
-    assert bench_peers.lynx_budgets(rows + [near], "m") == [0.25, 0.65]  # 0.26 shares lynx@0.25
+    assert bench_peers.lynx_budgets(rows + [near], "m") == [0.25, 0.26, 0.65]
     rows += [
         {"model": "m", "peer": "lynx@0.25", "budget": 0.25, "result": "refused: use memory_budget >= 0.4"},
         {**ok, "model": "m", "peer": "lynx@0.65", "budget": 0.65, "ms_MiB": 2.5, "step_ms": 11.0},
