@@ -363,11 +363,13 @@ class StepRecorder:
         segments: list[Segment] = []
         alive: set[int] = set()
         running: tuple[int, str] | None = None
-        for (call, kind), peak, held in zip(marks, peaks, grads):
+        for (call, kind), peak, held in zip(marks, peaks, [0, *grads[:-1]]):
             if peak is None:
                 continue
-            # + the gradients accumulated into an allocated .grad by this segment's end, which a
-            # step starting with .grad None holds (memory.param_grads)
+            # + the gradients accumulated into an allocated .grad before this segment started,
+            # which a step starting with .grad None holds (memory.param_grads). One accumulated
+            # within the segment was in its measured peak until then (the backward's output that
+            # autograd adds into .grad and frees), so it counts from the next segment on.
             segments.append(Segment(peak=peak + held, alive=tuple(sorted(alive)), running=running))
             if kind == "fw0":
                 running = (call, "fw")
