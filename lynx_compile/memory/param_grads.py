@@ -38,13 +38,13 @@ def leaf_tensors(roots: Any) -> list[torch.Tensor]:
         node = getattr(r, "grad_fn", None) if isinstance(r, torch.Tensor) else getattr(r, "node", None)
         if node is not None:
             stack.append(node)
-    seen: set[int] = set()
-    leaves: dict[int, torch.Tensor] = {}
+    seen: dict[int, Any] = {}  # holds the nodes: their Python wrappers may be made per access,
+    leaves: dict[int, torch.Tensor] = {}  # and a freed one's id could be another's (torch 2.11)
     while stack:
         node = stack.pop()
         if id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         variable = getattr(node, "variable", None)
         if isinstance(variable, torch.Tensor):
             leaves.setdefault(id(variable), variable)
