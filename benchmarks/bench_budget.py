@@ -507,11 +507,16 @@ def write(out: str, stem: str, rows: Sequence[dict], argv: Sequence[str], notes:
         lines += ["", f"Not run ({len(pending)} of the selection; model, style, compiler, budget):", "",
                   ", ".join(" ".join(p) for p in pending)]
     text = "\n".join(lines) + "\n"
-    tmp = os.path.join(out, f".{stem}.md.tmp")
+    write_atomic(os.path.join(out, stem + ".md"), text)
+    return text
+
+
+def write_atomic(path: str, text: str) -> None:
+    """``text`` into ``path`` through a temporary file beside it, so a reader never sees half."""
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
     with open(tmp, "w") as f:
         f.write(text)
-    os.replace(tmp, os.path.join(out, stem + ".md"))
-    return text
+    os.replace(tmp, path)
 
 
 # ------------------------------------------------------------------------------------------ CLI

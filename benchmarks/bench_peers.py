@@ -17,8 +17,9 @@ Peers (each row its own process, cold Inductor cache, a timeout; a failure is th
 
 - ``eager``: plain PyTorch. ``inductor``: ``torch.compile(model)``, no recompute budget: the
   reference every fraction is of.
-- ``torch-budget@B``: ``torch._functorch.config.activation_memory_budget = B`` set in the row's
-  process (as torchtitan's ``MemoryBudgetAC`` does), then ``torch.compile(model)`` (Inductor).
+- ``torch-budget@B``: ``torch.compile(model)`` with Inductor compiling under
+  ``torch._functorch.config.activation_memory_budget = B`` (``_compat.inductor_at_activation_budget``;
+  torchtitan's ``MemoryBudgetAC`` sets the same config).
 - ``checkpoint-full/eager|inductor``: ``torch.utils.checkpoint.checkpoint(block, use_reentrant=False)``
   around every transformer block (the model's largest ``nn.ModuleList``), eager or compiled whole.
 - ``sac-mm/eager|inductor``: the same with ``context_fn=create_selective_checkpoint_contexts(policy)``:
@@ -147,10 +148,11 @@ def _checkpointed(context_fn: Optional[Callable] = None) -> Callable[[int, Calla
 def sac_save_matmuls() -> Callable:
     """``context_fn`` of SAC saving the compute-intensive ops, recomputing the rest."""
     import torch
-    from torch._functorch.partitioners import get_default_op_list
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-    save = {op.default for op in get_default_op_list().compute_intensive_ops}
+    from lynx_compile import _compat
+
+    save = {op.default for op in _compat.compute_intensive_ops()}
     save |= {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, torch.ops.aten.linear.default}
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -202,6 +204,7 @@ def prepare(peer: str, model: str, module: Any, budget: Optional[float]) -> tupl
     import torch
 
     import lynx_compile
+    from lynx_compile import _compat
 
     compiled = lambda backend: (torch.compile(module, backend=backend), backend)  # noqa: E731
     if peer == "eager":
@@ -209,8 +212,7 @@ def prepare(peer: str, model: str, module: Any, budget: Optional[float]) -> tupl
     if peer == "inductor":
         return compiled("inductor")
     if peer.startswith("torch-budget@"):
-        torch._functorch.config.activation_memory_budget = budget
-        return compiled("inductor")
+        return compiled(_compat.inductor_at_activation_budget(budget))
     if peer.startswith("lynx@"):
         return compiled(lynx_compile.backend(memory_budget=budget))
     family, _, mode = peer.partition("/")
@@ -563,10 +565,7 @@ def write(out: str, stem: str, rows: Sequence[dict], argv: Sequence[str], notes:
     if notes:
         lines += ["", *(f"Note: {n}" for n in notes)]
     text = "\n".join(lines) + "\n"
-    tmp = os.path.join(out, f".{stem}.md.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, os.path.join(out, stem + ".md"))
+    bb.write_atomic(os.path.join(out, stem + ".md"), text)
     return text
 
 

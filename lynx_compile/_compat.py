@@ -248,6 +248,14 @@ def _tracing_fw_metadata() -> Any:
     return context.fw_metadata if context is not None else None
 
 
+def compute_intensive_ops() -> list:
+    """The ops torch's min-cut partitioner never recomputes (``get_default_op_list()
+    .compute_intensive_ops``: matmuls, convolutions, attention), as OpOverloadPackets."""
+    from torch._functorch.partitioners import get_default_op_list
+
+    return list(get_default_op_list().compute_intensive_ops)
+
+
 def inductor_at_activation_budget(budget: float) -> Callable:
     """A dynamo backend: Inductor (``compile_fx``, what ``backend="inductor"`` runs) with
     ``torch._functorch.config.activation_memory_budget = budget`` while it compiles, where the

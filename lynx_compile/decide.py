@@ -199,10 +199,9 @@ def _window_targets(ctx: PassContext, smallest: int | None) -> list[int]:
     problem = ctx.record.problem
     if problem is None or not problem.windows or not ctx.record.reference_peak_bytes:
         return []
-    low = smallest if smallest is not None else None
     ref = ctx.record.reference_peak_bytes
-    targets = [low] if low is not None else []
-    base = low if low is not None else int(0.5 * ref)
+    base = smallest if smallest is not None else int(0.5 * ref)
+    targets = [smallest] if smallest is not None else []
     targets.append((base + ref) // 2)
     return sorted(set(t for t in targets if 0 < t < ref))
 

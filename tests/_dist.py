@@ -207,3 +207,21 @@ def _check_exits(procs: list, done: dict, errors: dict, dead_since: dict, name: 
             continue
         if now - dead_since.setdefault(rank, now) > _GRACE_S:
             raise AssertionError(f"{name}: rank {rank} died with exit code {p.exitcode}, no result")
+
+
+def sgd_losses(run: Callable, model: torch.nn.Module, batches: list, lr: float, rank: int = 0,
+               world: int = 1) -> list[float]:
+    """Train ``model`` (called through ``run``) with SGD, one step per global batch, on this
+    rank's ``1 / world`` of each; each step's loss averaged over the ranks."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for x in batches:
+        loss = run(x.chunk(world)[rank]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses

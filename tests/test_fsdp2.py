@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import lynx_compile
-from _dist import run_ranks
+from _dist import run_ranks, sgd_losses
 from lynx_compile.models import build_model
 
 N_LAYERS = 3
@@ -46,14 +45,7 @@ def _batches(model) -> list[torch.Tensor]:
 def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses and final parameters of the single-process eager run on the global batch."""
     model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for x in _batches(model):
-        loss = model(x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = sgd_losses(model, model, _batches(model), LR)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -95,16 +87,7 @@ def _train(rank: int, world: int, mode: str, options: dict) -> dict:
         for block in model.blocks:
             block.compile(backend=seen)
         run = model
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for x in _batches(model):
-        loss = run(x.chunk(world)[rank]).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        global_loss = loss.detach().clone()
-        dist.all_reduce(global_loss)
-        losses.append(global_loss.item() / world)
+    losses = sgd_losses(run, model, _batches(model), LR, rank, world)
     graphs = []
     # one record per graph, two for a graph whose calls run two compiles after the step's plan
     # across pieces (lynx_compile.step_record): its block flag is its graph's

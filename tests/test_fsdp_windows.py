@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import lynx_compile
-from _dist import BACKEND_ENV, run_ranks
+from _dist import BACKEND_ENV, run_ranks, sgd_losses
 from lynx_compile.costs.comm import LinkProfile
 from lynx_compile.distributed import fsdp
 from lynx_compile.models import build_model
@@ -52,15 +51,7 @@ def _batches(model) -> list[torch.Tensor]:
 
 def _reference_losses() -> list[float]:
     model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for x in _batches(model):
-        loss = model(x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return sgd_losses(model, model, _batches(model), LR)
 
 
 def _train(rank: int, world: int, options: dict, trace: bool) -> dict:
@@ -75,16 +66,7 @@ def _train(rank: int, world: int, options: dict, trace: bool) -> dict:
     backend = lynx_compile.backend(**options)
     for block in model.blocks:
         block.compile(backend=backend, fullgraph=True)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for x in _batches(model):
-        loss = model(x.chunk(world)[rank]).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
+    losses = sgd_losses(model, model, _batches(model), LR, rank, world)
     ranges = []
     if trace:  # one more step under the profiler: the recompute ranges lynx names
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
