@@ -190,3 +190,48 @@ def test_grad_watch_counts_the_gradients_accumulated_into_an_allocated_grad():
     b(a(x).relu()).sum().backward()
     watch.stop()
     assert watch.held_bytes == watch.accumulated == 20 * 4
+
+
+class _SwiGLU(torch.nn.Module):
+    """A SwiGLU MLP (Llama's, torchtitan's): ``down(silu(gate(x)) * up(x))``; hidden 512 x 1024
+    fp32, 2 MiB per tensor."""
+
+    def __init__(self, dim: int = 256, hidden: int = 1024):
+        super().__init__()
+        self.gate = torch.nn.Linear(dim, hidden, bias=False)
+        self.up = torch.nn.Linear(dim, hidden, bias=False)
+        self.down = torch.nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x)).square().mean()
+
+
+def test_swiglu_backward_predicted_as_inductor_fuses_it(monkeypatch):
+    """Inductor fuses the backward's two products of the output gradient ``dh`` (``dh *
+    silu(gate)`` for the down-projection's gradients, and silu's backward) into one kernel
+    before both matmuls, where dh, gate and up die (``simulate.fused_order``). The prediction
+    of the step (torch.compile's own partition under Inductor) is the measured peak within
+    2%; kept as two kernels, the model held dh and gate across the matmuls (measured: 9.0 MiB,
+    predicted 9.0 MiB; as two kernels 10.5 MiB)."""
+    from lynx_compile import apply
+    from lynx_compile.memory import simulate
+
+    graphs = []
+    monkeypatch.setattr(apply, "simulate_step", lambda fw, bw, **kw: graphs.append((fw, bw)) or
+                        simulate.simulate_step(fw, bw, **kw))
+    torch.manual_seed(0)
+    model = _SwiGLU()
+    x = torch.randn(512, 256, requires_grad=True)
+    backend = lynx_compile.backend(policy="none", plan_cache=False)
+    compiled = torch.compile(model, backend=backend)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        compiled(x).backward()
+    plan = backend.plans[-1]
+    measured = measure_step(lambda: compiled(x).backward(), repeats=1, warmup=0, plan=plan,
+                            params=[*model.parameters(), x]).peak_bytes
+    assert abs(measured - plan.peak_bytes) <= 0.02 * measured, (plan.peak_bytes, measured)
+    # the same graphs with the fusion left out of the model: 2 x 2 MiB more
+    fw, bw = graphs[-1]
+    monkeypatch.setattr(simulate, "FUSION_SHARED_BYTES", 1 << 40)
+    unfused = simulate.simulate_step(fw, bw, fused=True).peak_bytes
+    assert unfused > 1.1 * measured, (unfused, measured)

@@ -34,11 +34,15 @@ graph (lynx's Inductor settings: no peak-memory reordering, no wrapper buffer re
   when that output is a gradient, the buffer was one from the start (a tied weight's LM-head
   gradient matmul, to which the embedding's gradient is added in place);
 * a matmul that Inductor's ``mm + add -> addmm`` moves to its add, and lynx's
-  ``split_late_addmm`` leaves there, runs at the add (``late_addmms``).
+  ``split_late_addmm`` leaves there, runs at the add (``late_addmms``);
+* a pointwise kernel that shares at least 1 MiB of reads with an earlier one of the same size,
+  and depends on nothing computed between them, runs with it (``fused_order``: the scheduler's
+  fusion of independent kernels, a SwiGLU backward's two products of the output gradient).
 
 Not modelled under Inductor: values it realizes although they feed only loop kernels (one read
-by several kernels with more than ``realize_reads_threshold`` reads or an ``exp`` on CPU), kernels
-its scheduler moves by fusing them with an earlier one, buffers it reuses from donated inputs.
+by several kernels with more than ``realize_reads_threshold`` reads or an ``exp`` on CPU), other
+fusions that move a kernel (reductions, kernels of other sizes, reads shared below 1 MiB),
+buffers it reuses from donated inputs.
 Measured on CPU (``tests/test_compiled_peak.py``, README "Measured peaks against the budget")
 the prediction is within bytes of the allocator's peak for gpt-small, a GQA LM and HF Llama.
 """
