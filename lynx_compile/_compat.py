@@ -697,6 +697,15 @@ def backward_holds_grad_inputs() -> bool:
         return TORCH_VERSION < (2, 13)
 
 
+def backward_donates_saved() -> bool:
+    """Whether AOTAutograd lets Inductor write into the backward's saved tensors once they die
+    (``torch._functorch.config.donated_buffer``, on by default in 2.11 and 2.13: the saved
+    tensors that alias no forward input or output are ``bw_donated_idxs``)."""
+    from torch._functorch import config as functorch_config
+
+    return bool(getattr(functorch_config, "donated_buffer", False))
+
+
 # --- torch.distributed (private parts) -------------------------------------------------------
 
 def c10d_bindings() -> Any:

@@ -316,22 +316,26 @@ never less)."""
 
 
 def fused_order(nodes: list[fx.Node], keys: dict[fx.Node, str], interior: set[fx.Node],
-                sizes: dict[str, int]) -> list[fx.Node]:
-    """``nodes`` with each pointwise kernel that Inductor's scheduler fuses into an earlier one
-    moved next to it (``Scheduler.fuse_nodes_once`` places a fused group at its earliest
-    member). A kernel ``k2`` (a pointwise op that materializes) joins the earlier kernel ``k1``
-    of the same size with which it shares the most bytes of reads (at least
-    :data:`FUSION_SHARED_BYTES`, storages of ``sizes``) when nothing it depends on is computed
-    between them but views and values computed inside it (``interior``); those move with it.
-    A SwiGLU backward (torchtitan's qwen3 and llama3 blocks, HF Llama's MLP): the kernel
-    computing ``dh * silu(gate)`` for the down-projection's input gradient matmuls and the one
-    computing the silu-backward product read the same ``dh``, ``gate`` and ``up``; Inductor
-    runs both before the matmuls, where the three die (measured: the separate kernels' model
-    held ``dh`` and ``gate`` across two matmuls, 19% above Inductor's backward peak)."""
+                sizes: dict[str, int]) -> tuple[list[fx.Node], dict[fx.Node, int]]:
+    """``nodes`` in the order Inductor runs them once its scheduler has fused pointwise kernels
+    into earlier ones, and the fused groups (kernel -> group number; kernels left alone are not
+    in it). A kernel ``k2`` (a pointwise op that materializes) joins the earlier kernel ``k1`` of
+    the same size with which it shares the most bytes of reads (at least
+    :data:`FUSION_SHARED_BYTES`, storages of ``sizes``), unless something it depends on reads
+    ``k1`` (a cycle). ``Scheduler.fuse_nodes_once`` runs a fused group where its earliest member
+    stood and moves the group's other dependencies ahead of it: what ``k2`` depends on that
+    stands between them moves before ``k1`` (a matmul), or with ``k2`` (values computed inside
+    it, views). A SwiGLU backward (torchtitan's qwen3 and llama3 blocks, HF Llama's MLP): the
+    kernels computing ``dh * silu(gate)``, silu's backward (and, where the MLP is recomputed,
+    ``silu(gate) * up``) read the same ``gate`` and ``up``; Inductor computes them in one
+    kernel, after the ``dh`` matmul and before the weight-gradient matmuls, so gate and up die
+    there (measured: the separate kernels' model held them across the matmuls, 7-19% above
+    Inductor's backward peak)."""
     order = list(nodes)
     at = {n: i for i, n in enumerate(order)}
     reads: dict[fx.Node, set[str]] = {}
     readers: dict[str, list[fx.Node]] = {}  # storage -> the kernels before that read it
+    group: dict[fx.Node, int] = {}
     numel = lambda n: _bytes(n) // max(1, _value(n).element_size())  # noqa: E731
     for k2 in nodes:
         if k2 in interior or k2.op != "call_function" or not _is_loop(k2) or len(allocations(k2)) != 1 \
@@ -344,34 +348,50 @@ def fused_order(nodes: list[fx.Node], keys: dict[fx.Node, str], interior: set[fx
                 continue
             shared = sum(sizes.get(k, 0) for k in reads[k1] & reads[k2])
             if shared >= FUSION_SHARED_BYTES and shared > best_shared:
-                group = _fusion_group(k2, at, at[k1], interior)
-                if group is not None:
-                    best, best_shared = (k1, group), shared
+                moves = _fusion_moves(k2, k1, at, interior)
+                if moves is not None:
+                    best, best_shared = (k1, moves), shared
         for key in reads[k2]:
             readers.setdefault(key, []).append(k2)
         if best is None:
             continue
-        k1, group = best
-        rest = [n for n in order if n not in group]
-        i = rest.index(k1) + 1
-        order = rest[:i] + sorted(group, key=at.get) + rest[i:]
+        k1, (ahead, along) = best
+        rest = [n for n in order if n not in ahead and n not in along]
+        i = rest.index(k1)
+        order = rest[:i] + sorted(ahead, key=at.get) + [k1] + sorted(along, key=at.get) + rest[i + 1:]
         at = {n: i for i, n in enumerate(order)}
-    return order
+        group[k2] = group.setdefault(k1, len(group))
+    return order, group
 
 
-def _fusion_group(k2: fx.Node, at: dict[fx.Node, int], after: int, interior: set[fx.Node]) -> set[fx.Node] | None:
-    """``k2`` and what it depends on that stands after position ``after``: None when any of that
-    is a kernel of its own (neither a view nor computed inside ``k2``)."""
-    group, todo = {k2}, list(k2.all_input_nodes)
+def _fusion_moves(k2: fx.Node, k1: fx.Node, at: dict[fx.Node, int],
+                  interior: set[fx.Node]) -> tuple[set[fx.Node], set[fx.Node]] | None:
+    """What moves when ``k2`` joins ``k1``'s kernel: (the dependencies of ``k2`` standing after
+    ``k1`` that run ahead of it, ``k2`` with the values computed inside it and views); None when
+    one of those dependencies reads ``k1`` (fusing would make a cycle)."""
+    after = at[k1]
+    closure, todo = {k2}, list(k2.all_input_nodes)
     while todo:
         n = todo.pop()
-        if n in group or at[n] <= after:
+        if n in closure or n is k1 or at[n] <= after:
             continue
-        if n not in interior and not _is_view(n):
-            return None
-        group.add(n)
+        closure.add(n)
         todo.extend(n.all_input_nodes)
-    return group
+    ahead: set[fx.Node] = set()
+    for n in closure:
+        if n is not k2 and n not in interior and not _is_view(n):  # a kernel of its own
+            ahead.add(n)
+            stack = list(n.all_input_nodes)
+            while stack:
+                m = stack.pop()
+                if m is k1:
+                    return None
+                if m in closure and m not in ahead:
+                    ahead.add(m)
+                    stack.extend(m.all_input_nodes)
+                elif at[m] > after and m not in closure:
+                    stack.extend(m.all_input_nodes)
+    return ahead, closure - ahead
 
 
 def _kernel_reads(node: fx.Node, keys: dict[fx.Node, str], interior: set[fx.Node]) -> list[str]:
@@ -387,21 +407,34 @@ def _kernel_reads(node: fx.Node, keys: dict[fx.Node, str], interior: set[fx.Node
 
 
 def inplace_outputs(nodes: list[fx.Node], keys: dict[fx.Node, str], last_use: dict[str, int],
-                    pinned: set[str], interior: set[fx.Node]) -> dict[str, str]:
+                    pinned: set[str], interior: set[fx.Node], groups: dict[fx.Node, int] | None = None,
+                    donated: dict[str, int] | None = None, pos: dict[fx.Node, int] | None = None) -> dict[str, str]:
     """Inductor's in-place buffers (``config.inplace_buffers``): the kernel of a pointwise op or
     a reduction that materializes writes its output into the first buffer it reads that has the
-    same size, was computed in this graph (not an input, not a graph output) and dies at that
-    kernel (``last_use``: positions in ``nodes``). Returns output key → the reused buffer's key,
-    chains resolved (a kernel may write into a buffer that itself took another's storage)."""
+    same size, was computed in this graph or is a ``donated`` input (storage key -> bytes: the
+    backward's saved tensors AOTAutograd lets Inductor reuse), is no graph output, and has no
+    reader left but this kernel (it dies there, ``last_use``: positions in ``nodes``; and no
+    other kernel of its fused group, ``groups`` from :func:`fused_order`, reads it: Inductor
+    decides per node before the group's kernel runs; ``pos``: where each kernel runs, a fused
+    group's members at its last). Returns output key -> the reused buffer's
+    key, chains resolved (a kernel may write into a buffer that itself took another's storage)."""
     alloc = {k: b for n in nodes if n not in interior for k, b in allocations(n)}
+    alloc.update(donated or {})
+    groups = groups or {}
+    members: dict[int, list[fx.Node]] = {}
+    for n, g in groups.items():
+        members.setdefault(g, []).append(n)
     merged: dict[str, str] = {}
     for i, node in enumerate(nodes):
         out = allocations(node)
         addmm = any(a in interior and a.target is torch.ops.aten.mm.default for a in node.all_input_nodes)
         if len(out) != 1 or node in interior or addmm or not (_is_loop(node) or torch.Tag.reduction in _tags(node)):
             continue  # (an add holding a matmul is Inductor's extern addmm, not a loop kernel)
+        others = {k for m in members.get(groups.get(node, -1), ()) if m is not node
+                  for k in _kernel_reads(m, keys, interior)}
         for key in _kernel_reads(node, keys, interior):
-            if alloc.get(key) == out[0][1] and last_use.get(key) == i and key not in pinned:
+            if alloc.get(key) == out[0][1] and last_use.get(key) == (pos[node] if pos else i) \
+                    and key not in pinned and key not in others:
                 merged[out[0][0]] = merged.get(key, key)
                 break
     return merged
@@ -409,7 +442,7 @@ def inplace_outputs(nodes: list[fx.Node], keys: dict[fx.Node, str], last_use: di
 
 def simulate_graph(gm: fx.GraphModule, *, live_inputs: dict[str, int], input_keys: dict[str, str],
                    keep_outputs: bool = True, count_outputs: bool = True, fused: bool = False,
-                   held_inputs: frozenset[str] = frozenset()) -> GraphMemory:
+                   held_inputs: frozenset[str] = frozenset(), donated: frozenset[str] = frozenset()) -> GraphMemory:
     """Walk ``gm`` and track live bytes.
 
     ``live_inputs``: storage key → bytes of inputs already counted as live (freed at their last
@@ -420,21 +453,33 @@ def simulate_graph(gm: fx.GraphModule, *, live_inputs: dict[str, int], input_key
     ``fused=True`` (the graph is compiled by Inductor): the module docstring's Inductor model
     (``fused_interior`` nodes allocate nothing and read at :func:`kernel_positions`; kernels
     write in place, :func:`inplace_outputs`). ``fused=False`` is the exact op-by-op model.
-    ``held_inputs``: storage keys of inputs the caller keeps alive until the graph returns."""
+    ``held_inputs``: storage keys of inputs the caller keeps alive until the graph returns.
+    ``donated``: storage keys of ``live_inputs`` Inductor may write a kernel's output into once
+    they die (:func:`donated_inputs`)."""
     keys = storage_keys(gm, input_keys)
     nodes = list(gm.graph.nodes)
     interior = {n for n in nodes if fused_interior(n)} | late_addmms(nodes) if fused else set()
+    groups: dict[fx.Node, int] = {}
     if fused:
         sizes = {k: b for n in nodes for k, b in allocations(n)}
         sizes.update({keys[n]: _bytes(n) for n in nodes if n.op == "placeholder"})
-        nodes = fused_order(nodes, keys, interior, sizes)
+        nodes, groups = fused_order(nodes, keys, interior, sizes)
     pos = kernel_positions(nodes, interior) if fused else {n: i for i, n in enumerate(nodes)}
+    if groups:  # a fused group's kernel allocates all its outputs, then frees what dies in it
+        index = {n: i for i, n in enumerate(nodes)}
+        end: dict[int, int] = {}
+        for n, g in groups.items():
+            end[g] = max(end.get(g, -1), index[n])
+        last = {index[n]: end[g] for n, g in groups.items()}
+        pos = {n: last.get(p, p) for n, p in pos.items()}
     output = nodes[-1]
     last_use = _last_uses(nodes, keys, pos)
     pinned = {keys[n] for n in output.all_input_nodes} if keep_outputs else set()
     reused: dict[str, str] = {}
     if fused:  # one storage for a kernel's output and the input it overwrites, to the later end
-        reused = inplace_outputs(nodes, keys, last_use, pinned, interior)
+        reused = inplace_outputs(nodes, keys, last_use, pinned, interior, groups,
+                                 {k: live_inputs[k] for k in donated if k in live_inputs and k not in held_inputs},
+                                 pos)
         keys = {n: reused.get(k, k) for n, k in keys.items()}
         last_use = _last_uses(nodes, keys, pos)
         pinned = {keys[n] for n in output.all_input_nodes} if keep_outputs else set()
@@ -520,6 +565,22 @@ def held_tangents(keys) -> frozenset[str]:
     return frozenset(k for k in keys if k.removeprefix("bw:").startswith("tangents"))
 
 
+def donated_inputs(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, input_keys: dict[str, str]) -> frozenset[str]:
+    """Storage keys of the backward's inputs AOTAutograd donates to Inductor (the saved tensors
+    that share no storage with a forward input or a forward output the user gets), when it
+    donates them at all (``_compat.backward_donates_saved``)."""
+    if not _compat.backward_donates_saved():
+        return frozenset()
+    fw_keys = storage_keys(fw_gm, {})
+    saved = {ph.name for ph in bw_gm.graph.find_nodes(op="placeholder")}
+    outputs = next(n for n in reversed(fw_gm.graph.nodes) if n.op == "output").args[0]
+    user = {fw_keys[o] for o in (outputs if isinstance(outputs, (tuple, list)) else (outputs,))
+            if isinstance(o, fx.Node) and o.name not in saved}
+    inputs = {fw_keys[n] for n in fw_gm.graph.find_nodes(op="placeholder")}
+    return frozenset(k for name, k in input_keys.items()
+                     if not k.startswith("bw:") and k not in user and k not in inputs)
+
+
 def simulate_step(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, *, fused: bool = False) -> StepMemory:
     """Peak activation memory of forward then backward, and the bytes saved between them
     (``fused``: see ``simulate_graph``)."""
@@ -527,7 +588,8 @@ def simulate_step(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, *, fused: bool =
     input_keys, live_inputs = backward_inputs(fw_gm, bw_gm)
     saved = sum(v for k, v in live_inputs.items() if not k.startswith("bw:tangents"))
     bw_mem = simulate_graph(bw_gm, live_inputs=live_inputs, input_keys=input_keys, count_outputs=True,
-                            fused=fused, held_inputs=held_tangents(live_inputs))
+                            fused=fused, held_inputs=held_tangents(live_inputs),
+                            donated=donated_inputs(fw_gm, bw_gm, input_keys) if fused else frozenset())
     peak = max(fw_mem.peak_bytes, bw_mem.peak_bytes)
     at = f"forward:{fw_mem.peak_node}" if fw_mem.peak_bytes >= bw_mem.peak_bytes else f"backward:{bw_mem.peak_node}"
     return StepMemory(saved_bytes=saved, forward_peak_bytes=fw_mem.peak_bytes,
