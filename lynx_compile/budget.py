@@ -1,6 +1,6 @@
 """The memory budget: one value from the option to the check, and the one error it raises.
 
-What a budget bounds (README "The memory budget"): the **peak of the training step**, the
+What a budget bounds (docs/memory_budget.md): the **peak of the training step**, the
 bytes a forward + backward allocates above what is allocated when it starts: saved activations,
 their recomputes, gradients of activations, temporaries, and the parameter gradients the
 backward returns (a compiled backward returns them together at its end; only then does autograd

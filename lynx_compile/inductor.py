@@ -44,7 +44,7 @@ weights, shared pointwise values and the windows below). What follows:
   and the input it overwrites in place apart. It is a second opinion, not what lynx plans
   against: the budget is checked on lynx's prediction, which the measured peak stays within
   (+4 to +8 B) in every case measured with budgets (gpt-small at 0.4-0.7, the GQA LM and HF
-  Llama at 0.5 and 0.7; README's table). An FX-graph cache hit skips the scheduler: the
+  Llama at 0.5 and 0.7; the table in docs/memory_budget.md). An FX-graph cache hit skips the scheduler: the
   estimate is then the one kept in the plan cache's entry (``plan_cache.keep_compiled_peak`` /
   ``restore_compiled_peak``), when a compile has read it before.
 * **Caching.** AOTAutograd's cache serves lynx's graphs as it serves torch.compile's

@@ -40,7 +40,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
 BATCH, SEQ = 2, 256
 BUDGET = 0.7
 ERR_MULTIPLE = 4.0  # lynx at a budget vs Inductor: within this multiple of Inductor's own error vs eager
-MEASURE_SLACK = 1.02  # torch.compile's own step measures up to ~2-4% off lynx's model of it (README)
+MEASURE_SLACK = 1.02  # torch.compile's own step measures up to ~2-4% off lynx's model of it (docs/memory_budget.md)
 
 
 @pytest.fixture(autouse=True)

@@ -43,7 +43,8 @@ Not modelled under Inductor: values it realizes although they feed only loop ker
 by several kernels with more than ``realize_reads_threshold`` reads or an ``exp`` on CPU), other
 fusions that move a kernel (reductions, kernels of other sizes, reads shared below 1 MiB),
 buffers it reuses from donated inputs.
-Measured on CPU (``tests/test_compiled_peak.py``, README "Measured peaks against the budget")
+Measured on CPU (``tests/test_compiled_peak.py``, docs/memory_budget.md
+"Measured peaks against the budget under Inductor")
 the prediction is within bytes of the allocator's peak for gpt-small, a GQA LM and HF Llama.
 """
 from __future__ import annotations
