@@ -573,10 +573,11 @@ def donated_inputs(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, input_keys: dic
     if not _compat.backward_donates_saved():
         return frozenset()
     fw_keys = storage_keys(fw_gm, {})
-    saved = {ph.name for ph in bw_gm.graph.find_nodes(op="placeholder")}
+    # the forward returns the user's outputs (mutated inputs first), then what the backward takes
+    saved = [ph for ph in bw_gm.graph.find_nodes(op="placeholder") if not ph.name.startswith("tangents")]
     outputs = next(n for n in reversed(fw_gm.graph.nodes) if n.op == "output").args[0]
-    user = {fw_keys[o] for o in (outputs if isinstance(outputs, (tuple, list)) else (outputs,))
-            if isinstance(o, fx.Node) and o.name not in saved}
+    outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+    user = {fw_keys[o] for o in outputs[:max(0, len(outputs) - len(saved))] if isinstance(o, fx.Node)}
     inputs = {fw_keys[n] for n in fw_gm.graph.find_nodes(op="placeholder")}
     return frozenset(k for name, k in input_keys.items()
                      if not k.startswith("bw:") and k not in user and k not in inputs)
