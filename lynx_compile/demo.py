@@ -276,11 +276,11 @@ def point_label(row: dict, compile_peak: Optional[float]) -> str:
     elif v.kind == "inductor":
         name = "torch.compile" if v.budget is None else f"torch.compile, activation_memory_budget {v.budget:g}"
     elif v.policy == "lynx":
-        bound = f" (<= {v.budget * compile_peak:.0f} MiB)" if compile_peak else ""
+        bound = f" (<= {v.budget * compile_peak:.3g} MiB)" if compile_peak else ""
         name = f"lynx, memory_budget {v.budget:g}{bound}"
     else:
         name = describe(row["variant"])
-    return f"{name}\n{row['peak_MiB']:.0f} MiB, {row['step_ms']:.0f} ms"
+    return f"{name}\n{row['peak_MiB']:.3g} MiB, {row['step_ms']:.3g} ms"
 
 
 def plot_demo(rows: Sequence[dict], path: str, title: str, *, keep_open: bool = False) -> Any:
@@ -331,56 +331,80 @@ def plot_demo(rows: Sequence[dict], path: str, title: str, *, keep_open: bool = 
 
 def place_labels(ax: Any, points: Sequence[tuple[float, float, str, str]],
                  lines: Sequence[Sequence[tuple[float, float]]] = ()) -> list:
-    """Annotate each ``(x, y, text, colour)`` point with an arrow from its label, choosing for each
-    label (the most crowded points first) the nearest of a ring of offsets whose box, in display coordinates,
-    overlaps no label placed before, no point's marker, no drawn polyline of ``lines`` (data
-    coordinates) and stays within the axes, and whose arrow crosses no placed label or other marker; when none
-    does, the one costing least (overlapping area). The axes' limits and position must be final.
-    Returns the annotations."""
+    """Annotate each ``(x, y, text, colour)`` point with a label joined to it by a line, choosing
+    each label's place among a ring of offsets around its point (nearest first) to overlap no
+    other label, no marker, no polyline of ``lines`` (data coordinates), to stay inside the axes,
+    and so that no label's line crosses another label or marker. Labels are placed greedily, the
+    most crowded points first, then each is moved again while that lowers the total cost (the
+    overlapping area, crossings weighted as a large overlap). The axes' limits and position must
+    be final. Returns the annotations."""
     fig = ax.figure
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     frame = ax.get_window_extent(renderer)
+    frame = (frame.x0, frame.y0, frame.x1, frame.y1)
     to_px = ax.transData.transform
-    marker_px = 7 * fig.dpi / 72  # half a marker's side, with room
-    markers = [_box(*to_px((x, y)), marker_px) for x, y, _, _ in points]
-    placed: list[tuple] = []
-    annotations = []
+    anchors = [tuple(to_px((x, y))) for x, y, _, _ in points]
+    half = 7 * fig.dpi / 72  # half a marker's side, with room
+    markers = [_box(cx, cy, half) for cx, cy in anchors]
     line_px = [to_px(a) + (to_px(b) - to_px(a)) * t / 40 for line in lines for a, b in zip(line, line[1:])
                for t in range(41)]
-    offsets = [(r * math.cos(a), r * math.sin(a)) for r in (18, 32, 50, 72, 100, 130)
+    offsets = [(r * math.cos(a), r * math.sin(a)) for r in (18, 32, 50, 72, 100, 130, 165)
                for a in (math.radians(d) for d in (30, -30, 150, -150, 90, -90, 0, 180, 60, -60, 120, -120))]
-    centres = [to_px((x, y)) for x, y, _, _ in points]
+    cross = 2000.0  # a crossing costs as much as a 45 x 45 pixel overlap
 
-    def crowd(i: int) -> int:  # points within 150 px: the most crowded are labelled first
-        return sum(1 for c in centres if math.dist(c, centres[i]) < 150 * fig.dpi / 100)
-
-    for i in sorted(range(len(points)), key=lambda i: (-crowd(i), points[i][0], points[i][1])):
+    def annotate(i: int, dx: float, dy: float, **kw: Any) -> Any:
         x, y, text, colour = points[i]
-        best, best_cost = None, None
+        return ax.annotate(text, (x, y), xytext=(dx, dy), textcoords="offset points", fontsize=8, color=colour,
+                           ha="left" if dx > 1 else "right" if dx < -1 else "center",
+                           va="bottom" if dy > 1 else "top" if dy < -1 else "center", **kw)
+
+    boxes, own = [], []  # per point, per offset: the label's box (padded) and the cost of it alone
+    for i in range(len(points)):
+        boxes.append([]), own.append([])
         for dx, dy in offsets:
-            ann = ax.annotate(text, (x, y), xytext=(dx, dy), textcoords="offset points", fontsize=8, color=colour,
-                              ha="left" if dx > 1 else "right" if dx < -1 else "center",
-                              va="bottom" if dy > 1 else "top" if dy < -1 else "center")
+            ann = annotate(i, dx, dy)
             box = _text_box(ann, renderer, pad=3)
-            anchor = to_px((x, y))
-            cost = sum(_overlap(box, other) for other in placed) + sum(_overlap(box, m) for m in markers) \
-                + _outside(box, (frame.x0, frame.y0, frame.x1, frame.y1)) \
-                + sum(50 * _crosses(anchor, _centre(box), other)
-                      for other in [*placed, *(m for j, m in enumerate(markers) if j != i)]) \
-                + sum(20.0 for p in line_px if box[0] < p[0] < box[2] and box[1] < p[1] < box[3])
             ann.remove()
-            if best_cost is None or cost < best_cost:
-                best, best_cost = (dx, dy), cost
-            if cost == 0:
-                break
-        dx, dy = best
-        ann = ax.annotate(text, (x, y), xytext=(dx, dy), textcoords="offset points", fontsize=8, color=colour,
-                          ha="left" if dx > 1 else "right" if dx < -1 else "center",
-                          va="bottom" if dy > 1 else "top" if dy < -1 else "center",
-                          arrowprops=dict(arrowstyle="-", color=colour, alpha=0.6, lw=0.8, shrinkA=1, shrinkB=5))
-        placed.append(_text_box(ann, renderer, pad=3))
-        annotations.append(ann)
+            boxes[i].append(box)
+            own[i].append(sum(_overlap(box, m) for m in markers) + _outside(box, frame)
+                          + sum(cross * _crosses(anchors[i], _centre(box), m) for j, m in enumerate(markers) if j != i)
+                          + sum(20.0 for p in line_px if box[0] < p[0] < box[2] and box[1] < p[1] < box[3]))
+
+    def cost(i: int, k: int, chosen: dict) -> float:
+        box, c = boxes[i][k], own[i][k]
+        for j, kj in chosen.items():
+            if j == i:
+                continue
+            other = boxes[j][kj]
+            c += _overlap(box, other) + cross * (_crosses(anchors[i], _centre(box), other)
+                                                 + _crosses(anchors[j], _centre(other), box))
+        return c
+
+    def best(i: int, chosen: dict) -> int:
+        costs = [cost(i, k, chosen) for k in range(len(offsets))]
+        return min(range(len(offsets)), key=lambda k: (costs[k], k))
+
+    def crowd(i: int) -> int:  # points within 150 px
+        return sum(1 for c in anchors if math.dist(c, anchors[i]) < 150 * fig.dpi / 100)
+
+    chosen: dict[int, int] = {}
+    order = sorted(range(len(points)), key=lambda i: (-crowd(i), points[i][0], points[i][1]))
+    for i in order:
+        chosen[i] = best(i, chosen)
+    for _ in range(5):  # move labels while that helps
+        moved = False
+        for i in order:
+            k = best(i, chosen)
+            if cost(i, k, chosen) < cost(i, chosen[i], chosen):
+                chosen[i], moved = k, True
+        if not moved:
+            break
+    annotations = []
+    for i in range(len(points)):
+        colour = points[i][3]
+        annotations.append(annotate(i, *offsets[chosen[i]], arrowprops=dict(
+            arrowstyle="-", color=colour, alpha=0.6, lw=0.8, shrinkA=1, shrinkB=5)))
     return annotations
 
 
