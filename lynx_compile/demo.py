@@ -276,7 +276,7 @@ def point_label(row: dict, compile_peak: Optional[float]) -> str:
     elif v.kind == "inductor":
         name = "torch.compile" if v.budget is None else f"torch.compile, activation_memory_budget {v.budget:g}"
     elif v.policy == "lynx":
-        bound = f" (<= {v.budget * compile_peak:.3g} MiB)" if compile_peak else ""
+        bound = f" (\u2264 {v.budget * compile_peak:.3g} MiB)" if compile_peak else ""
         name = f"lynx, memory_budget {v.budget:g}{bound}"
     else:
         name = describe(row["variant"])
@@ -334,7 +334,7 @@ def place_labels(ax: Any, points: Sequence[tuple[float, float, str, str]],
     """Annotate each ``(x, y, text, colour)`` point with a label joined to it by a line, choosing
     each label's place among a ring of offsets around its point (nearest first) to overlap no
     other label, no marker, no polyline of ``lines`` (data coordinates), to stay inside the axes,
-    and so that no label's line crosses another label or marker. Labels are placed greedily, the
+    and so that no label's line crosses another label, marker or label's line. Labels are placed greedily, the
     most crowded points first, then each is moved again while that lowers the total cost (the
     overlapping area, crossings weighted as a large overlap). The axes' limits and position must
     be final. Returns the annotations."""
@@ -378,7 +378,9 @@ def place_labels(ax: Any, points: Sequence[tuple[float, float, str, str]],
                 continue
             other = boxes[j][kj]
             c += _overlap(box, other) + cross * (_crosses(anchors[i], _centre(box), other)
-                                                 + _crosses(anchors[j], _centre(other), box))
+                                                 + _crosses(anchors[j], _centre(other), box)
+                                                 + _segments_cross(anchors[i], _centre(box), anchors[j],
+                                                                   _centre(other)))
         return c
 
     def best(i: int, chosen: dict) -> int:
@@ -429,6 +431,14 @@ def _text_box(text: Any, renderer: Any, pad: float = 0.0) -> tuple[float, float,
 def _centre(box: tuple) -> tuple[float, float]:
     """Where an annotation's arrow points from (matplotlib's default ``relpos``: the text's centre)."""
     return ((box[0] + box[2]) / 2, (box[1] + box[3]) / 2)
+
+
+def _segments_cross(p1: tuple, p2: tuple, q1: tuple, q2: tuple) -> float:
+    """Whether segments p1-p2 and q1-q2 properly intersect (two labels' lines crossing)."""
+    def side(a: tuple, b: tuple, c: tuple) -> float:
+        return (b[0] - a[0]) * (c[1] - a[1]) - (b[1] - a[1]) * (c[0] - a[0])
+
+    return float(side(p1, p2, q1) * side(p1, p2, q2) < 0 and side(q1, q2, p1) * side(q1, q2, p2) < 0)
 
 
 def _crosses(a: tuple, b: tuple, box: tuple, samples: int = 24) -> float:

@@ -9,7 +9,7 @@ import torch
 
 from lynx_compile import cli
 from lynx_compile.demo import (DEMO_BATCH, DEMO_LAYERS, DEMO_MODEL, DEMO_SEQ, DEMO_VARIANTS, _centre, _crosses,
-                               _overlap, cmd_demo,
+                               _overlap, _segments_cross, cmd_demo,
                                demo_shape, label_boxes, plot_demo, run_demo, short_result, why_not_equal)
 from lynx_compile.memory.measure import cpu_peak_bytes, without_kineto_log
 from lynx_compile.variants import describe, lynx_options, min_warmup, parse_variant, prepare
@@ -94,6 +94,8 @@ def test_plot_labels_overlap_nothing_and_stay_inside(tmp_path, rows):
     crossing = [(i, j) for i, b in enumerate(boxes) for j, other in enumerate(boxes)
                 if i != j and _crosses(anchors[i], _centre(b), other)]
     assert not crossing  # no label's line runs through another label
+    assert not [(i, j) for i in range(len(boxes)) for j in range(i + 1, len(boxes))
+                if _segments_cross(anchors[i], _centre(boxes[i]), anchors[j], _centre(boxes[j]))]  # nor another line
     for r in ran:  # no label covers a marker
         cx, cy = ax.transData.transform((r["peak_MiB"], r["step_ms"]))
         assert not [b for b in boxes if b[0] < cx < b[2] and b[1] < cy < b[3]], r["variant"]
