@@ -3,7 +3,7 @@ memory for time.
 
 The default model is the zoo's ``gpt-small`` at 8 layers and sequence 512 (hidden 128, 4 heads,
 manual attention: each block keeps its 512 x 512 attention maps), batch 2, fp32, dropout 0: an
-eager step takes about 0.3 s on one CPU thread and its activations are ~14x its parameters. The
+eager step takes about 0.3 s on one CPU thread and its step peaks at ~21x its parameters. The
 same model (same weights, same batch) runs forward + loss + backward under
 
     eager                          eager, torch.utils.checkpoint per block
