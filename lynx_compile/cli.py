@@ -183,13 +183,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_options(p)
     p.set_defaults(func=cmd_plan)
     d = sub.add_parser("demo", parents=[debug],
-                       help="one training step of a small GPT under eager, torch.utils.checkpoint, "
-                       "torch.compile (+ activation_memory_budget) and every lynx policy: step time, peak "
-                       "memory, gradients vs eager, Pareto plot")
-    d.add_argument("--model", default="gpt-tiny", help="a preset (default gpt-tiny)")
-    d.add_argument("--steps", type=int, default=20, help="timed steps per variant (median reported)")
-    d.add_argument("--batch-size", type=int, default=4, help="sequences per step (default 4: at 2, gpt-tiny's "
-                   "parameter gradients hold the smallest reachable budget at 0.76 of its step)")
+                       help="one training step of a GPT where activation memory matters (gpt-small at 8 layers, "
+                       "seq 512) under eager, torch.utils.checkpoint, torch.compile (+ activation_memory_budget) "
+                       "and lynx at three budgets: step time, peak memory, gradients vs eager, plot")
+    d.add_argument("--model", default=None, help="a preset (default: gpt-small at 8 layers, seq 512, batch 2; "
+                   "another preset keeps its own shape, batch 4: --model gpt-tiny is the old small demo)")
+    d.add_argument("--layers", type=int, default=None, help="override the model's number of layers")
+    d.add_argument("--seq-len", type=int, default=None, help="override the model's sequence length")
+    d.add_argument("--steps", type=int, default=None, help="timed steps per variant (median reported; default 10)")
+    d.add_argument("--batch-size", type=int, default=None, help="sequences per step (default 2; 4 for another "
+                   "--model: at 2, gpt-tiny's parameter gradients hold the smallest reachable budget at 0.76)")
+    d.add_argument("--compile", default=None, choices=["per-block", "whole"],
+                   help="per-block (default: each transformer block compiled on its own) or whole")
     d.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when present")
     d.add_argument("--out", default=None, metavar="DIR", help="where demo_<device>.md and .png go "
                    "(default: <tmp>/lynx_demo)")

@@ -116,8 +116,19 @@ def checkpoint_blocks(model: torch.nn.Module) -> None:
         block.forward = (lambda f: lambda *a, **k: checkpoint(f, *a, use_reentrant=False, **k))(fwd)
 
 
-def prepare(name: str, model: torch.nn.Module, *, solver: str = "auto", compiler: str = "inductor") -> Callable:
-    """The callable model of a variant (compiles lazily, on the first call)."""
+COMPILE_STYLES = ("whole", "per-block")
+"""How the compiled variants compile: ``whole``: ``torch.compile(model)``; ``per-block``: each
+transformer block (``transformer_blocks``) ``block.compile(fullgraph=True)`` on its own, the rest
+eager, as torchtitan's ``apply_compile`` does (identical blocks share one compiled graph, so the
+compile time does not grow with depth)."""
+
+
+def prepare(name: str, model: torch.nn.Module, *, solver: str = "auto", compiler: str = "inductor",
+            style: str = "whole") -> Callable:
+    """The callable model of a variant (compiles lazily, on the first call); ``style``: one of
+    ``COMPILE_STYLES`` (eager and checkpoint ignore it)."""
+    if style not in COMPILE_STYLES:
+        raise ValueError(f"compile style {style!r}: one of {', '.join(COMPILE_STYLES)}")
     v = parse_variant(name)
     if v.kind == "eager":
         return model
@@ -125,16 +136,32 @@ def prepare(name: str, model: torch.nn.Module, *, solver: str = "auto", compiler
         checkpoint_blocks(model)
         return model
     if v.kind == "lynx":
-        return torch.compile(model, backend="lynx", options=lynx_options(name, solver=solver, compiler=compiler))
-    if v.budget is None:
-        return torch.compile(model)
-    # Inductor with the budget patched while it compiles (the partition is decided then). A
-    # backend of its own, not backend="inductor" under a patch: dynamo shares compiled code
-    # between copies of a model compiled with the same backend (guards are on the parameters'
-    # shapes, not their identity), so in one process every budget would run the first's code.
-    from lynx_compile import _compat
+        kw: dict[str, Any] = {"backend": "lynx", "options": lynx_options(name, solver=solver, compiler=compiler)}
+    elif v.budget is None:
+        kw = {}
+    else:
+        # Inductor with the budget patched while it compiles (the partition is decided then). A
+        # backend of its own, not backend="inductor" under a patch: dynamo shares compiled code
+        # between copies of a model compiled with the same backend (guards are on the parameters'
+        # shapes, not their identity), so in one process every budget would run the first's code.
+        from lynx_compile import _compat
 
-    return torch.compile(model, backend=_compat.inductor_at_activation_budget(v.budget))
+        kw = {"backend": _compat.inductor_at_activation_budget(v.budget)}
+    if style == "per-block":
+        for block in transformer_blocks(model):
+            block.compile(fullgraph=True, **kw)  # torchtitan's apply_compile
+        return model
+    return torch.compile(model, **kw)
+
+
+def min_warmup(name: str, style: str = "whole") -> int:
+    """The fewest warm-up steps (the compiling first included) before a variant's steps are its
+    steady state: per-block lynx plans its pieces together from the recorded step 2 and swaps the
+    re-planned compiles in at step 3 (``lynx_compile.step_record``; a budget no plan reaches is
+    refused there), so 3; otherwise 1."""
+    from lynx_compile.step_record import RECORDED_STEP
+
+    return RECORDED_STEP + 1 if style == "per-block" and parse_variant(name).kind == "lynx" else 1
 
 
 def describe_failure(exc: BaseException) -> str:
@@ -157,7 +184,7 @@ def _first_line(exc: BaseException) -> str:
 def run_variant(name: str, model: torch.nn.Module, loss_of: Callable[[Callable], torch.Tensor], *,
                 device: str = "cpu", warmup: int = 2, steps: int = 5, solver: str = "auto",
                 compiler: str = "inductor", ref_grads: Optional[Sequence] = None,
-                seed: int = 1234) -> tuple[dict, Optional[list]]:
+                seed: int = 1234, style: str = "whole") -> tuple[dict, Optional[list]]:
     """Measure variant ``name`` on ``model`` (changed in place: compiled, gradients accumulated).
 
     Step = ``loss_of(callable model).backward()``, no optimizer. The first step (seeded with
@@ -167,15 +194,21 @@ def run_variant(name: str, model: torch.nn.Module, loss_of: Callable[[Callable],
     lynx variants add ``predicted_peak_MiB`` (the largest predicted peak of the graphs compiled
     in this run) and ``lynx_graphs``. Returns ``(row, first-step gradients)``; a failure is a row
     with ``result`` ``refused: ...`` or ``error: ...`` (see ``describe_failure``) and no
-    gradients."""
+    gradients.
+
+    ``style`` (``COMPILE_STYLES``): ``per-block`` compiles each block on its own; a lynx variant
+    then warms up for at least ``min_warmup`` steps (its step plan is made at step 2 and runs from
+    step 3, where a budget no plan reaches is refused), and its ``predicted_peak_MiB`` is the
+    step's predicted peak (``Plan.step_peak_bytes``) rather than one piece's."""
     row: dict[str, Any] = {"variant": name, "result": "ok"}
     options = lynx_options(name, solver=solver, compiler=compiler)
     grads = None
     try:
         import lynx_compile
 
+        warmup = max(warmup, min_warmup(name, style))
         known = len(lynx_compile.backend(**options).plans) if options is not None else 0
-        fn = prepare(name, model, solver=solver, compiler=compiler)
+        fn = prepare(name, model, solver=solver, compiler=compiler, style=style)
 
         def step() -> torch.Tensor:
             loss = loss_of(fn)
@@ -199,7 +232,10 @@ def run_variant(name: str, model: torch.nn.Module, loss_of: Callable[[Callable],
         row["peak_MiB"] = m.peak_bytes / 2**20
         if options is not None:
             plans = lynx_compile.backend(**options).plans[known:]
-            if plans:
+            step_peaks = [p.step_peak_bytes for p in plans if p.step_peak_bytes is not None]
+            if style == "per-block" and step_peaks:
+                row["predicted_peak_MiB"] = max(step_peaks) / 2**20
+            elif plans:
                 row["predicted_peak_MiB"] = max(p.peak_bytes for p in plans) / 2**20
             row["lynx_graphs"] = len(plans)
     except Exception as exc:  # noqa: BLE001 - a variant that fails is a result, the others still run
