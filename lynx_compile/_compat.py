@@ -928,3 +928,38 @@ def refuse_unbacked_retrace(gm: fx.GraphModule) -> None:
             f"sizes (aten._local_scalar_dense: .item()/.tolist(), unbacked {', '.join(names[:4])}"
             f"{', ...' if len(names) > 4 else ''}; e.g. expert-parallel token counts); use compiler='inductor' "
             "(the default)")
+
+
+# --- DTensor stand-ins (a piece compiled again after its inputs are gone) ---------------------
+
+def dtensor_layout(t: Any) -> tuple | None:
+    """What a stand-in for the DTensor ``t`` needs (``dtensor_stand_in``): its local shard's shape
+    and stride, mesh, placements, global shape and stride, and whether the local shard is an
+    ``AsyncCollectiveTensor`` (a collective's output not yet waited on: sequence-parallel TP's
+    block inputs); None when ``t`` is no DTensor. Private: ``DTensor._local_tensor``,
+    ``torch.distributed._functional_collectives.AsyncCollectiveTensor``."""
+    try:
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - builds without torch.distributed
+        return None
+    if not isinstance(t, DTensor):
+        return None
+    local = t._local_tensor
+    return (tuple(local.shape), local.stride(), t.device_mesh, tuple(t.placements), tuple(t.shape), t.stride(),
+            isinstance(local, AsyncCollectiveTensor))
+
+
+def dtensor_stand_in(local: torch.Tensor, layout: tuple) -> Any:
+    """A DTensor laid out as ``layout`` (``dtensor_layout``) over the plain tensor ``local``, its
+    local shard wrapped as an ``AsyncCollectiveTensor`` where the original's was: AOTAutograd
+    unwraps nested subclasses when it compiles, so a compile on a plain local shard makes code
+    that is handed the unwaited wrapper itself at run time (its data pointer is null: a
+    segfault in the first kernel, seen on torchtitan's TP at a budget). No communication."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import DTensor
+
+    _, _, mesh, placements, shape, stride, async_local = layout
+    if async_local:
+        local = AsyncCollectiveTensor(local)
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)

@@ -56,12 +56,17 @@ RECORDED_STEP = 2
 class InputSpec:
     """What a compile of a graph needs of its example inputs, without keeping them alive: a
     weak reference (parameters stay alive, activations do not) and the tensor's metadata, from
-    which an empty tensor of the same layout stands in once it is gone."""
+    which an empty tensor of the same layout stands in once it is gone (for a DTensor, a DTensor
+    of the same layout, mesh and placements: ``_compat.dtensor_stand_in``)."""
 
     def __init__(self, example_inputs: list):
         self._items: list[tuple] = []
         for t in example_inputs:
-            if isinstance(t, torch.Tensor):
+            layout = _compat.dtensor_layout(t) if isinstance(t, torch.Tensor) else None
+            if layout is not None:  # a DTensor (TP): its local shard's layout and how it is distributed
+                self._items.append(("dtensor", weakref.ref(t), layout[0], layout[1], t.dtype, t.device,
+                                    t.requires_grad, isinstance(t, torch.nn.Parameter), layout))
+            elif isinstance(t, torch.Tensor):
                 self._items.append(("tensor", weakref.ref(t), tuple(t.shape), t.stride(), t.dtype, t.device,
                                     t.requires_grad, isinstance(t, torch.nn.Parameter)))
             else:
@@ -73,10 +78,12 @@ class InputSpec:
             if item[0] == "value":
                 out.append(item[1])
                 continue
-            _, ref, shape, stride, dtype, device, requires_grad, is_param = item
+            kind, ref, shape, stride, dtype, device, requires_grad, is_param = item[:8]
             t = ref()
             if t is None:
                 t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                if kind == "dtensor":  # a DTensor stands in for a DTensor (TP's activations)
+                    t = _compat.dtensor_stand_in(t, item[8])
                 t = torch.nn.Parameter(t, requires_grad) if is_param else t.requires_grad_(requires_grad)
             out.append(t)
         return out
