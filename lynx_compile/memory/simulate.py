@@ -316,6 +316,12 @@ this are not modelled there (a kernel left at its own position holds what it rea
 never less)."""
 
 
+FUSION_MAX_DISTANCE = 64
+"""Inductor's scheduler fuses no two nodes farther apart than this in its order
+(``Scheduler.are_long_distant_nodes``: fusing recomputed nodes of different checkpointed regions
+lengthened their tensors' lives)."""
+
+
 def fused_order(nodes: list[fx.Node], keys: dict[fx.Node, str], interior: set[fx.Node],
                 sizes: dict[str, int]) -> tuple[list[fx.Node], dict[fx.Node, int]]:
     """``nodes`` in the order Inductor runs them once its scheduler has fused pointwise kernels
@@ -323,7 +329,7 @@ def fused_order(nodes: list[fx.Node], keys: dict[fx.Node, str], interior: set[fx
     in it). A kernel ``k2`` (a pointwise op that materializes) joins the earlier kernel ``k1`` of
     the same size with which it shares the most bytes of reads (at least
     :data:`FUSION_SHARED_BYTES`, storages of ``sizes``), unless something it depends on reads
-    ``k1`` (a cycle). ``Scheduler.fuse_nodes_once`` runs a fused group where its earliest member
+    ``k1`` (a cycle) or the two stand more than :data:`FUSION_MAX_DISTANCE` kernels apart. ``Scheduler.fuse_nodes_once`` runs a fused group where its earliest member
     stood and moves the group's other dependencies ahead of it: what ``k2`` depends on that
     stands between them moves before ``k1`` (a matmul), or with ``k2`` (values computed inside
     it, views). A SwiGLU backward (torchtitan's qwen3 and llama3 blocks, HF Llama's MLP): the
@@ -334,6 +340,13 @@ def fused_order(nodes: list[fx.Node], keys: dict[fx.Node, str], interior: set[fx
     Inductor's backward peak)."""
     order = list(nodes)
     at = {n: i for i, n in enumerate(order)}
+    # Inductor's scheduler order (a node per kernel or extern call: no views, nothing computed
+    # inside another kernel), for its refusal to fuse nodes far apart (``are_long_distant_nodes``)
+    sched: dict[fx.Node, int] = {}
+    for n in nodes:
+        if n.op == "call_function" and n not in interior and not _is_view(n):
+            sched[n] = len(sched)
+    span: dict[int, tuple[int, int]] = {}  # a fused group's first and last scheduler positions
     reads: dict[fx.Node, set[str]] = {}
     readers: dict[str, list[fx.Node]] = {}  # storage -> the kernels before that read it
     group: dict[fx.Node, int] = {}
@@ -346,6 +359,9 @@ def fused_order(nodes: list[fx.Node], keys: dict[fx.Node, str], interior: set[fx
         best, best_shared = None, 0
         for k1 in dict.fromkeys(k for key in sorted(reads[k2]) for k in readers.get(key, ())):
             if numel(k1) != numel(k2):
+                continue
+            lo, hi = span.get(group.get(k1, -1), (sched[k1], sched[k1]))
+            if max(abs(lo - sched[k2]), abs(sched[k2] - hi)) > FUSION_MAX_DISTANCE:
                 continue
             shared = sum(sizes.get(k, 0) for k in reads[k1] & reads[k2])
             if shared >= FUSION_SHARED_BYTES and shared > best_shared:
@@ -361,7 +377,9 @@ def fused_order(nodes: list[fx.Node], keys: dict[fx.Node, str], interior: set[fx
         i = rest.index(k1)
         order = rest[:i] + sorted(ahead, key=at.get) + [k1] + sorted(along, key=at.get) + rest[i + 1:]
         at = {n: i for i, n in enumerate(order)}
-        group[k2] = group.setdefault(k1, len(group))
+        g = group[k2] = group.setdefault(k1, len(group))
+        lo, hi = span.get(g, (sched[k1], sched[k1]))
+        span[g] = (min(lo, sched[k2]), max(hi, sched[k2]))
     return order, group
 
 
