@@ -195,16 +195,14 @@ def lynx_opts(compiler: str, budget: Optional[float]) -> Optional[dict]:
 def prepare(module: Any, style: str, compiler: str, budget: Optional[float], model: str) -> Callable:
     import torch
 
-    from lynx_compile.variants import transformer_blocks
+    from lynx_compile.variants import compile_blocks
 
     opts = lynx_opts(compiler, budget)
     if opts is None and compiler == "eager":
         return module  # the eager reference: nothing compiled
     kw = {"backend": "inductor"} if opts is None else {"backend": "lynx", "options": opts}
     if style == "per-block":
-        for block in transformer_blocks(module):
-            block.compile(fullgraph=True, **kw)  # torchtitan's apply_compile
-        return module
+        return compile_blocks(module, **kw)  # torchtitan's apply_compile
     if style == "graph-break" and model != "hf-gpt2":
         add_print_break(module)
     return torch.compile(module, **kw)

@@ -148,10 +148,16 @@ def prepare(name: str, model: torch.nn.Module, *, solver: str = "auto", compiler
 
         kw = {"backend": _compat.inductor_at_activation_budget(v.budget)}
     if style == "per-block":
-        for block in transformer_blocks(model):
-            block.compile(fullgraph=True, **kw)  # torchtitan's apply_compile
-        return model
+        return compile_blocks(model, **kw)
     return torch.compile(model, **kw)
+
+
+def compile_blocks(model: torch.nn.Module, **kw: Any) -> torch.nn.Module:
+    """``model`` with each transformer block (``transformer_blocks``) compiled on its own,
+    ``block.compile(fullgraph=True, **kw)``, as torchtitan's ``apply_compile`` does."""
+    for block in transformer_blocks(model):
+        block.compile(fullgraph=True, **kw)
+    return model
 
 
 def min_warmup(name: str, style: str = "whole") -> int:

@@ -36,13 +36,15 @@ graph (lynx's Inductor settings: no peak-memory reordering, no wrapper buffer re
 * a matmul that Inductor's ``mm + add -> addmm`` moves to its add, and lynx's
   ``split_late_addmm`` leaves there, runs at the add (``late_addmms``);
 * a pointwise kernel that shares at least 1 MiB of reads with an earlier one of the same size,
-  and depends on nothing computed between them, runs with it (``fused_order``: the scheduler's
-  fusion of independent kernels, a SwiGLU backward's two products of the output gradient).
+  at most 64 kernels before it, runs with it, its other dependencies moved ahead (``fused_order``:
+  the scheduler's fusion of independent kernels, a SwiGLU backward's products of the output
+  gradient); the group allocates all its outputs before what dies in it is freed;
+* the backward's saved tensors that AOTAutograd donates take a kernel's output in place once they
+  die (``donated_inputs``).
 
 Not modelled under Inductor: values it realizes although they feed only loop kernels (one read
 by several kernels with more than ``realize_reads_threshold`` reads or an ``exp`` on CPU), other
-fusions that move a kernel (reductions, kernels of other sizes, reads shared below 1 MiB),
-buffers it reuses from donated inputs.
+fusions that move a kernel (reductions, kernels of other sizes, reads shared below 1 MiB).
 Measured on CPU (``tests/test_compiled_peak.py``, docs/memory_budget.md
 "Measured peaks against the budget under Inductor")
 the prediction is within bytes of the allocator's peak for gpt-small, a GQA LM and HF Llama.
@@ -329,8 +331,9 @@ def fused_order(nodes: list[fx.Node], keys: dict[fx.Node, str], interior: set[fx
     in it). A kernel ``k2`` (a pointwise op that materializes) joins the earlier kernel ``k1`` of
     the same size with which it shares the most bytes of reads (at least
     :data:`FUSION_SHARED_BYTES`, storages of ``sizes``), unless something it depends on reads
-    ``k1`` (a cycle) or the two stand more than :data:`FUSION_MAX_DISTANCE` kernels apart. ``Scheduler.fuse_nodes_once`` runs a fused group where its earliest member
-    stood and moves the group's other dependencies ahead of it: what ``k2`` depends on that
+    ``k1`` (a cycle) or the two stand more than :data:`FUSION_MAX_DISTANCE` kernels apart.
+    ``Scheduler.fuse_nodes_once`` runs a fused group where its earliest member stood and moves
+    the group's other dependencies ahead of it: what ``k2`` depends on that
     stands between them moves before ``k1`` (a matmul), or with ``k2`` (values computed inside
     it, views). A SwiGLU backward (torchtitan's qwen3 and llama3 blocks, HF Llama's MLP): the
     kernels computing ``dh * silu(gate)``, silu's backward (and, where the MLP is recomputed,
