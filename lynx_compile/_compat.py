@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import inspect
 import os
 import weakref
@@ -104,6 +105,58 @@ def min_cut_partition(joint_gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_ou
             static_lifetime_input_indices=static_lifetime_input_indices,
         )
 
+
+
+_MIN_CUT_META = ("recompute", "ac_graph_id", "partitioner_tag")
+
+
+def _min_cut_key(graph: fx.Graph, node_info: Any, options: Any, dont_ban: Any) -> str:
+    """What ``solve_min_cut`` answers depends on: the graph (structure and the recompute tags
+    it honours), the node classification, the options, the nodes not to ban."""
+    h = hashlib.sha256()
+    for n in graph.nodes:
+        h.update(n.format_node().encode())
+        val = n.meta.get("val")
+        h.update(repr((tuple(getattr(val, "shape", ())), getattr(val, "dtype", None),
+                       *(str(n.meta.get(k)) for k in _MIN_CUT_META))).encode())
+    h.update(repr(([i.name for i in node_info.inputs], sorted(x.name for x in node_info.required_fw_nodes),
+                   sorted(x.name for x in node_info.required_bw_nodes), repr(options),
+                   sorted(x.name for x in dont_ban or ()))).encode())
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def shared_min_cut_solves():
+    """A context in which torch's min-cut solves are shared between partitions of one joint.
+
+    ``choose_saved_values_set`` solves the min-cut up to three times per partition (runtime-
+    optimized, more aggressive, aggressive; then a knapsack picks between them for the
+    ``activation_memory_budget``) and the first three solves do not depend on the budget. lynx
+    partitions one joint many times (the no-recompute reference, torch's min-cut at several
+    settings, the baselines): each distinct solve (same graph, tags, options, unbanned nodes)
+    runs once and is replayed by node name. Nested uses share the outer memo."""
+    original = _partitioners.solve_min_cut
+    if getattr(original, "_lynx_shared", False):
+        yield
+        return
+    memo: dict[str, tuple[list[str], list[str]]] = {}
+
+    def solve(joint_graph, node_info, min_cut_options, dont_ban=None):
+        key = _min_cut_key(joint_graph, node_info, min_cut_options, dont_ban)
+        if key not in memo:
+            saved, banned = original(joint_graph, node_info, min_cut_options, dont_ban)
+            memo[key] = ([n.name for n in saved], [n.name for n in banned])
+            return saved, banned
+        by_name = {n.name: n for n in joint_graph.nodes}
+        saved, banned = memo[key]
+        return [by_name[n] for n in saved], _partitioners.OrderedSet(by_name[n] for n in banned)
+
+    solve._lynx_shared = True
+    _partitioners.solve_min_cut = solve
+    try:
+        yield
+    finally:
+        _partitioners.solve_min_cut = original
 
 def forward_node_names(joint_gm: fx.GraphModule) -> set[str]:
     """Names of the joint-graph nodes traced in the forward.

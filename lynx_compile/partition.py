@@ -43,7 +43,17 @@ def _budget_bytes(config: LynxConfig, reference_peak: int) -> int | None:
 def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
                    config: LynxConfig, record: GraphRecord,
                    static_lifetime_input_indices: list[int] | None = None, **_: Any):
-    """Partition ``joint`` into (fw, bw) under ``config.policy``; fills ``record.plan``."""
+    """Partition ``joint`` into (fw, bw) under ``config.policy``; fills ``record.plan``.
+
+    Every partition of this joint (the reference, the candidates) shares torch's min-cut
+    solves (``_compat.shared_min_cut_solves``): most of them solve the same cuts."""
+    with _compat.shared_min_cut_solves():
+        return _lynx_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, config=config, record=record,
+                               static_lifetime_input_indices=static_lifetime_input_indices)
+
+
+def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, config: LynxConfig,
+                    record: GraphRecord, static_lifetime_input_indices: list[int] | None):
     kw = dict(num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static_lifetime_input_indices)
     prepare = PassContext(config=config, record=record, num_fwd_outputs=num_fwd_outputs, joint_inputs=joint_inputs,
                           forward_names=frozenset())

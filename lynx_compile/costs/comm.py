@@ -21,6 +21,7 @@ For real numbers, measure with :func:`calibrate_link` on the actual process grou
 """
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from dataclasses import dataclass
@@ -184,8 +185,22 @@ def _qualified_name(op: Any) -> str:
 
 
 def _op_namespace_name(node: torch.fx.Node) -> tuple[str, str]:
-    t = node.target
-    if node.op != "call_function" or not _compat.is_op_overload(t):
+    if node.op != "call_function":
+        return "", ""
+    try:
+        return _target_namespace_name(node.target)
+    except TypeError:  # an unhashable target
+        return _namespace_name(node.target)
+
+
+@functools.lru_cache(maxsize=4096)
+def _target_namespace_name(t: Any) -> tuple[str, str]:
+    """:func:`_namespace_name` per op (asked for every node of every simulated graph)."""
+    return _namespace_name(t)
+
+
+def _namespace_name(t: Any) -> tuple[str, str]:
+    if not _compat.is_op_overload(t):
         return "", ""
     ns, _, name = _qualified_name(t).partition("::")
     return ns, name.split(".")[0]

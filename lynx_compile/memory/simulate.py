@@ -51,6 +51,7 @@ the prediction is within bytes of the allocator's peak for gpt-small, a GQA LM a
 """
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass, field
 
@@ -91,13 +92,30 @@ def aliased_input(node: fx.Node) -> fx.Node | None:
         return parent if isinstance(parent, fx.Node) and aliased_input(parent) is not None else None
     if is_wait_node(node):  # wait_tensor hands back its input, the collective's output buffer
         return node.args[0] if isinstance(node.args[0], fx.Node) else None
-    schema = getattr(node.target, "_schema", None)
-    if schema is None or not schema.returns or schema.returns[0].alias_info is None:
+    if not _returns_alias(node.target):
         return None
     for arg in node.args:
         if isinstance(arg, fx.Node):
             return arg
     return None
+
+
+def _returns_alias(target) -> bool:
+    """Whether the op's first output aliases an input (its schema says so); cached per op."""
+    try:
+        return _op_returns_alias(target)
+    except TypeError:  # an unhashable target
+        return _schema_returns_alias(target)
+
+
+@functools.lru_cache(maxsize=4096)
+def _op_returns_alias(target) -> bool:
+    return _schema_returns_alias(target)
+
+
+def _schema_returns_alias(target) -> bool:
+    schema = getattr(target, "_schema", None)
+    return schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None
 
 
 @dataclass
@@ -169,6 +187,7 @@ def allocations(node: fx.Node) -> list[tuple[str, int]]:
     return [(node.name, _nbytes(val))]
 
 
+@functools.lru_cache(maxsize=1)
 def _host_ops() -> frozenset:
     from lynx_compile.runtime.offload import HOST_OPS
 
