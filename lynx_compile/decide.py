@@ -26,6 +26,7 @@ import torch.fx as fx
 from lynx_compile import _compat
 from lynx_compile.apply import Applied, partition_joint, partition_token, realize, scratch_context
 from lynx_compile.budget import budget_error as refuse
+from lynx_compile.costs.comm import is_collective_node, is_wait_node
 from lynx_compile.decisions import BudgetError, Decisions, Window
 from lynx_compile.distributed.agreement import gather_values, planning_world_size
 from lynx_compile.passes import APPLY_PIPELINE, PassContext, meta, run_passes
@@ -259,6 +260,40 @@ def exposed_s(bw: fx.GraphModule, joint: fx.GraphModule) -> float:
     return total
 
 
+def exposed_floor(joint: fx.GraphModule, ctx: PassContext, decisions: Decisions) -> float:
+    """Seconds of on-demand recompute that ``decisions`` expose at least, known before any
+    partition: a tagged forward node a backward node reads cannot be saved (torch's partitioners
+    never save a ``PREFER_RECOMPUTE`` node), so it is recomputed, and so are the tagged nodes it
+    is computed from. Left out, as torch may save them after all: a tagged node read by a tagged
+    node of a later block (``cleanup_recompute_tags`` saves block boundaries), one with a
+    backward hook, collectives. :func:`exposed` of the realized plan is never below this
+    (``tests/test_exposed_floor.py``)."""
+    tagged = {name for unit, d in decisions.recomputed() if not isinstance(d, Window)
+              for name in decisions.nodes_of(unit)}
+    nodes = {n.name: n for n in joint.graph.nodes}
+    forward = ctx.forward_names
+
+    def block(n: fx.Node) -> int:
+        return n.meta.get(meta.BLOCK) or 0
+
+    def surely_recomputed(n: fx.Node) -> bool:
+        return (n.op == "call_function" and n.name in tagged and not n.meta.get("has_backward_hook")
+                and not is_collective_node(n) and not is_wait_node(n)
+                and not any(u.name in tagged and u.name in forward and block(u) > block(n) for u in n.users))
+
+    stack = [n for name in tagged if (n := nodes.get(name)) is not None and surely_recomputed(n)
+             and any(u.name not in forward for u in n.users)]
+    seen: set[fx.Node] = set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(a for a in n.all_input_nodes if surely_recomputed(a))
+    # summed in graph order: a float sum in set order differs between processes in its last bit
+    return sum(c.runtime_s for n in joint.graph.nodes if n in seen and (c := n.meta.get(meta.COST)) is not None)
+
+
 def seed_with_baselines(joint, ctx: PassContext, kw: dict, budget: int, reference_peak: int,
                         outcome, failure: Exception | None):
     """lynx's plan, or a baseline's when one fits ``budget`` with less exposed recompute.
@@ -283,7 +318,12 @@ def seed_with_baselines(joint, ctx: PassContext, kw: dict, budget: int, referenc
         failed_somewhere = any(gather_values(outcome is None))
     settings = TORCH_SETTINGS if failed_somewhere else ()
     policies = BASELINES if ctx.record.blocks else ()
-    for name, applied in _baseline_candidates(joint, ctx, kw, policies, frac, settings):
+    # where lynx's plan fits, a baseline that exposes at least as much cannot win: not realized
+    beat = best[1] if best is not None and not failed_somewhere else None
+    for name, applied in _baseline_candidates(joint, ctx, kw, policies, frac, settings, beat=beat):
+        if isinstance(applied, float):  # skipped: its floor
+            scores[name] = (applied, None)
+            continue
         cost = exposed(applied, joint)
         scores[name] = (cost, applied.mem.peak_bytes)
         # the smallest named is a candidate every budget below the optimizer's reach tries again
@@ -298,9 +338,11 @@ def seed_with_baselines(joint, ctx: PassContext, kw: dict, budget: int, referenc
                 solver=f"baseline:{name}", status="seeded", exposed_s=cost,
                 plan_time_s=outcome.plan_time_s if outcome else 0.0,
                 solve_s=outcome.solve_s if outcome else 0.0))
-    ctx.record.decisions["candidates"] = {k: {"exposed_s": e, "peak_bytes": b} for k, (e, b) in scores.items()}
+    ctx.record.decisions["candidates"] = {
+        k: {"exposed_s": e, "peak_bytes": b} if b is not None else
+        {"exposed_at_least_s": e, "skipped": "exposes at least as much as lynx's plan"} for k, (e, b) in scores.items()}
     if best is None:
-        tried = ", ".join(f"{k} {b / reference_peak:.3f}" for k, (_, b) in scores.items())
+        tried = ", ".join(f"{k} {b / reference_peak:.3f}" for k, (_, b) in scores.items() if b is not None)
         smallest = getattr(failure, "smallest_bytes", None)
         why = f"no plan reaches it. lynx's optimizer: {getattr(failure, 'why', failure)}. Baselines tried as " \
               f"seeds peak at (fraction of the no-recompute peak): {tried}"
@@ -309,7 +351,7 @@ def seed_with_baselines(joint, ctx: PassContext, kw: dict, budget: int, referenc
             # linear model's and may not be (seen: floor 0.615, the plan for it peaked at 0.632)
             smallest = lowest[0]
             why += f". The lowest of them peaks at {lowest[1]}"
-            peaks = [b for _, b in scores.values()]  # no candidate (full ... torch@0.1) moves it
+            peaks = [b for _, b in scores.values() if b is not None]  # no candidate (full ... torch@0.1) moves it
             if lowest[0] >= 0.9 * reference_peak or max(peaks) <= 1.01 * min(peaks):
                 why += (": recompute cannot lower it, the bytes live there are the step's working set "
                         "(e.g. the logits, the loss, the parameter gradients the backward returns), not "
@@ -340,13 +382,15 @@ def _problem_base(joint: fx.GraphModule, ctx: PassContext, kw: dict):
 
 
 def _baseline_candidates(joint: fx.GraphModule, ctx: PassContext, kw: dict, policies: tuple[str, ...],
-                         frac: float | None, settings: tuple[float, ...] = ()):
+                         frac: float | None, settings: tuple[float, ...] = (), *, beat: float | None = None):
     """(name, Applied) of each baseline in ``policies``, then torch's min-cut at ``frac`` times
     ``TORCH_BUDGET_LADDER`` (not with ``frac`` None) and at each of ``settings``, highest first,
     each applied on a scratch record. torch's min-cut breaks ties in set order, which differs
     between processes (seen on 2 gloo ranks: the same graph, different recomputed getitems):
     with several ranks a torch candidate is used only where every rank partitioned it alike
-    (else it is left out on every rank, with a note), so ranks never choose different plans."""
+    (else it is left out on every rank, with a note), so ranks never choose different plans.
+    ``beat``: a baseline whose :func:`exposed_floor` is at least this is not realized; it is
+    yielded as (name, its floor) instead (the floor reads only the graph: every rank skips alike)."""
     candidates = [(p, None) for p in policies]
     budgets = ({round(frac * m, 3) for m in TORCH_BUDGET_LADDER} if frac is not None else set()) | set(settings)
     candidates += [("torch", b) for b in sorted(budgets, reverse=True)]
@@ -354,7 +398,12 @@ def _baseline_candidates(joint: fx.GraphModule, ctx: PassContext, kw: dict, poli
         name = f"torch@{torch_budget:g}" if policy == "torch" else policy
         sub = scratch_context(ctx, name)
         if policy != "torch":
-            yield name, realize(joint, sub, baseline_decisions(joint, sub, policy), kw)
+            decisions = baseline_decisions(joint, sub, policy)
+            floor = exposed_floor(joint, ctx, decisions) if beat is not None else None
+            if floor is not None and floor >= beat:
+                yield name, floor
+                continue
+            yield name, realize(joint, sub, decisions, kw)
             continue
         with _compat.min_cut_counts_script_objects_as_zero():
             applied = realize(joint, sub, Decisions(policy=name), kw, torch_budget=torch_budget)
