@@ -291,7 +291,7 @@ def exposed_floor(joint: fx.GraphModule, ctx: PassContext, decisions: Decisions)
         seen.add(n)
         stack.extend(a for a in n.all_input_nodes if surely_recomputed(a))
     # summed in graph order: a float sum in set order differs between processes in its last bit
-    return sum(c.runtime_s for n in joint.graph.nodes if n in seen and (c := n.meta.get(meta.COST)) is not None)
+    return sum((c.runtime_s for n in joint.graph.nodes if n in seen and (c := n.meta.get(meta.COST)) is not None), 0.0)
 
 
 def seed_with_baselines(joint, ctx: PassContext, kw: dict, budget: int, reference_peak: int,
@@ -321,7 +321,7 @@ def seed_with_baselines(joint, ctx: PassContext, kw: dict, budget: int, referenc
     # where lynx's plan fits, a baseline that exposes at least as much cannot win: not realized
     beat = best[1] if best is not None and not failed_somewhere else None
     for name, applied in _baseline_candidates(joint, ctx, kw, policies, frac, settings, beat=beat):
-        if isinstance(applied, float):  # skipped: its floor
+        if not isinstance(applied, Applied):  # skipped: its floor (0.0 where lynx's plan exposes nothing)
             scores[name] = (applied, None)
             continue
         cost = exposed(applied, joint)
