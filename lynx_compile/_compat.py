@@ -106,7 +106,6 @@ def min_cut_partition(joint_gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_ou
         )
 
 
-
 _MIN_CUT_META = ("recompute", "ac_graph_id", "partitioner_tag")
 
 
@@ -157,6 +156,7 @@ def shared_min_cut_solves():
         yield
     finally:
         _partitioners.solve_min_cut = original
+
 
 def forward_node_names(joint_gm: fx.GraphModule) -> set[str]:
     """Names of the joint-graph nodes traced in the forward.

@@ -12,8 +12,13 @@ baselines are planned.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from unittest import mock
 
+import pytest
+import torch
+
+from lynx_compile.models import build_model, example_batch
 from lynx_compile.planning import plan_model_variants
 
 BASELINES = (
@@ -70,3 +75,27 @@ def plan_reach(model, example_inputs: tuple, baselines=BASELINES, **common) -> l
 def _one(records):
     assert len(records) == 1, f"expected one graph, got {len(records)}"
     return records[0].plan
+
+
+def reach_model(name: str, monkeypatch):
+    """(model, token batch), both seeded; the model's output has ``.loss``: a zoo preset
+    (dropout 0), or a model lynx was not written for (``benchmarks/foreign_models.py``): HF
+    transformers' Llama, 2 layers, loss from ``labels``."""
+    torch.manual_seed(0)
+    if name != "hf-llama":
+        model = build_model(name, dropout=0.0)
+        return model, example_batch(model, 2, generator=torch.Generator().manual_seed(1))
+    pytest.importorskip("transformers")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from foreign_models import hf_llama
+
+    class WithLoss(torch.nn.Module):
+        def __init__(self, lm):
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, idx):
+            return self.lm(input_ids=idx, labels=idx)
+
+    lm = hf_llama(vocab_size=128, seq_len=32, n_layers=2, hidden=64, n_heads=4, n_kv_heads=1, attn="eager")
+    return WithLoss(lm), torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))

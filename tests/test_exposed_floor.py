@@ -7,37 +7,15 @@ backward as compiled) and priced by ``decide.exposed``, the measure candidates c
    both compilers, on the zoo's GPT and Llama and on HF Llama.
 2. Skipping changes no plan: the plans with skipping equal those where every baseline is realized."""
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 import lynx_compile
 from lynx_compile import decide
-from lynx_compile.models import build_model, example_batch
+from _reach import reach_model
 
 OPTS = dict(cost_source="analytic", hardware="h100-sxm", plan_cache=False)
-
-
-def _model(name, monkeypatch):
-    torch.manual_seed(0)
-    if name != "hf-llama":
-        model = build_model(name, dropout=0.0)
-        return model, example_batch(model, 2, generator=torch.Generator().manual_seed(1))
-    pytest.importorskip("transformers")
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from foreign_models import hf_llama
-
-    class WithLoss(torch.nn.Module):
-        def __init__(self, lm):
-            super().__init__()
-            self.lm = lm
-
-        def forward(self, idx):
-            return self.lm(input_ids=idx, labels=idx)
-
-    lm = hf_llama(vocab_size=128, seq_len=32, n_layers=2, hidden=64, n_heads=4, n_kv_heads=1, attn="eager")
-    return WithLoss(lm), torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
 
 
 def _plan(model, x, **options):
@@ -53,7 +31,7 @@ def _plan(model, x, **options):
 @pytest.mark.parametrize("compiler", ["inductor", "eager"])
 @pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny", "hf-llama"])
 def test_floor_is_never_above_the_realized_exposed_recompute(name, compiler, monkeypatch):
-    model, x = _model(name, monkeypatch)
+    model, x = reach_model(name, monkeypatch)
     seen = []
     original = decide._baseline_candidates
 
@@ -77,7 +55,7 @@ def test_floor_is_never_above_the_realized_exposed_recompute(name, compiler, mon
 def test_skipping_changes_no_plan(name, monkeypatch):
     """At 0.9 lynx's optimizer has a plan on both (analytic H100 costs, batch 2), exposing less
     than ``full`` can (gpt-tiny: than ``selective`` too), so those are not partitioned."""
-    model, x = _model(name, monkeypatch)
+    model, x = reach_model(name, monkeypatch)
     skipped = _plan(model, x, memory_budget=0.9)
     monkeypatch.setattr(decide, "exposed_floor", lambda *a: 0.0)  # every baseline realized
     realized = _plan(model, x, memory_budget=0.9)

@@ -4,7 +4,6 @@ Budgets sweep from the smallest reachable peak to 100%; for each plan the loss a
 gradient equal eager (fp32, dropout on, same seeds), the allocator-measured peak is within the
 budget (+2%) and within 5% of the prediction, and peaks do not grow as the budget shrinks."""
 import copy
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from lynx_compile.decide import TORCH_SETTINGS
 from lynx_compile.memory import measure_step
 from lynx_compile.models import build_model, example_batch
 from lynx_compile.decisions import BudgetError
-from _reach import BASELINES, plan_reach
+from _reach import BASELINES, plan_reach, reach_model
 
 BUDGETS = [1.0, 0.9, 0.8, 0.7, 0.6, 0.5]
 
@@ -133,29 +132,6 @@ def test_plan_names_replayed_dropouts_by_their_forward_op():
     assert dropouts and all(d.recompute_s > 0 for d in dropouts)
 
 
-def _reach_model(name: str, monkeypatch):
-    """(model returning its loss, token batch): a zoo preset, or a model lynx was not written
-    for (``benchmarks/foreign_models.py``): HF transformers' Llama, loss from ``labels``."""
-    if name != "hf-llama":
-        model = build_model(name, dropout=0.0)
-        return model, example_batch(model, 2)
-    pytest.importorskip("transformers")
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from foreign_models import hf_llama
-
-    class WithLoss(torch.nn.Module):
-        def __init__(self, lm):
-            super().__init__()
-            self.lm = lm
-
-        def forward(self, idx):
-            return self.lm(input_ids=idx, labels=idx).loss
-
-    torch.manual_seed(0)
-    lm = hf_llama(vocab_size=128, seq_len=32, n_layers=2, hidden=64, n_heads=4, n_kv_heads=1, attn="eager")
-    return WithLoss(lm), torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
-
-
 @pytest.mark.parametrize("name,baselines", [("gpt-tiny", BASELINES), ("llama-tiny", BASELINES),
                                             ("hf-llama", BASELINES[2:])], ids=["gpt-tiny", "llama-tiny", "hf-llama"])
 def test_lynx_reaches_each_baseline_peak_with_no_more_exposed_recompute(name, baselines, monkeypatch):
@@ -170,7 +146,7 @@ def test_lynx_reaches_each_baseline_peak_with_no_more_exposed_recompute(name, ba
     0.1 ... 0.9 (``decide.TORCH_SETTINGS``). HF Llama (a model lynx was not written for) is
     checked against torch's min-cut only, for time: a plan below the optimizer's reach runs up to
     13 min-cut partitions. Analytic H100 costs, batch 2; tests/_reach.py."""
-    model, x = _reach_model(name, monkeypatch)
+    model, x = reach_model(name, monkeypatch)
     rows = plan_reach(model, (x,), baselines, cost_source="analytic", hardware="h100-sxm", plan_cache=False)
     report = "\n".join(map(str, rows))
     print(f"{name}:\n{report}")  # shown with -s / -rP

@@ -21,7 +21,6 @@ For real numbers, measure with :func:`calibrate_link` on the actual process grou
 """
 from __future__ import annotations
 
-import functools
 import statistics
 import time
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ import torch
 import torch.fx
 
 from lynx_compile import _compat
-from lynx_compile.costs.types import NodeCost, input_tensors, iter_tensors, tensor_nbytes
+from lynx_compile.costs.types import NodeCost, input_tensors, iter_tensors, per_op_cached, tensor_nbytes
 
 
 @dataclass(frozen=True)
@@ -185,20 +184,10 @@ def _qualified_name(op: Any) -> str:
 
 
 def _op_namespace_name(node: torch.fx.Node) -> tuple[str, str]:
-    if node.op != "call_function":
-        return "", ""
-    try:
-        return _target_namespace_name(node.target)
-    except TypeError:  # an unhashable target
-        return _namespace_name(node.target)
+    return _namespace_name(node.target) if node.op == "call_function" else ("", "")
 
 
-@functools.lru_cache(maxsize=4096)
-def _target_namespace_name(t: Any) -> tuple[str, str]:
-    """:func:`_namespace_name` per op (asked for every node of every simulated graph)."""
-    return _namespace_name(t)
-
-
+@per_op_cached
 def _namespace_name(t: Any) -> tuple[str, str]:
     if not _compat.is_op_overload(t):
         return "", ""

@@ -9,8 +9,9 @@ are replaced by their size hints (``optimization_hint``), so every number here i
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator, Literal
+from typing import Any, Callable, Iterator, Literal
 
 import torch
 import torch.fx
@@ -67,6 +68,22 @@ class NodeCost:
             bytes_moved=int(d["bytes_moved"]),
             source=str(d["source"]),
         )
+
+
+def per_op_cached(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``fn(target)`` computed once per op: a node's ``target`` (an ``OpOverload``, a function) is
+    asked about for every node of every graph simulated or costed. An unhashable target is
+    computed each time."""
+    cached = functools.lru_cache(maxsize=4096)(fn)
+
+    @functools.wraps(fn)
+    def lookup(target: Any) -> Any:
+        try:
+            return cached(target)
+        except TypeError:  # unhashable
+            return fn(target)
+
+    return lookup
 
 
 def hint_int(x: Any) -> int:

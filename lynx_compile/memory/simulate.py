@@ -60,6 +60,7 @@ import torch.fx as fx
 
 from lynx_compile import _compat
 from lynx_compile.costs.comm import is_wait_node
+from lynx_compile.costs.types import per_op_cached
 
 
 def _nbytes(val) -> int:
@@ -100,20 +101,9 @@ def aliased_input(node: fx.Node) -> fx.Node | None:
     return None
 
 
+@per_op_cached
 def _returns_alias(target) -> bool:
-    """Whether the op's first output aliases an input (its schema says so); cached per op."""
-    try:
-        return _op_returns_alias(target)
-    except TypeError:  # an unhashable target
-        return _schema_returns_alias(target)
-
-
-@functools.lru_cache(maxsize=4096)
-def _op_returns_alias(target) -> bool:
-    return _schema_returns_alias(target)
-
-
-def _schema_returns_alias(target) -> bool:
+    """Whether the op's first output aliases an input (its schema says so)."""
     schema = getattr(target, "_schema", None)
     return schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None
 
