@@ -63,6 +63,9 @@
 #                                       of time for SDPA)
 #   LYNX_GPU_SESSION_JOBS=N      variant processes at a time (1: strictly one after another)
 #   STEP_BUDGET_S, CHECKS_BUDGET_S   seconds per part (default 510 / 540; CPU 170 / 170)
+#   ILV_RESERVE_S, KERNELS_RESERVE_S seconds kept for the interleaved timings / bench_kernels
+#                                    (default 220 / 210; CPU 70 / 40): for a device budget under
+#                                    15 minutes, e.g. `all` with one attention in one call
 set -euo pipefail
 
 PART=${1:-step}
@@ -95,13 +98,13 @@ if [ "$DEVICE" = cuda ]; then
     STEP_BUDGET_S=${STEP_BUDGET_S:-510}
     CHECKS_BUDGET_S=${CHECKS_BUDGET_S:-540}
     VARIANT_CAP_S=240     # one variant process at most
-    ILV_RESERVE_S=220     # kept for the two interleaved timings
+    ILV_RESERVE_S=${ILV_RESERVE_S:-220}     # kept for the two interleaved timings
     ILV_TAIL_S=100        # of which explicit attention leaves this to SDPA
     ILV_MIN_S=60          # an interleaved timing is skipped with less than this left
     XDIST_N=4
     KERNEL_TESTS=tests/kernels
     INDUCTOR_TESTS=(tests/test_inductor.py)
-    KERNELS_RESERVE_S=210 # kept for bench_kernels after the concurrent checks
+    KERNELS_RESERVE_S=${KERNELS_RESERVE_S:-210} # kept for bench_kernels after the concurrent checks
     KERNELS_MIN_S=60      # bench_kernels is skipped with less than this left
 elif [ "$DEVICE" = cpu ]; then
     VARIANTS=${LYNX_GPU_SESSION_VARIANTS:-eager,lynx-b0.5}
@@ -113,13 +116,13 @@ elif [ "$DEVICE" = cpu ]; then
     STEP_BUDGET_S=${STEP_BUDGET_S:-170}
     CHECKS_BUDGET_S=${CHECKS_BUDGET_S:-170}
     VARIANT_CAP_S=110
-    ILV_RESERVE_S=70
+    ILV_RESERVE_S=${ILV_RESERVE_S:-70}
     ILV_TAIL_S=30
     ILV_MIN_S=20
     XDIST_N=2
     KERNEL_TESTS=tests/kernels/test_rms_norm.py
     INDUCTOR_TESTS=(tests/test_inductor.py -k cuda)  # the CUDA cases: collected, then skipped
-    KERNELS_RESERVE_S=40
+    KERNELS_RESERVE_S=${KERNELS_RESERVE_S:-40}
     KERNELS_MIN_S=10      # (it exits at once here: no CUDA)
 else
     echo "LYNX_GPU_SESSION_DEVICE must be cuda or cpu, not $DEVICE" >&2
