@@ -29,6 +29,8 @@ graph (lynx's Inductor settings: no peak-memory reordering, no wrapper buffer re
   (``kernel_positions``). HF Llama's MLP backward: ``dh * up`` is computed inside the
   silu-backward kernel after the input-gradient matmuls, so dh and up are freed there, not at
   the multiply;
+* an ``index_put`` (an embedding's gradient) is a copy of its first input that a scatter
+  kernel writes into (``SCATTER_OPS``): the zeros it starts from are computed inside the copy;
 * a kernel (pointwise or reduction) writes its output into a same-sized buffer it reads that
   this graph computed and that dies there (``inplace_outputs``, Inductor's in-place buffers);
   when that output is a gradient, the buffer was one from the start (a tied weight's LM-head
@@ -216,12 +218,56 @@ def _is_loop(node: fx.Node) -> bool:
                    for i in indices)
 
 
-def _reads_in_loop(node: fx.Node) -> bool:
-    """``node`` reads its inputs inside a loop kernel (a pointwise op, a reduction), directly or
-    through views, never as the graph's output."""
+#: Ops Inductor lowers as a copy of their first input that a scatter kernel then writes into
+#: (its ``lowering.py``: ``index_put_impl_(clone(x), ...)``; torch 2.13's embedding backward,
+#: ``_unsafe_masked_index_put_accumulate``, lowers to the same): one new buffer, the first input
+#: read inside the copy's loop, the others inside the scatter's unless it falls back to aten
+#: (:func:`_scatter_in_loop`). An embedding's gradient: ``index_put(full(0), [ids], grad)``
+#: allocates the gradient once, the zeros never (counting both put a 4-layer GPT-1.3B's step
+#: floor at the embedding's backward 364 MiB above what ran on an H200, torch 2.11).
+SCATTER_OPS = frozenset({torch.ops.aten.index_put.default, torch.ops.aten._unsafe_index_put.default,
+                         torch.ops.aten._unsafe_masked_index_put_accumulate.default})
+
+
+def _scatter_in_loop(node: fx.Node) -> bool:
+    """Whether Inductor computes the ``SCATTER_OPS`` node ``node`` as a scatter kernel (reading
+    its values and indices in its loop) rather than aten's ``index_put_`` (``index_put_fallback``:
+    boolean indices, deterministic algorithms, an accumulate its atomics lack: int64, bool, and
+    bfloat16 below compute capability 9.0)."""
+    x = node.args[0]
+    if node.target is torch.ops.aten._unsafe_masked_index_put_accumulate.default:  # (x, mask, indices, values)
+        indices, accumulate = node.args[2], True
+    else:  # (x, indices, values, accumulate=False)
+        indices = node.args[1]
+        accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+    if torch.are_deterministic_algorithms_enabled():
+        return False
+    if any(isinstance(i, fx.Node) and getattr(i.meta.get("val"), "dtype", None) in (torch.bool, torch.uint8)
+           for i in indices):
+        return False
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return False
+    if accumulate and val.dtype in (torch.int64, torch.bool):
+        return False
+    if accumulate and val.dtype == torch.bfloat16 and val.device.type == "cuda":
+        return torch.cuda.get_device_capability(val.device) >= (9, 0)
+    return True
+
+
+def _reads_in_loop(node: fx.Node, producer: fx.Node, extern: frozenset = frozenset()) -> bool:
+    """``node`` reads ``producer`` inside a loop kernel (a pointwise op, a reduction, the copy or
+    the scatter of a ``SCATTER_OPS`` op), directly or through views, never as the graph's
+    output; a node in ``extern`` (an add Inductor turns into an ``addmm``) reads as an extern
+    kernel."""
+    if node in extern:
+        return False
     if _is_loop(node) or torch.Tag.reduction in _tags(node):
         return True
-    return _is_view(node) and bool(node.users) and all(_reads_in_loop(u) for u in node.users)
+    if node.op == "call_function" and node.target in SCATTER_OPS:
+        rest = [a for a in node.args[1:] for a in (a if isinstance(a, (list, tuple)) else (a,))]
+        return producer not in rest or _scatter_in_loop(node)
+    return _is_view(node) and bool(node.users) and all(_reads_in_loop(u, node, extern) for u in node.users)
 
 
 def _is_constant(node: fx.Node) -> bool:
@@ -231,14 +277,16 @@ def _is_constant(node: fx.Node) -> bool:
             and torch.Tag.nondeterministic_seeded not in _tags(node))
 
 
-def fused_interior(node: fx.Node) -> bool:
+def fused_interior(node: fx.Node, extern: frozenset = frozenset()) -> bool:
     """A value Inductor computes inside the kernels that read it, so it never materializes: a
     pointwise op or a constant whose every reader reads it in a loop kernel (a pointwise op or
     a reduction, directly or through views; not the graph's output). Inductor's lowering inlines
-    such an unrealized value into its readers' loop bodies."""
+    such an unrealized value into its readers' loop bodies. ``extern``: pointwise readers that
+    Inductor computes as an extern kernel (the adds of :func:`late_addmms`: ``addmm`` reads its
+    addend from a buffer, so a tied embedding's bf16 gradient materializes)."""
     if not (_is_loop(node) or _is_constant(node)):
         return False
-    return bool(node.users) and all(_reads_in_loop(u) for u in node.users)
+    return bool(node.users) and all(_reads_in_loop(u, node, extern) for u in node.users)
 
 
 def _bytes(node: fx.Node) -> int:
@@ -489,7 +537,9 @@ def simulate_graph(gm: fx.GraphModule, *, live_inputs: dict[str, int], input_key
     they die (:func:`donated_inputs`)."""
     keys = storage_keys(gm, input_keys)
     nodes = list(gm.graph.nodes)
-    interior = {n for n in nodes if fused_interior(n)} | late_addmms(nodes) if fused else set()
+    late = late_addmms(nodes) if fused else set()
+    addmm_adds = frozenset(u for mm in late for u in mm.users)
+    interior = {n for n in nodes if fused_interior(n, addmm_adds)} | late if fused else set()
     groups: dict[fx.Node, int] = {}
     if fused:
         sizes = {k: b for n in nodes for k, b in allocations(n)}
