@@ -3,8 +3,7 @@
 Use it as ``torch.compile(model, backend="lynx", options={...})`` or bind options with
 :func:`lynx_compile.backend`.
 """
-__version__ = "0.1.0"
-
+from lynx_compile._version import __version__  # noqa: E402
 from lynx_compile.backend import LynxBackend, backend  # noqa: E402
 from lynx_compile.config import LynxConfig, make_config  # noqa: E402
 from lynx_compile.plan import RecomputePlan  # noqa: E402

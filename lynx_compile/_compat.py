@@ -362,7 +362,7 @@ def _unpickled_partitioner(uuid: Any) -> Any:
 
 
 def _lynx_source_digest() -> str:
-    from lynx_compile.plan_cache import lynx_source_digest
+    from lynx_compile.source_digest import lynx_source_digest
 
     return lynx_source_digest()
 

@@ -22,15 +22,12 @@ import torch.fx as fx
 
 from lynx_compile import _compat, autograd_cache
 from lynx_compile.config import OPTIONS_ENV, LynxConfig, make_config, options_from_env
+from lynx_compile.errors import LynxOptionError, PlanningDone  # noqa: F401  (re-exported)
 from lynx_compile.partition import lynx_partition
 from lynx_compile.passes import GraphRecord
 
 log = logging.getLogger("lynx_compile")
 _graph_ids = itertools.count()
-
-
-class PlanningDone(Exception):
-    """Raised by a ``plan_only`` backend once the graph is partitioned and planned."""
 
 
 def find_backend_error(e: BaseException | None, kind: type[BaseException]) -> BaseException | None:
@@ -331,15 +328,6 @@ def _log_to_stderr(solver_log: bool = False) -> None:
         logging.getLogger("lynx_compile.solver").setLevel(logging.DEBUG)
     if not log.handlers:
         log.addHandler(_StderrHandler())
-
-
-class LynxOptionError(ValueError, _compat.dynamo_passthrough_error()):
-    """A bad lynx option. A ``ValueError``; raised from the backend, dynamo passes it on as is
-    (not wrapped in ``BackendCompilerFailed``), so lynx's message is the one the user reads."""
-
-    def __init__(self, message: str):
-        ValueError.__init__(self, message)
-        self.first_useful_frame = None  # dynamo strips its own frames from the traceback
 
 
 @functools.lru_cache(maxsize=None)

@@ -132,7 +132,7 @@ def check_applicable(example_inputs: list) -> None:
 
 
 def _error(why: str) -> Exception:
-    from lynx_compile.backend import LynxOptionError
+    from lynx_compile.errors import LynxOptionError
 
     return LynxOptionError(f"accumulate_grad_in_graph=True cannot apply: {why}; compile without it")
 

@@ -90,7 +90,7 @@ class LynxPartitioner(_compat.inductor_partitioner_base()):
         self.ran = False
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
-        from lynx_compile.backend import PlanningDone
+        from lynx_compile.errors import PlanningDone
         from lynx_compile.partition import lynx_partition
 
         if self.peak is not None:

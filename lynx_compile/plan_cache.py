@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -46,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from lynx_compile.decisions import Decisions
+from lynx_compile.source_digest import lynx_source_digest
 
 log = logging.getLogger("lynx_compile")
 
@@ -126,13 +126,13 @@ def key_fields(config: Any, *, graph_hash: str, graph_digest: str, reference_pea
     profile's numbers (``HardwareProfile.to_dict()``)."""
     import torch
 
-    import lynx_compile
+    from lynx_compile._version import __version__
 
     return {"schema": SCHEMA, "graph_hash": graph_hash, "graph_digest": graph_digest,
             "options": planning_options(config),
             "reference_peak_bytes": int(reference_peak), "budget_bytes": int(budget),
             "world_size": int(world_size), "torch": torch.__version__,
-            "lynx": {"version": lynx_compile.__version__, "source": lynx_source_digest()}, "profile": profile}
+            "lynx": {"version": __version__, "source": lynx_source_digest()}, "profile": profile}
 
 
 def planning_options(config: Any) -> dict[str, Any]:
@@ -144,21 +144,6 @@ def plan_key(fields: dict[str, Any]) -> str:
     """sha256 (hex) of ``fields`` as canonical JSON (sorted keys, no spaces)."""
     text = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=repr)
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-@functools.lru_cache(maxsize=None)
-def lynx_source_digest() -> str:
-    """sha256 of lynx's Python sources (``lynx_compile`` and its ``passes`` package, wherever
-    they are installed from): a plan made by other planning code is never reused."""
-    roots = [Path(__file__).resolve().parent]
-    spec = importlib.util.find_spec("lynx_compile.passes")
-    roots += [Path(p).resolve() for p in (spec.submodule_search_locations or ())] if spec else []
-    h = hashlib.sha256()
-    for root in sorted(set(roots)):
-        for path in sorted(root.rglob("*.py")):
-            h.update(str(path.relative_to(root)).encode())
-            h.update(path.read_bytes())
-    return h.hexdigest()[:16]
 
 
 def entry_path(key: str) -> Path:

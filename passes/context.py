@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from lynx_compile.config import LynxConfig
 from lynx_compile.plan import RecomputePlan
 from lynx_compile.step_model import GraphChoices
+
+if TYPE_CHECKING:  # the config module checks pass names against this package
+    from lynx_compile.config import LynxConfig
 
 
 @dataclass(kw_only=True)

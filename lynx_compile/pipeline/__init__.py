@@ -226,7 +226,8 @@ def pipeline(model: nn.Module, example_inputs: Sequence[Any], *, num_stages: int
     (``pipeline.microbatch_plan``), and each stage compiles the variants it uses and runs, per
     micro-batch, the chosen one (``runtime.per_microbatch``). With ``plan=`` it needs the
     ``costs=`` that plan was made from (``plan_pipeline`` returns both)."""
-    import lynx_compile
+    from lynx_compile.backend import LynxBackend
+    from lynx_compile.config import make_config
     from lynx_compile.distributed.agreement import SOLO
 
     if schedule not in SCHEDULES:
@@ -294,7 +295,7 @@ def pipeline(model: nn.Module, example_inputs: Sequence[Any], *, num_stages: int
         if mb_plan is not None:
             backend = _per_microbatch_backend(stage_opts, variants.budgets[i], mb_plan.choice[i])
         else:
-            backend = lynx_compile.LynxBackend(lynx_compile.make_config(stage_opts), plan_pieces=False)
+            backend = LynxBackend(make_config(stage_opts), plan_pieces=False)
         backend.planning_group = planning_group if planning_group is not None else SOLO
         compiled = compile_stage(mod, backend, in_place=schedule in ZERO_BUBBLE_SCHEDULES)
         ids = {id(p) for p in mod.parameters()}
@@ -345,7 +346,8 @@ def _plan_microbatches(plan: StagePlan, costs: PipelineCosts, ranks: int, option
 
 def _per_microbatch_backend(stage_opts: dict[str, Any], budgets, choice):
     """A ``PerMicrobatchBackend`` over one lynx backend per variant (``memory_budget`` None: policy none)."""
-    import lynx_compile
+    from lynx_compile.backend import LynxBackend
+    from lynx_compile.config import make_config
     from lynx_compile.runtime.per_microbatch import PerMicrobatchBackend
 
     backends = []
@@ -356,5 +358,5 @@ def _per_microbatch_backend(stage_opts: dict[str, Any], budgets, choice):
             opts["policy"] = "none"
         else:
             opts["memory_budget"] = int(budget)
-        backends.append(lynx_compile.LynxBackend(lynx_compile.make_config(opts), plan_pieces=False))
+        backends.append(LynxBackend(make_config(opts), plan_pieces=False))
     return PerMicrobatchBackend(backends, dict(enumerate(choice)))
