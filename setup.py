@@ -13,7 +13,7 @@ setup(
         "lynx_compile.memory",
         "lynx_compile.remat",
         "lynx_compile.models",
-        "lynx_compile.pipeline",
+        "lynx_compile.pipelining",
         "lynx_compile.runtime",
         "lynx_compile.sim",
         "lynx_compile.passes",

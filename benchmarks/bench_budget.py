@@ -216,7 +216,7 @@ def run_row(model: str, style: str, compiler: str, budget: Optional[float], attn
 
     import lynx_compile
     import lynx_compile.memory.measure as measure_mod
-    from lynx_compile.backend import find_backend_error
+    from lynx_compile.dynamo_backend import find_backend_error
     from lynx_compile.decisions import BudgetError
     from lynx_compile.memory.measure import cpu_peak_bytes, measure_step
     from lynx_compile.variants import describe_failure

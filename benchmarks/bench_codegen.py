@@ -123,7 +123,7 @@ def run_row(model: str, variant: str) -> dict:
     import torch
 
     from lynx_compile import _compat
-    from lynx_compile.backend import find_backend_error
+    from lynx_compile.dynamo_backend import find_backend_error
     from lynx_compile.decisions import BudgetError
     from lynx_compile.memory.measure import measure_step
     from lynx_compile.variants import describe_failure

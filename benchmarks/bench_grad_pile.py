@@ -53,7 +53,7 @@ def run_row(model: str, variant: str, budget: str | None) -> dict:
     import torch
 
     import lynx_compile
-    from lynx_compile.backend import find_backend_error
+    from lynx_compile.dynamo_backend import find_backend_error
     from lynx_compile.decisions import BudgetError
     from lynx_compile.memory.measure import grad_rel_diff, grad_snapshot, measure_step
 

@@ -267,7 +267,7 @@ def pipeline_costs(prof: LayerProfile, cluster, layout: Layout):
     B), half the LM head's backward (its dx and dW matmuls), none of the embedding's, and the
     point-to-point link between stages (``sim.scale``'s choice)."""
     from lynx_compile.costs.comm import LINKS
-    from lynx_compile.pipeline.plan_stages import PipelineCosts, RecomputeCurve, SegmentCost
+    from lynx_compile.pipelining.plan_stages import PipelineCosts, RecomputeCurve, SegmentCost
     from lynx_compile.sim.scale import STATE_BYTES_PER_PARAM_BYTE, _candidates, _exposed, _logits_bytes
 
     pts = _candidates(prof, "lynx-opt")
@@ -295,8 +295,8 @@ def schedule_rows(cache: dict, args) -> list[dict]:
     """``--schedules``: one row per pipelined configuration, micro-batch and schedule
     (``SCHEDULE_ASSUMPTIONS``). A rank holding two stages fits them to its memory together
     (``plan_stages``' rank sharing, ``pipeline.rank_memory``)."""
-    from lynx_compile.pipeline.placement import stage_rank
-    from lynx_compile.pipeline.plan_stages import StagePlanError, plan_stages
+    from lynx_compile.pipelining.placement import stage_rank
+    from lynx_compile.pipelining.plan_stages import StagePlanError, plan_stages
 
     rows = []
     for model, cluster, tp, pp, dp in configs(args.models, args.clusters):

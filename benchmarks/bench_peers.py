@@ -265,7 +265,7 @@ def _rockmate_row(module: Any, model: str) -> dict:
 def run_row(model: str, peer: str, budget: Optional[float], warmup: int, steps: int, threads: int) -> dict:
     import torch
 
-    from lynx_compile.backend import find_backend_error
+    from lynx_compile.dynamo_backend import find_backend_error
     from lynx_compile.decisions import BudgetError
     from lynx_compile.memory.measure import measure_step
     from lynx_compile.variants import describe_failure

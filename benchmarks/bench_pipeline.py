@@ -57,9 +57,9 @@ def worker(args) -> None:
     model = build_model(args.model, n_layers=args.layers, dropout=0.0)
     g = torch.Generator().manual_seed(1)
     batches = [example_batch(model, args.batch_size, generator=g) for _ in range(args.steps)]
-    from lynx_compile.pipeline import StagePlan
+    from lynx_compile.pipelining import StagePlan
 
-    from lynx_compile.pipeline import PipelineCosts
+    from lynx_compile.pipelining import PipelineCosts
 
     with open(args.plan) as f:  # the parent's plan: every launch of a configuration runs the same split
         plan = StagePlan.from_dict(json.load(f))
@@ -204,7 +204,7 @@ def main() -> None:
         return worker(args)
 
     from lynx_compile.models import build_model, example_batch
-    from lynx_compile.pipeline import StagePlanError, plan_pipeline, plan_stages
+    from lynx_compile.pipelining import StagePlanError, plan_pipeline, plan_stages
 
     torch.manual_seed(0)
     model = build_model(args.model, n_layers=args.layers, dropout=0.0)
@@ -269,8 +269,8 @@ def _medians(launches: list[dict]) -> str:
 
 def _compare_schedules(args, costs, top: int) -> None:
     """``--schedules``: one row per memory level and schedule (lynx split, recompute in the wait)."""
-    from lynx_compile.pipeline import StagePlanError, plan_stages
-    from lynx_compile.pipeline.placement import MULTI_STAGE_SCHEDULES
+    from lynx_compile.pipelining import StagePlanError, plan_stages
+    from lynx_compile.pipelining.placement import MULTI_STAGE_SCHEDULES
 
     schedules = [x.strip() for x in args.schedules.split(",") if x.strip()]
     reference = _reference_losses(args)

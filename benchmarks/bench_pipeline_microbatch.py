@@ -44,9 +44,9 @@ def _rank_activation(sv, walk) -> str:
 def _uniform_walk(plan, costs):
     """Predicted (step s, per-rank peak B) of ``plan`` with every micro-batch of a stage at its
     allowance: the ``plan`` variant (``keep`` where the stage recomputes nothing) for all."""
-    from lynx_compile.pipeline.microbatch_plan import replay
-    from lynx_compile.pipeline.placement import zero_bubble_orders
-    from lynx_compile.pipeline.stage_variants import send_seconds, stage_variants
+    from lynx_compile.pipelining.microbatch_plan import replay
+    from lynx_compile.pipelining.placement import zero_bubble_orders
+    from lynx_compile.pipelining.stage_variants import send_seconds, stage_variants
 
     sv = stage_variants(plan, costs, ranks=2)
     choice = []
@@ -80,10 +80,10 @@ def main() -> None:
     args.compiler = "eager"  # recompute in the gradient wait and lynx's runtime B/W cut
 
     from lynx_compile.models import build_model, example_batch
-    from lynx_compile.pipeline import StagePlanError, plan_pipeline, plan_stages
-    from lynx_compile.pipeline.microbatch_plan import MicrobatchPlanError, plan_microbatches
-    from lynx_compile.pipeline.placement import stage_rank, zero_bubble_orders
-    from lynx_compile.pipeline.stage_variants import send_seconds
+    from lynx_compile.pipelining import StagePlanError, plan_pipeline, plan_stages
+    from lynx_compile.pipelining.microbatch_plan import MicrobatchPlanError, plan_microbatches
+    from lynx_compile.pipelining.placement import stage_rank, zero_bubble_orders
+    from lynx_compile.pipelining.stage_variants import send_seconds
 
     torch.manual_seed(0)
     model = build_model(args.model, n_layers=args.layers, dropout=0.0)

@@ -2,11 +2,44 @@
 
 Use it as ``torch.compile(model, backend="lynx", options={...})`` or bind options with
 :func:`lynx_compile.backend`.
+
+Importing the package loads nothing but its version: the names below load their module on first
+use, so a subpackage (``lynx_compile.kernels``, ``lynx_compile.remat``, ``lynx_compile.models``)
+imports on its own, without torch.compile's machinery.
 """
-from lynx_compile._version import __version__  # noqa: E402
-from lynx_compile.backend import LynxBackend, backend  # noqa: E402
-from lynx_compile.config import LynxConfig, make_config  # noqa: E402
-from lynx_compile.plan import RecomputePlan  # noqa: E402
-from lynx_compile.pipeline import pipeline  # noqa: E402  (shadows the subpackage name on purpose)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from lynx_compile._version import __version__
+
+#: public name -> the module that defines it
+_LAZY = {
+    "LynxBackend": "lynx_compile.dynamo_backend",
+    "backend": "lynx_compile.dynamo_backend",
+    "LynxConfig": "lynx_compile.config",
+    "make_config": "lynx_compile.config",
+    "RecomputePlan": "lynx_compile.plan",
+    "pipeline": "lynx_compile.pipelining",
+}
 
 __all__ = ["LynxBackend", "LynxConfig", "RecomputePlan", "backend", "make_config", "pipeline", "__version__"]
+
+if TYPE_CHECKING:
+    from lynx_compile.config import LynxConfig, make_config
+    from lynx_compile.dynamo_backend import LynxBackend, backend
+    from lynx_compile.pipelining import pipeline
+    from lynx_compile.plan import RecomputePlan
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'lynx_compile' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

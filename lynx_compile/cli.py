@@ -72,7 +72,7 @@ def _options(args: argparse.Namespace) -> dict:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from lynx_compile.backend import _log_to_stderr
+    from lynx_compile.dynamo_backend import _log_to_stderr
 
     _log_to_stderr(solver_log=args.verbose)  # per-graph decisions, MILP progress; --verbose: solver log
 

@@ -407,7 +407,7 @@ def options_from_env(environ: dict[str, str] | None = None) -> dict[str, Any] | 
     ``LYNX_OPTIONS=lynx_options.json``. The keys are those of ``options=`` (:class:`LynxConfig`)
     and are validated by :func:`make_config`. A missing file, text that is not a JSON object, or a
     bad option raises ``ValueError`` naming ``LYNX_OPTIONS``. The backend refuses ``options=``
-    together with a set ``LYNX_OPTIONS`` (``lynx_compile.backend.lynx_backend``): one source of
+    together with a set ``LYNX_OPTIONS`` (``lynx_compile.dynamo_backend.lynx_backend``): one source of
     options per compile; ``lynx_compile.backend(**options)`` never reads the variable."""
     text = (os.environ if environ is None else environ).get(OPTIONS_ENV, "").strip()
     if not text:

@@ -1,4 +1,4 @@
-"""What ``lynx train`` and its pipeline loop (``pipeline/train_pp.py``) both build from the
+"""What ``lynx train`` and its pipeline loop (``pipelining/train_pp.py``) both build from the
 command line: the device of this rank, the model, its batches, the backend options."""
 from __future__ import annotations
 

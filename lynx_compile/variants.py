@@ -173,7 +173,7 @@ def min_warmup(name: str, style: str = "whole") -> int:
 def describe_failure(exc: BaseException) -> str:
     """``refused: <first line>`` for a lynx BudgetError anywhere under dynamo's wrappers,
     else ``error: <type>: <first line>``."""
-    from lynx_compile.backend import find_backend_error
+    from lynx_compile.dynamo_backend import find_backend_error
     from lynx_compile.decisions import BudgetError
 
     budget = find_backend_error(exc, BudgetError)

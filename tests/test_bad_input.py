@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import lynx_compile
-from lynx_compile.backend import find_backend_error
+from lynx_compile.dynamo_backend import find_backend_error
 from lynx_compile.config import make_config
 from lynx_compile.models import build_model, example_batch
 from lynx_compile.decisions import BudgetError
@@ -102,7 +102,7 @@ def test_graph_breaks_compile_each_subgraph_and_say_so_once(caplog):
     caplog.set_level(logging.WARNING, logger="lynx_compile")
     model = _Broken()
     x = example_batch(model.inner, 2)
-    from lynx_compile.backend import LynxBackend
+    from lynx_compile.dynamo_backend import LynxBackend
     from lynx_compile.config import make_config
 
     # a fresh backend (lynx_compile.backend() returns the cached one an earlier test with the

@@ -16,7 +16,7 @@ import torch.fx as fx
 
 import lynx_compile
 from lynx_compile import _compat
-from lynx_compile.backend import find_backend_error
+from lynx_compile.dynamo_backend import find_backend_error
 from lynx_compile.decisions import BudgetError
 from lynx_compile.inductor import split_late_addmm, split_shared_pointwise
 from lynx_compile.memory import measure_step

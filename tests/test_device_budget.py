@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import lynx_compile
-from lynx_compile.backend import find_backend_error
+from lynx_compile.dynamo_backend import find_backend_error
 from lynx_compile.budget import Budget, check_device_budget, format_bytes
 from lynx_compile.cli import main
 from lynx_compile.decisions import BudgetError

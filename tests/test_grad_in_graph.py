@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import lynx_compile
-from lynx_compile.backend import LynxOptionError
+from lynx_compile.dynamo_backend import LynxOptionError
 from lynx_compile.memory import measure_step
 from lynx_compile.memory.measure import grad_rel_diff, grad_snapshot
 from lynx_compile.models import build_model, example_batch
@@ -79,7 +79,7 @@ def test_accumulates_and_creates_grad():
 
 def _smallest(acc):
     """The smallest budget lynx accepts (compiler eager), from its refusal of 0.05."""
-    from lynx_compile.backend import find_backend_error
+    from lynx_compile.dynamo_backend import find_backend_error
     from lynx_compile.budget import parse_budget
     from lynx_compile.decisions import BudgetError
 

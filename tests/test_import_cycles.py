@@ -143,3 +143,24 @@ def test_a_cycle_through_a_function_level_import_is_found(tmp_path):
     cycles = import_cycles({"pkg": pkg})
     assert sorted(c[0] for c in cycles) == ["pkg", "pkg.a"], cycles
     assert any("b.py:2 -> pkg.a" in step for c in cycles for step in c), cycles
+
+
+def test_subpackages_import_on_their_own():
+    """``import lynx_compile.kernels`` (reused by other projects), ``.remat`` (the optimizer, free
+    of torch.fx) or ``.models`` loads neither lynx's backend nor torch.compile's machinery: the
+    package ``__init__`` loads its names on first use. The names still resolve to the functions."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, lynx_compile.kernels, lynx_compile.remat, lynx_compile.models\n"
+        "loaded = [m for m in ('lynx_compile.dynamo_backend', 'lynx_compile.config', 'lynx_compile.passes',"
+        " 'torch._dynamo', 'torch._inductor') if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+        "import lynx_compile, lynx_compile.pipelining, lynx_compile.dynamo_backend\n"
+        "assert callable(lynx_compile.backend) and callable(lynx_compile.pipeline)\n"
+        "assert lynx_compile.backend is lynx_compile.dynamo_backend.backend\n"
+        "assert lynx_compile.pipeline is lynx_compile.pipelining.pipeline\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lynx_compile
-from lynx_compile.backend import find_backend_error
+from lynx_compile.dynamo_backend import find_backend_error
 from lynx_compile.decide import TORCH_SETTINGS
 from lynx_compile.memory import measure_step
 from lynx_compile.models import build_model, example_batch

@@ -9,10 +9,10 @@ import shutil
 
 import pytest
 
-from lynx_compile.pipeline.placement import zero_bubble_orders
+from lynx_compile.pipelining.placement import zero_bubble_orders
 from lynx_compile.sim.pipeline import held_microbatches, simulate_actions
 
-mp = importlib.import_module("lynx_compile.pipeline.microbatch_plan")  # lynx_compile.pipeline is a function
+mp = importlib.import_module("lynx_compile.pipelining.microbatch_plan")  # lynx_compile.pipeline is a function
 MicrobatchPlanError, StageVariant, plan_microbatches, replay = (
     mp.MicrobatchPlanError, mp.StageVariant, mp.plan_microbatches, mp.replay)
 
@@ -316,8 +316,8 @@ def test_stage_variants_priced_from_the_curves_by_hand():
     # one block per stage, ZBV, 4 stages on 2 ranks, 4 micro-batches; each block: F 1 ms, backward
     # 3 ms of which W 1 ms; curve: 4 MiB kept exposes 0, 2 MiB 2 ms (1 of it W's), 0 MiB 6 ms
     # (2 of it W's); no working, static or traced carry bytes
-    from lynx_compile.pipeline.plan_stages import PipelineCosts, RecomputeCurve, SegmentCost, plan_stages
-    from lynx_compile.pipeline.stage_variants import stage_variants
+    from lynx_compile.pipelining.plan_stages import PipelineCosts, RecomputeCurve, SegmentCost, plan_stages
+    from lynx_compile.pipelining.stage_variants import stage_variants
 
     MiB, ms = 2**20, 1e-3
     c = RecomputeCurve(kept_bytes=(4 * MiB, 2 * MiB, 0), exposed_s=(0.0, 2 * ms, 6 * ms),

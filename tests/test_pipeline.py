@@ -192,7 +192,7 @@ def test_recompute_in_gradient_wait_keeps_gradients_exact():
 
 
 def test_bad_pipeline_requests_name_the_limit():
-    from lynx_compile.pipeline import StagePlanError, plan_pipeline
+    from lynx_compile.pipelining import StagePlanError, plan_pipeline
 
     model = _model(layers=2)
     mb = _batch(model)[:2]
@@ -222,7 +222,7 @@ def test_memory_bound_plan_gives_the_first_stage_fewer_layers():
     # 0.405 -> 0.454, 4|4 0.446 -> 0.507). (Micro-batches of 2 until the profile stopped counting
     # intermediates no stage saves: at 2 the weights dominate and 4|4 is also the least-memory
     # split.)
-    from lynx_compile.pipeline import plan_pipeline
+    from lynx_compile.pipelining import plan_pipeline
 
     model = _model("gpt-small", layers=8)
     mb = _batch(model)
@@ -241,7 +241,7 @@ def _stage_budget_too_small(rank, world):
     import dataclasses
 
     import lynx_compile
-    from lynx_compile.pipeline import plan_pipeline
+    from lynx_compile.pipelining import plan_pipeline
 
     model = _model("gpt-small", layers=4)
     idx = _batch(model)
@@ -323,7 +323,7 @@ def test_pipeline_stages_offload_and_match_single_process():
     # put a tensor on the host for less exposed time than its recompute), the stage planner splits
     # and budgets with them, and each stage compiles with offload on; losses and gradients still
     # equal one process's
-    from lynx_compile.pipeline import plan_pipeline
+    from lynx_compile.pipelining import plan_pipeline
 
     model = _model()
     mb = (_batch(model, OFFLOAD_BATCH)[: OFFLOAD_BATCH // MICRO],)

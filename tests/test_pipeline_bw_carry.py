@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from lynx_compile.pipeline.placement import zero_bubble_orders
-from lynx_compile.pipeline.plan_stages import PipelineCosts, SegmentCost, StagePlan, StagePlanError, plan_stages
+from lynx_compile.pipelining.placement import zero_bubble_orders
+from lynx_compile.pipelining.plan_stages import PipelineCosts, SegmentCost, StagePlan, StagePlanError, plan_stages
 from lynx_compile.sim.pipeline import held_microbatches
 
 MiB, ms = 2**20, 1e-3
@@ -35,7 +35,7 @@ def test_held_counts_zbv_p2_s4_m4_by_hand():
 
 def test_held_counts_agree_with_in_flight():
     # the f of the pairs is the planner's in-flight count (one source for both schedules)
-    from lynx_compile.pipeline.placement import in_flight
+    from lynx_compile.pipelining.placement import in_flight
 
     for schedule, ranks, stages, m in [("ZBVZeroBubble", 2, 4, 8), ("ZBVZeroBubble", 4, 8, 16),
                                        ("InterleavedZeroBubble", 2, 4, 4), ("InterleavedZeroBubble", 2, 6, 6)]:
@@ -94,8 +94,8 @@ def _runtime_carry(stage, x):
 
 @pytest.mark.timeout(120)
 def test_carry_bytes_equal_the_runtime_carry():
-    from lynx_compile.pipeline import _Forward
-    from lynx_compile.pipeline.costs import weight_split_census
+    from lynx_compile.pipelining import _Forward
+    from lynx_compile.pipelining.costs import weight_split_census
 
     model, idx = _gpt_tiny()
     n = len(model.blocks)
@@ -128,8 +128,8 @@ def test_carry_bytes_equal_the_runtime_carry():
 
 @pytest.mark.timeout(120)
 def test_profile_fills_the_carry_for_the_eager_compiler_only():
-    from lynx_compile.pipeline import _Forward
-    from lynx_compile.pipeline.costs import _splits_weights, carry_bytes, profile_pipeline
+    from lynx_compile.pipelining import _Forward
+    from lynx_compile.pipelining.costs import _splits_weights, carry_bytes, profile_pipeline
 
     model, idx = _gpt_tiny()
     wrapped = _Forward(model, model.logits)
@@ -243,8 +243,8 @@ def test_recompute_only_w_needs_is_the_weight_matmuls_inputs():
     # plus the LM head's input (the final norm's output) and the position ids (the position
     # embedding's gradient is a weight gradient). The norms' own nodes stay B's: their backward
     # reads their mean and rstd, outputs of the same op, so recomputing a norm runs in B.
-    from lynx_compile.pipeline import _Forward
-    from lynx_compile.pipeline.costs import profile_pipeline, weight_split_census
+    from lynx_compile.pipelining import _Forward
+    from lynx_compile.pipelining.costs import profile_pipeline, weight_split_census
 
     model, idx = _gpt_tiny()
     n = len(model.blocks)

@@ -20,10 +20,10 @@ def _memory(schedule):
     """The largest memory per device (a multiple of the largest stage peak without recompute,
     downwards) at which the per-micro-batch plan mixes variants, planned in this process as every
     rank will."""
-    from lynx_compile.pipeline import StagePlanError, plan_pipeline, plan_stages
-    from lynx_compile.pipeline.microbatch_plan import MicrobatchPlanError, plan_microbatches
-    from lynx_compile.pipeline.placement import zero_bubble_orders
-    from lynx_compile.pipeline.stage_variants import send_seconds, stage_variants
+    from lynx_compile.pipelining import StagePlanError, plan_pipeline, plan_stages
+    from lynx_compile.pipelining.microbatch_plan import MicrobatchPlanError, plan_microbatches
+    from lynx_compile.pipelining.placement import zero_bubble_orders
+    from lynx_compile.pipelining.stage_variants import send_seconds, stage_variants
 
     model = _model()
     mb = (_batch(model, PM_BATCH)[: PM_BATCH // MICRO],)

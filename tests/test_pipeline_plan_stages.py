@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from lynx_compile.pipeline.plan_stages import (
+from lynx_compile.pipelining.plan_stages import (
     PipelineCosts, RecomputeCurve, SegmentCost, StagePlanError, _Pricer, allocate, allocate_with_transient, in_flight,
     plan_stages, transient_bytes, uniform_cuts)
 
@@ -256,8 +256,8 @@ def test_param_bytes_follow_blocks_traced_through_a_bound_forward():
     ``_fn.__self__.blocks.N`` while the wrapper's modules are ``model.blocks.N``: each block
     still gets its own parameters (it once charged every weight to the stage before the blocks)."""
     from lynx_compile.models import build_model, example_batch
-    from lynx_compile.pipeline import _Forward
-    from lynx_compile.pipeline.costs import _param_bytes
+    from lynx_compile.pipelining import _Forward
+    from lynx_compile.pipelining.costs import _param_bytes
 
     model = build_model("gpt-tiny")
     paths = [f"_fn.__self__.blocks.{i}" for i in range(len(model.blocks))]
@@ -269,7 +269,7 @@ def test_param_bytes_follow_blocks_traced_through_a_bound_forward():
 
 
 def test_weight_share_interpolates_and_zero_bubble_runs_it_in_w():
-    from lynx_compile.pipeline.plan_stages import weight_share
+    from lynx_compile.pipelining.plan_stages import weight_share
 
     # exposed 10 ms at 0 MiB (4 of them W's), 2 ms at 2 MiB (all W's), 0 at 4 MiB
     c = RecomputeCurve(kept_bytes=(0, 2 * MiB, 4 * MiB), exposed_s=(10 * ms, 2 * ms, 0.0),

@@ -64,8 +64,8 @@ def test_lynx_train_zbv_matches_the_unsplit_model():
 
 
 def test_zero_bubble_placement_and_in_flight():
-    from lynx_compile.pipeline.placement import check_placement, local_stages
-    from lynx_compile.pipeline.placement import in_flight, interleaved_in_flight
+    from lynx_compile.pipelining.placement import check_placement, local_stages
+    from lynx_compile.pipelining.placement import in_flight, interleaved_in_flight
 
     assert [local_stages("ZBVZeroBubble", r, 4, 2) for r in range(2)] == [[0, 3], [1, 2]]
     assert [local_stages("ZBVZeroBubble", r, 8, 4) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
@@ -83,8 +83,8 @@ def test_zero_bubble_placement_and_in_flight():
 
 
 def test_zero_bubble_requests_name_the_limit():
-    from lynx_compile.pipeline import StagePlanError
-    from lynx_compile.pipeline.plan_stages import PipelineCosts, SegmentCost, plan_stages
+    from lynx_compile.pipelining import StagePlanError
+    from lynx_compile.pipelining.plan_stages import PipelineCosts, SegmentCost, plan_stages
 
     costs = PipelineCosts(blocks=tuple(SegmentCost(name=f"blocks.{i}", forward_s=1e-3, backward_s=2e-3)
                                        for i in range(4)))

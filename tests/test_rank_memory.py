@@ -7,9 +7,9 @@ import itertools
 
 import pytest
 
-from lynx_compile.pipeline.placement import rank_orders, stage_rank
-from lynx_compile.pipeline.plan_stages import plan_stages
-from lynx_compile.pipeline.rank_memory import Option, StageShare, rank_bytes, rank_points, share_rank
+from lynx_compile.pipelining.placement import rank_orders, stage_rank
+from lynx_compile.pipelining.plan_stages import plan_stages
+from lynx_compile.pipelining.rank_memory import Option, StageShare, rank_bytes, rank_points, share_rank
 from test_pipeline_plan_stages import brute_costs
 
 MiB, ms = 2**20, 1e-3

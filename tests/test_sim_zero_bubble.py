@@ -5,10 +5,10 @@ import random
 import pytest
 import torch
 
-from lynx_compile.pipeline.placement import in_flight
-from lynx_compile.pipeline.plan_stages import PipelineCosts, SegmentCost, plan_stages
-from lynx_compile.pipeline.placement import zero_bubble_orders
-from lynx_compile.pipeline.step_time import WEIGHT_SHARE, stage_times
+from lynx_compile.pipelining.placement import in_flight
+from lynx_compile.pipelining.plan_stages import PipelineCosts, SegmentCost, plan_stages
+from lynx_compile.pipelining.placement import zero_bubble_orders
+from lynx_compile.pipelining.step_time import WEIGHT_SHARE, stage_times
 from lynx_compile.sim.pipeline import simulate_actions, simulate_pipeline
 
 
@@ -256,7 +256,7 @@ def test_stage_times_split_w_from_segments():
 
 def test_census_weight_share_of_a_gpt_block():
     from lynx_compile.models import build_model, example_batch
-    from lynx_compile.pipeline.costs import _forward_census, _param_bytes
+    from lynx_compile.pipelining.costs import _forward_census, _param_bytes
 
     torch.manual_seed(0)
     model = build_model("gpt-tiny", dropout=0.0)

@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from lynx_compile.backend import LynxBackend
+from lynx_compile.dynamo_backend import LynxBackend
 from lynx_compile.config import make_config
 from lynx_compile.decisions import BudgetError
 from lynx_compile.memory.measure import cpu_peak_bytes, measure_step

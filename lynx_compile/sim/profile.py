@@ -96,7 +96,7 @@ def profile_layer(model: str, *, hardware: str, link: str, tp: int, microbatch: 
     try:
         rec = _plan(model, tp, microbatch, policy="lynx", memory_budget=0.999, solver="heu", **common)
     except Exception as e:  # noqa: BLE001 - dynamo wraps the BudgetError
-        from lynx_compile.backend import find_backend_error
+        from lynx_compile.dynamo_backend import find_backend_error
         from lynx_compile.decisions import BudgetError
 
         if find_backend_error(e, BudgetError) is None:
@@ -118,7 +118,7 @@ def profile_layer(model: str, *, hardware: str, link: str, tp: int, microbatch: 
         try:
             r = _plan(model, tp, microbatch, policy="torch", memory_budget=frac, **common)
         except Exception as e:  # noqa: BLE001 - dynamo wraps the BudgetError
-            from lynx_compile.backend import find_backend_error
+            from lynx_compile.dynamo_backend import find_backend_error
             from lynx_compile.decisions import BudgetError
 
             if find_backend_error(e, BudgetError) is None:

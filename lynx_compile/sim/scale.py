@@ -164,7 +164,7 @@ def _cuts(profile: LayerProfile, strategy: str, cluster: Cluster, layout: Layout
 
 def _lynx_cuts(profile: LayerProfile, strategy: str, cluster: Cluster, layout: Layout) -> list[int]:
     """Layers per stage from lynx's recompute-aware stage planner (``plan_stages``)."""
-    from lynx_compile.pipeline.plan_stages import PipelineCosts, RecomputeCurve, SegmentCost, StagePlanError, plan_stages
+    from lynx_compile.pipelining.plan_stages import PipelineCosts, RecomputeCurve, SegmentCost, StagePlanError, plan_stages
 
     pts = _candidates(profile, strategy)
     curve = RecomputeCurve(kept_bytes=tuple(q.kept_bytes for q in pts),
@@ -216,7 +216,7 @@ def fsdp_slack_s(profile: LayerProfile, fsdp: tuple[float, float]) -> float:
 
 
 def _stage_layers(profile, strategy, cluster, layout, i, n, fsdp=(0.0, 0.0)) -> tuple[list[LayerSim], str]:
-    from lynx_compile.pipeline.placement import in_flight
+    from lynx_compile.pipelining.placement import in_flight
 
     k = in_flight(layout.schedule, layout.pp, layout.num_microbatches, i)
     room = cluster.memory_bytes - _static(profile, layout, i, n) - _edge_bytes(profile, layout, i, k)

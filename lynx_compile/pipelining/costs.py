@@ -50,7 +50,7 @@ from torch.utils.flop_counter import flop_registry
 
 from lynx_compile import _compat
 from lynx_compile.costs.analytic import FLOP_FORMULA_ALIASES
-from lynx_compile.pipeline.plan_stages import PipelineCosts, RecomputeCurve, SegmentCost
+from lynx_compile.pipelining.plan_stages import PipelineCosts, RecomputeCurve, SegmentCost
 
 log = logging.getLogger("lynx_compile")
 BUDGET_LADDER = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.45, 0.4, 0.35, 0.3, 0.25, 0.2, 0.15, 0.1)
@@ -208,7 +208,7 @@ def traced_backward(module: nn.Module,
     ``example_inputs``, partitioned as lynx's eager compiler does when nothing is recomputed
     (``apply.partition_joint`` of the canonicalized joint). Compiles nothing and runs nothing."""
     from lynx_compile.apply import partition_joint
-    from lynx_compile.backend import find_backend_error
+    from lynx_compile.dynamo_backend import find_backend_error
 
     got: list = []
 

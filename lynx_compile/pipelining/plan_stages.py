@@ -21,7 +21,7 @@ The model (per stage i holding blocks S_i, pre-block work on stage 0, post-block
     t_i       = sum_b (F_b + B_b) + [pre/post] + exposed recompute                 per micro-batch
 
 ``e_b`` is block b's :class:`RecomputeCurve` (exposed recompute seconds against the bytes the
-block keeps; from Lynx-HEU solves of the traced model, see ``lynx_compile.pipeline.costs``),
+block keeps; from Lynx-HEU solves of the traced model, see ``lynx_compile.pipelining.costs``),
 ``W`` the working bytes of one micro-batch (temporaries, gradients in flight), ``T_i`` the
 bytes a block's backward brings back on top of what the stage keeps (while a block's backward
 runs, what it dropped is recomputed and alive: the largest block's size minus its share of the

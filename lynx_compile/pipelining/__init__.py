@@ -71,10 +71,10 @@ class LocalPipeline:
     group: Any = None
     prefix: str = "model."
     microbatch_plan: Any = None
-    """With ``per_microbatch=True``: the :class:`~lynx_compile.pipeline.microbatch_plan.MicrobatchPlan`
+    """With ``per_microbatch=True``: the :class:`~lynx_compile.pipelining.microbatch_plan.MicrobatchPlan`
     (which variant each stage runs for each micro-batch); its ``table(variants)`` says why."""
     stage_variants: Any = None
-    """With ``per_microbatch=True``: the :class:`~lynx_compile.pipeline.stage_variants.StageVariants`
+    """With ``per_microbatch=True``: the :class:`~lynx_compile.pipelining.stage_variants.StageVariants`
     the plan chose among."""
 
     @property
@@ -107,7 +107,7 @@ class LocalPipeline:
         try:
             out = self.schedule.step(*(inputs if self.is_first else ()), **kwargs)
         except Exception as e:
-            from lynx_compile.backend import find_backend_error
+            from lynx_compile.dynamo_backend import find_backend_error
             from lynx_compile.decisions import BudgetError
 
             budget_error = find_backend_error(e, BudgetError)
@@ -213,7 +213,7 @@ def pipeline(model: nn.Module, example_inputs: Sequence[Any], *, num_stages: int
     (``num_stages`` twice the group size; rank r holds stages r and 2 x size - 1 - r). Under the
     zero-bubble schedules lynx splits each stage's compiled backward into B (input gradients) and
     W (weight gradients), with either compiler (option ``weight_split``; see
-    ``lynx_compile.pipeline.stages``).
+    ``lynx_compile.pipelining.stages``).
     ``method``: ``lynx`` (recompute-aware), ``compute`` or ``uniform`` (baselines). ``options``: lynx backend options for every stage
     (``memory_budget`` is set per stage). Needs torch.distributed initialized; ``group``
     (default: world) holds one rank per stage (or per ``num_stages / size`` stages).
@@ -226,7 +226,7 @@ def pipeline(model: nn.Module, example_inputs: Sequence[Any], *, num_stages: int
     (``pipeline.microbatch_plan``), and each stage compiles the variants it uses and runs, per
     micro-batch, the chosen one (``runtime.per_microbatch``). With ``plan=`` it needs the
     ``costs=`` that plan was made from (``plan_pipeline`` returns both)."""
-    from lynx_compile.backend import LynxBackend
+    from lynx_compile.dynamo_backend import LynxBackend
     from lynx_compile.config import make_config
     from lynx_compile.distributed.agreement import SOLO
 
@@ -346,7 +346,7 @@ def _plan_microbatches(plan: StagePlan, costs: PipelineCosts, ranks: int, option
 
 def _per_microbatch_backend(stage_opts: dict[str, Any], budgets, choice):
     """A ``PerMicrobatchBackend`` over one lynx backend per variant (``memory_budget`` None: policy none)."""
-    from lynx_compile.backend import LynxBackend
+    from lynx_compile.dynamo_backend import LynxBackend
     from lynx_compile.config import make_config
     from lynx_compile.runtime.per_microbatch import PerMicrobatchBackend
 
