@@ -11,6 +11,7 @@ setup(
         "lynx_compile.costs",
         "lynx_compile.distributed",
         "lynx_compile.memory",
+        "lynx_compile.recompute",
         "lynx_compile.remat",
         "lynx_compile.models",
         "lynx_compile.pipelining",

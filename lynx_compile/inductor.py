@@ -14,7 +14,7 @@ weights, shared pointwise values and the windows below). What follows:
 
 * **RNG.** Inductor's ``replace_random`` joint pass has already rewritten every dropout into
   ``inductor_random(shape, inductor_lookup_seed(inductor_seeds(n), i))``. lynx never recomputes
-  ``inductor_seeds`` (``passes.policies._recomputable``), so it is saved and every recomputed
+  ``inductor_seeds`` (``recompute.baselines._recomputable``), so it is saved and every recomputed
   random op draws the forward's numbers. lynx creates no new RNG ops after the joint passes.
 * **Weight gradients of tied weights.** Inductor's post-grad pattern ``mm + add -> addmm``
   also matches the accumulation of a tied weight's two gradients (GPT-2's embedding and LM
@@ -91,7 +91,7 @@ class LynxPartitioner(_compat.inductor_partitioner_base()):
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
         from lynx_compile.errors import PlanningDone
-        from lynx_compile.partition import lynx_partition
+        from lynx_compile.recompute.partition import lynx_partition
 
         if self.peak is not None:
             self.peak.tangent_bytes = {p.name: _nbytes(p.meta.get("val")) for p in gm.graph.find_nodes(op="placeholder")

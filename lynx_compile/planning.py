@@ -22,7 +22,7 @@ import torch.fx as fx
 from lynx_compile import _compat
 from lynx_compile.dynamo_backend import LynxBackend, PlanningDone, _graph_ids, find_backend_error
 from lynx_compile.config import LynxConfig, make_config
-from lynx_compile.partition import lynx_partition
+from lynx_compile.recompute.partition import lynx_partition
 from lynx_compile.passes import GraphRecord
 
 

@@ -1,7 +1,7 @@
 """lynx's graph passes, in the order they run. Each is ``(gm, ctx) -> gm``; see README.md here.
 
 ``JOINT_PIPELINE`` analyses the aot_autograd joint graph (costs, blocks); a policy then decides
-(``lynx_compile.decide``); ``APPLY_PIPELINE`` tags its ``Decisions`` on the joint graph before
+(``lynx_compile.recompute.decide``); ``APPLY_PIPELINE`` tags its ``Decisions`` on the joint graph before
 each partition; ``FORWARD_PIPELINE`` / ``BACKWARD_PIPELINE`` run on the partitioned forward /
 backward graphs. Disable one with
 ``options={"disable_passes": ("<name>",)}``.

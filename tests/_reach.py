@@ -55,7 +55,7 @@ class Reach:
 def plan_reach(model, example_inputs: tuple, baselines=BASELINES, **common) -> list[Reach]:
     """One ``Reach`` per baseline: its plan's peak and exposed recompute, and lynx's (HiGHS)
     with that peak as ``memory_budget`` in bytes."""
-    with mock.patch("lynx_compile.decide.smallest_reachable", lambda *a: ("none", 0)):
+    with mock.patch("lynx_compile.recompute.decide.smallest_reachable", lambda *a: ("none", 0)):
         base_records = plan_model_variants(model, example_inputs,
                                            [{"policy": p, **o} for p, o in baselines], **common)
     bases = [_one(records) for records in base_records]

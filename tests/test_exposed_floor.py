@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import lynx_compile
-from lynx_compile import decide
+from lynx_compile.recompute import decide
 from _reach import reach_model
 
 OPTS = dict(cost_source="analytic", hardware="h100-sxm", plan_cache=False)

@@ -10,7 +10,7 @@ import torch
 
 import lynx_compile
 from lynx_compile.dynamo_backend import find_backend_error
-from lynx_compile.decide import TORCH_SETTINGS
+from lynx_compile.recompute.decide import TORCH_SETTINGS
 from lynx_compile.memory import measure_step
 from lynx_compile.models import build_model, example_batch
 from lynx_compile.decisions import BudgetError

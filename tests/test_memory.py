@@ -227,7 +227,7 @@ def test_swiglu_backward_predicted_as_inductor_fuses_it(monkeypatch):
     of the step (torch.compile's own partition under Inductor) is the measured peak within
     2%; kept as two kernels, the model held dh and gate across the matmuls (measured: 9.0 MiB,
     predicted 9.0 MiB; as two kernels 10.5 MiB)."""
-    from lynx_compile import apply
+    from lynx_compile.recompute import apply
     from lynx_compile.memory import simulate
 
     graphs = []

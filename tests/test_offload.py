@@ -116,8 +116,8 @@ def test_simulated_peak_of_an_offload_plan_is_within_the_model(monkeypatch):
     offload-only plan (every offloadable unit inside the blocks) is rewritten with the offload /
     reload ops and its exact simulated peak is at most the model's (the model reloads at the
     unit's earliest possible need, the graph at its first actual use)."""
-    from lynx_compile.apply import realize
-    from lynx_compile.passes.remat_problem import unit_decisions
+    from lynx_compile.recompute.apply import realize
+    from lynx_compile.recompute.problem import unit_decisions
     from lynx_compile.remat.evaluate import KEEP, OFFLOAD as OFF, problem_arrays
     from lynx_compile.remat.heuristic import initial_state
     from lynx_compile.remat.problem import RematSolution
@@ -127,7 +127,7 @@ def test_simulated_peak_of_an_offload_plan_is_within_the_model(monkeypatch):
     backend = lynx_compile.backend(policy="lynx", memory_budget=0.65, offload=True, compiler="eager",
                                    solver="heu", plan_cache=False)
     captured = {}
-    import lynx_compile.optimize as optimize
+    import lynx_compile.recompute.optimize as optimize
     real = optimize.realize
 
     def spy(joint, ctx, decisions, kw, **k):

@@ -27,8 +27,8 @@ import torch.fx as fx
 from lynx_compile import _compat
 from lynx_compile.decisions import DEMAND, Decisions
 
-from . import meta
-from .context import PassContext
+from lynx_compile.passes import meta
+from lynx_compile.passes.context import PassContext
 
 aten = torch.ops.aten
 MATMUL_OPS = frozenset({aten.bmm.default, aten.mm.default, aten.baddbmm.default,

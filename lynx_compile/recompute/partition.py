@@ -18,10 +18,10 @@ from typing import Any
 import torch.fx as fx
 
 from lynx_compile import _compat
-from lynx_compile.apply import Applied, untagged_partition
+from lynx_compile.recompute.apply import Applied, untagged_partition
 from lynx_compile.budget import budget_error as refuse
 from lynx_compile.config import LynxConfig
-from lynx_compile.decide import budget_error, decide, decide_piece, smallest_reachable, step_candidate
+from lynx_compile.recompute.decide import budget_error, decide, decide_piece, smallest_reachable, step_candidate
 from lynx_compile.decisions import BudgetError
 from lynx_compile.distributed.agreement import check_plan_agreement
 from lynx_compile.memory.simulate import _nbytes, backward_inputs

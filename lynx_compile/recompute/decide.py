@@ -24,7 +24,7 @@ from typing import Any
 import torch.fx as fx
 
 from lynx_compile import _compat
-from lynx_compile.apply import Applied, partition_joint, partition_token, realize, scratch_context
+from lynx_compile.recompute.apply import Applied, partition_joint, partition_token, realize, scratch_context
 from lynx_compile.budget import budget_error as refuse
 from lynx_compile.costs.comm import is_collective_node, is_wait_node
 from lynx_compile.decisions import BudgetError, Decisions, Window
@@ -32,7 +32,7 @@ from lynx_compile.distributed.agreement import gather_values, planning_world_siz
 from lynx_compile.passes import APPLY_PIPELINE, PassContext, meta, run_passes
 from lynx_compile.passes.apply_decisions import clear_decision_tags
 from lynx_compile.passes.mark_recomputed import mark_recomputed_pass, recomputed_source
-from lynx_compile.passes.policies import baseline_decisions
+from lynx_compile.recompute.baselines import baseline_decisions
 from lynx_compile.step_model import Candidate, GraphChoices
 
 log = logging.getLogger("lynx_compile")
@@ -66,7 +66,7 @@ def decide(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: int | None
         return realize(joint, ctx, Decisions(policy="torch"), kw, torch_budget=frac), None
     if policy != "lynx":
         return realize(joint, ctx, baseline_decisions(joint, ctx, policy), kw), None
-    from lynx_compile.optimize import with_plan_cache
+    from lynx_compile.recompute.optimize import with_plan_cache
 
     outcome = with_plan_cache(joint, ctx, kw, budget, reference_peak,
                               lambda: _plan_and_seed(joint, ctx, kw, budget, reference_peak))
@@ -75,7 +75,7 @@ def decide(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: int | None
 
 def _plan_and_seed(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: int | None, reference_peak: int):
     """Policy lynx's ``LynxOutcome``: the optimizer's plan, or a baseline seed that beats it."""
-    from lynx_compile.optimize import plan_lynx
+    from lynx_compile.recompute.optimize import plan_lynx
 
     cfg = ctx.config
     start = time.perf_counter()
@@ -111,7 +111,7 @@ def decide_piece(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: int 
     forced = ctx.record.step_choice
     if forced is not None:  # the step's plan across graphs chose this candidate (step_record)
         return _forced_piece(joint, ctx, kw, forced, frac)
-    from lynx_compile.optimize import with_piece_cache
+    from lynx_compile.recompute.optimize import with_piece_cache
 
     return with_piece_cache(joint, ctx, kw, budget, reference_saved,
                             lambda: _plan_piece(joint, ctx, kw, budget, reference_saved, frac))
@@ -124,7 +124,7 @@ def _plan_piece(joint, ctx: PassContext, kw: dict, budget: int | None, reference
     if budget is not None and ctx.record.reference_peak_bytes:
         # lynx's optimizer too (it places recompute in communication windows): solved for the
         # same fraction of the peak, a candidate like the others when what it saves fits
-        from lynx_compile.optimize import plan_lynx
+        from lynx_compile.recompute.optimize import plan_lynx
 
         try:
             own = plan_lynx(joint, ctx, *_problem_base(joint, ctx, kw),
@@ -179,7 +179,7 @@ def _plan_piece(joint, ctx: PassContext, kw: dict, budget: int | None, reference
 
 
 def _piece_outcome(joint, ctx: PassContext, name: str, cost: float, applied: Applied, own, note: str):
-    from lynx_compile.optimize import LynxOutcome
+    from lynx_compile.recompute.optimize import LynxOutcome
 
     ctx.record.decisions.update(applied.record.decisions)
     realize_tags(joint, ctx, applied.decisions)
@@ -212,7 +212,7 @@ def _forced_piece(joint, ctx: PassContext, kw: dict, name: str, frac: float):
     same fraction, a baseline, or torch's min-cut at the setting in its name (``torch@0.25``)."""
     own = None
     if name == "lynx" or name.startswith("lynx@"):
-        from lynx_compile.optimize import plan_lynx
+        from lynx_compile.recompute.optimize import plan_lynx
 
         target = int(name[5:]) if name.startswith("lynx@") else int(frac * ctx.record.reference_peak_bytes)
         own = plan_lynx(joint, ctx, *_problem_base(joint, ctx, kw), target, kw)
@@ -304,7 +304,7 @@ def seed_with_baselines(joint, ctx: PassContext, kw: dict, budget: int, referenc
     candidate that fits with the least on-demand recompute (``exposed_s``) wins, so lynx reaches
     every peak a baseline reaches with no more exposed recompute. Raises ``failure`` (lynx's
     BudgetError) when nothing fits."""
-    from lynx_compile.optimize import LynxOutcome
+    from lynx_compile.recompute.optimize import LynxOutcome
 
     frac = min(1.0, budget / reference_peak)
     scores: dict[str, tuple[float, int]] = {}

@@ -26,10 +26,10 @@ from lynx_compile.decisions import Window as DecisionWindow
 from lynx_compile.memory.simulate import allocations, backward_inputs, held_tangents, simulate_graph, storage_keys
 from lynx_compile.remat.problem import RematProblem, Unit, Window
 
-from . import meta
-from .context import PassContext
-from .find_blocks import structural_hash
-from .offload import cover_after, host_link_bytes_per_s
+from lynx_compile.passes import meta
+from lynx_compile.passes.context import PassContext
+from lynx_compile.passes.find_blocks import structural_hash
+from lynx_compile.passes.offload import cover_after, host_link_bytes_per_s
 
 
 @dataclass(frozen=True)
@@ -248,7 +248,7 @@ def _need_intervals(unit_ops, inputs, uses) -> dict[fx.Node, tuple[int, int]]:
 
 
 def _recomputable(node: fx.Node | None, ctx: PassContext) -> bool:
-    from .policies import _recomputable as policy_recomputable
+    from lynx_compile.recompute.baselines import _recomputable as policy_recomputable
 
     return node is not None and policy_recomputable(node, ctx) and not is_collective_node(node)
 

@@ -31,8 +31,8 @@ from lynx_compile.memory.simulate import StepMemory, simulate_step
 from lynx_compile.passes import (APPLY_PIPELINE, BACKWARD_PIPELINE, FORWARD_PIPELINE, GraphRecord, PassContext,
                                   meta, run_passes)
 from lynx_compile.passes.apply_decisions import clear_decision_tags
-from lynx_compile.passes.policies import pin_random_outputs
-from lynx_compile.passes.remat_problem import decisions_from_backward
+from lynx_compile.recompute.baselines import pin_random_outputs
+from lynx_compile.recompute.problem import decisions_from_backward
 
 
 @dataclass

@@ -35,12 +35,12 @@ from typing import Callable
 import torch.fx as fx
 
 from lynx_compile import _compat, plan_cache
-from lynx_compile.apply import Applied, partition_token, realize
+from lynx_compile.recompute.apply import Applied, partition_token, realize
 from lynx_compile.budget import budget_error
 from lynx_compile.config import LynxConfig
 from lynx_compile.decisions import KEEP, BudgetError, Decisions
 from lynx_compile.passes import PassContext, meta
-from lynx_compile.passes.remat_problem import extract_remat_problem, unit_decisions
+from lynx_compile.recompute.problem import extract_remat_problem, unit_decisions
 from lynx_compile.remat.problem import InfeasibleBudget, RematProblem
 
 log = logging.getLogger("lynx_compile")
