@@ -215,6 +215,7 @@ def run_variant(variant: str, s: Settings, ref_grads_path: Optional[str] = None)
                                            steps=s.steps, solver=s.solver, compiler=s.lynx_compiler,
                                            ref_grads=grads_ref)
     row.update(measured)
+    save_plans(variant, s)
     if fp32 and grads is not None:
         row["loss_equals_eager"] = abs(row["loss"] - loss_ref) <= LOSS_RTOL * abs(loss_ref)
         row["grads_equal_eager"] = row["grad_rel_diff"] <= GRAD_RTOL
@@ -223,6 +224,27 @@ def run_variant(variant: str, s: Settings, ref_grads_path: Optional[str] = None)
         elif ref_grads_path and os.path.exists(ref_grads_path) and under_inductor(variant, s.lynx_compiler):
             row["grad_rel_diff_vs_inductor"] = grad_rel_diff(grads, torch.load(ref_grads_path))
     return row
+
+
+PLANS_DIR_ENV = "LYNX_BENCH_PLANS_DIR"
+"""When set, a folder where each lynx variant's process writes its plans as JSON
+(``<model>_<variant>_<i>.json``, ``RecomputePlan.to_json``: what it saved and recomputed, with
+bytes and seconds), so a run on a machine one cannot keep (a lent GPU) leaves what lynx decided
+beside what it measured."""
+
+
+def save_plans(variant: str, s: Settings) -> None:
+    folder = os.environ.get(PLANS_DIR_ENV)
+    options = variants.lynx_options(variant, solver=s.solver, compiler=s.lynx_compiler)
+    if not folder or options is None:
+        return
+    import lynx_compile
+
+    os.makedirs(folder, exist_ok=True)
+    stem = "".join(c if c.isalnum() or c in "-." else "_" for c in f"{s.model}_{variant}")
+    for i, plan in enumerate(lynx_compile.backend(**options).plans):
+        with open(os.path.join(folder, f"{stem}_{i}.json"), "w") as f:
+            f.write(plan.to_json())
 
 
 def time_interleaved(names: Sequence[str], s: Settings, rounds: int) -> dict[str, float]:

@@ -8,7 +8,8 @@
 #           explicit attention and with SDPA; variants eager, checkpoint, inductor,
 #           inductor-b0.7/0.5/0.3/0.0, lynx-none, lynx-full, lynx-b0.7/0.5/0.3
 #           (benchmarks/bench_step.py's measurement; step_ms from one interleaved process).
-#           Writes $OUT/env.txt, step.log, step_cuda.md (both attentions), step_raw.tgz (CSV, PNG).
+#           Writes $OUT/env.txt, step.log, step_cuda.md (both attentions), step_raw.tgz (CSV, PNG,
+#           plans/: each lynx variant's plans as JSON, what it saved and recomputed).
 #   checks  Correctness on the GPU: tests/test_side_stream.py's CUDA test and tests/test_inductor.py
 #           (its CUDA cases: dropout-mask replay, dropout-0 gradients equal eager), tests/kernels
 #           (under TRITON_INTERPRET=1, see below), a dropout-0.1 fp32 run of inductor,
@@ -369,6 +370,7 @@ PYEOF
 
 part_step() {
     local t0=$SECONDS
+    export LYNX_BENCH_PLANS_DIR="$WORK/plans"  # bench_step: each lynx variant's plans, into step_raw.tgz
     rm -f "$OUT/step.log" "$OUT"/step_c*.md "$OUT/step_raw.tgz"
     local stem=step_$DEVICE
     if [ "$DEVICE" = cpu ]; then stem=step_cpu_quick; fi
@@ -386,7 +388,7 @@ part_step() {
     "$PY" - "$OUT" "$WORK" "$OUT/step.log" "$deadline" "$phase_a_end" "$ILV_TAIL_S" "$ILV_MIN_S" "$JOBS" "$VARIANT_CAP_S" \
         "step" "${specs[@]}" <<<"$STEP_PY" || rc=$?
     # the table of every setting is $OUT/<first stem>.md; CSV, PNG and each setting's own table: one archive
-    (cd "$WORK" && ls step_*.csv step_*.png step_*.md 2>/dev/null | tar -czf "$OUT/step_raw.tgz" -T -) || true
+    (cd "$WORK" && ls step_*.csv step_*.png step_*.md plans/*.json 2>/dev/null | tar -czf "$OUT/step_raw.tgz" -T -) || true
     say "step: done in $((SECONDS - t0)) s (orchestrator exit $rc); files: $(cd "$OUT" && ls | tr '\n' ' ')"
 }
 

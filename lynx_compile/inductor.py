@@ -66,7 +66,8 @@ import torch.fx as fx
 
 from lynx_compile import _compat, autograd_cache, plan_cache
 from lynx_compile.config import LynxConfig
-from lynx_compile.memory.simulate import aliased_input, splits_late_addmm
+from lynx_compile.memory.inductor_model import splits_late_addmm
+from lynx_compile.memory.storage import aliased_input
 from lynx_compile.passes import GraphRecord
 
 log = logging.getLogger("lynx_compile")

@@ -86,7 +86,7 @@ def offload_name(name: str) -> str:
 
 
 def offload_forward_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    from lynx_compile.memory.simulate import _nbytes
+    from lynx_compile.memory.storage import _nbytes
     from lynx_compile.runtime.offload import OFFLOAD, OFFLOAD_WAIT
 
     names = _offloaded_names(ctx)
@@ -127,7 +127,7 @@ def offload_forward_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
 
 
 def offload_backward_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    from lynx_compile.memory.simulate import _nbytes
+    from lynx_compile.memory.storage import _nbytes
     from lynx_compile.runtime.offload import RELOAD, RELOAD_WAIT
 
     names = _offloaded_names(ctx)

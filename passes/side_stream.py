@@ -153,7 +153,8 @@ def _main_nodes_between(end: fx.Node, seg: Segment, gm: fx.GraphModule) -> int:
 
 def _backward_peak(gm: fx.GraphModule) -> int:
     """Peak bytes of the backward, its inputs (saved tensors, tangents) freed at their last use."""
-    from lynx_compile.memory.simulate import _nbytes, held_tangents, simulate_graph  # memory imports passes.meta
+    from lynx_compile.memory.simulate import held_tangents, simulate_graph  # memory imports passes.meta
+    from lynx_compile.memory.storage import _nbytes
 
     inputs = {p.name: _nbytes(p.meta.get("val")) for p in gm.graph.find_nodes(op="placeholder")}
     return simulate_graph(gm, live_inputs=inputs, input_keys={n: n for n in inputs},

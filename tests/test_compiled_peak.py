@@ -175,7 +175,7 @@ def test_hf_llama_at_half_budget_measures_within_it(monkeypatch):
     """HF Llama (4 layers, hidden 64, seq 64, batch 4, eager attention) at ``memory_budget=0.5``
     under Inductor: the measured step peak is within the budget, and the prediction is within
     1% of it. Before lynx's fused model read a fused pointwise op's inputs where its kernel runs
-    (``simulate.kernel_positions``) and counted Inductor's in-place buffers, it measured
+    (``inductor_model.kernel_positions``) and counted Inductor's in-place buffers, it measured
     1825820 B against a budget of 1825280 B (predicted 1824256 B; batch 2, gradients not
     counted)."""
     pytest.importorskip("transformers")

@@ -35,7 +35,7 @@ BATCH = 2
 BUDGET = 0.85
 WINDOW_BUDGET = 0.75
 """Low enough that the plan recomputes matmuls in windows under Inductor (at 0.85, with lynx's
-model of Inductor's kernels in ``memory/simulate.py``, it recomputes only pointwise ops there)."""
+model of Inductor's kernels in ``memory/inductor_model.py``, it recomputes only pointwise ops there)."""
 RTOL = 1e-5
 
 

@@ -1,5 +1,7 @@
-"""Activation memory: predicted from graphs (``simulate``) and measured on a real step (``measure``)."""
+"""Activation memory: predicted from graphs (``simulate``, with ``storage`` and Inductor's kernels in
+``inductor_model``) and measured on a real step (``measure``)."""
 from .measure import StepMeasurement, measure_step
-from .simulate import StepMemory, simulate_graph, simulate_step, storage_keys
+from .simulate import StepMemory, simulate_graph, simulate_step
+from .storage import storage_keys
 
 __all__ = ["StepMeasurement", "measure_step", "StepMemory", "simulate_graph", "simulate_step", "storage_keys"]

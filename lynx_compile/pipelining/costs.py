@@ -262,7 +262,8 @@ def weight_split_census(module: nn.Module, example_inputs: Sequence[Any],
     saved tensors no op of B reads, such as the input of a linear layer (``dW = dy.T @ x``; B's
     ``dx = dy @ W`` does not read x). A recompute of one of them runs in W
     (``runtime.weight_split``), where a zero-bubble schedule may place it in a bubble."""
-    from lynx_compile.memory.simulate import allocations, backward_inputs, storage_keys
+    from lynx_compile.memory.simulate import backward_inputs
+    from lynx_compile.memory.storage import allocations, storage_keys
     from lynx_compile.runtime.weight_split import ancestors, weight_side
 
     fw, bw, params = traced_backward(module, example_inputs)

@@ -24,7 +24,8 @@ from lynx_compile.config import LynxConfig
 from lynx_compile.recompute.decide import budget_error, decide, decide_piece, smallest_reachable, step_candidate
 from lynx_compile.decisions import BudgetError
 from lynx_compile.distributed.agreement import check_plan_agreement
-from lynx_compile.memory.simulate import _nbytes, backward_inputs
+from lynx_compile.memory.simulate import backward_inputs
+from lynx_compile.memory.storage import _nbytes
 from lynx_compile.passes import JOINT_PIPELINE, PREPARE_PIPELINE, GraphRecord, PassContext, meta, run_passes
 from lynx_compile.passes.context import TakeOnce
 from lynx_compile.passes.find_blocks import WHOLE_GRAPH, structural_hash

@@ -23,7 +23,8 @@ import torch.fx as fx
 from lynx_compile.costs import is_collective_node, is_wait_node
 from lynx_compile.decisions import DEMAND, KEEP, OFFLOAD, Decisions
 from lynx_compile.decisions import Window as DecisionWindow
-from lynx_compile.memory.simulate import allocations, backward_inputs, held_tangents, simulate_graph, storage_keys
+from lynx_compile.memory.simulate import backward_inputs, held_tangents, simulate_graph
+from lynx_compile.memory.storage import allocations, storage_keys
 from lynx_compile.remat.problem import RematProblem, Unit, Window
 
 from lynx_compile.passes import meta

@@ -1,0 +1,369 @@
+"""The code Inductor generates for a graph, as far as memory goes: which values it computes
+inside other kernels, in which order it runs its kernels, which buffers it reuses in place.
+``simulate.simulate_graph(fused=True)`` walks a graph with this model.
+
+A first-order model of the code Inductor generates for a graph (lynx's Inductor settings: no peak-memory reordering, no wrapper buffer reuse):
+
+* a pointwise op (or an ``index``, lowered as one) or a constant (``full``, ``arange``) whose
+  every reader reads it inside a loop kernel (a pointwise op or a reduction, directly or
+  through views) is computed inside those kernels (``fused_interior``): it allocates nothing,
+  and what it reads lives until the latest of those kernels runs, at its reader's position
+  (``kernel_positions``). HF Llama's MLP backward: ``dh * up`` is computed inside the
+  silu-backward kernel after the input-gradient matmuls, so dh and up are freed there, not at
+  the multiply;
+* an ``index_put`` (an embedding's gradient) is a copy of its first input that a scatter
+  kernel writes into (``SCATTER_OPS``): the zeros it starts from are computed inside the copy;
+* a kernel (pointwise or reduction) writes its output into a same-sized buffer it reads that
+  this graph computed and that dies there (``inplace_outputs``, Inductor's in-place buffers);
+  when that output is a gradient, the buffer was one from the start (a tied weight's LM-head
+  gradient matmul, to which the embedding's gradient is added in place);
+* a matmul that Inductor's ``mm + add -> addmm`` moves to its add, and lynx's
+  ``split_late_addmm`` leaves there, runs at the add (``late_addmms``);
+* a pointwise kernel that shares at least 1 MiB of reads with an earlier one of the same size,
+  at most 64 kernels before it, runs with it, its other dependencies moved ahead (``fused_order``:
+  the scheduler's fusion of independent kernels, a SwiGLU backward's products of the output
+  gradient); the group allocates all its outputs before what dies in it is freed;
+* the backward's saved tensors that AOTAutograd donates take a kernel's output in place once they
+  die (``donated_inputs``).
+
+Not modelled under Inductor: values it realizes although they feed only loop kernels (one read
+by several kernels with more than ``realize_reads_threshold`` reads or an ``exp`` on CPU), other
+fusions that move a kernel (reductions, kernels of other sizes, reads shared below 1 MiB).
+Measured on CPU (``tests/test_compiled_peak.py``, docs/memory_budget.md
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from lynx_compile.costs.comm import is_wait_node
+from lynx_compile.memory.storage import _bytes, _host_ops, _value, aliased_input, allocations
+
+
+INDEX_OPS = frozenset({torch.ops.aten.index.Tensor, torch.ops.aten._unsafe_index.Tensor})
+LOOP_OPS = INDEX_OPS | {torch.ops.aten.slice_scatter.default, torch.ops.aten.select_scatter.default}
+
+
+def _tags(node: fx.Node) -> tuple:
+    return getattr(node.target, "tags", ()) if node.op == "call_function" else ()
+
+
+def _is_view(node: fx.Node) -> bool:
+    """A view (not a getitem, a wait or an in-place op): Inductor indexes its base."""
+    if node.op != "call_function" or node.target is operator.getitem or is_wait_node(node):
+        return False
+    schema = getattr(node.target, "_schema", None)
+    return aliased_input(node) is not None and schema is not None and not schema.is_mutable
+
+
+def _is_loop(node: fx.Node) -> bool:
+    """A pointwise op, or one of ``LOOP_OPS`` (an ``index`` with boolean indices excepted: a
+    fallback kernel)."""
+    if node.op != "call_function":
+        return False
+    if torch.Tag.pointwise in _tags(node):
+        return True
+    if node.target not in LOOP_OPS:
+        return False
+    indices = node.args[1] if node.target in INDEX_OPS else ()
+    return not any(isinstance(i, fx.Node) and getattr(i.meta.get("val"), "dtype", None) == torch.bool
+                   for i in indices)
+
+
+#: Ops Inductor lowers as a copy of their first input that a scatter kernel then writes into
+#: (its ``lowering.py``: ``index_put_impl_(clone(x), ...)``; torch 2.13's embedding backward,
+#: ``_unsafe_masked_index_put_accumulate``, lowers to the same): one new buffer, the first input
+#: read inside the copy's loop, the others inside the scatter's unless it falls back to aten
+#: (:func:`_scatter_in_loop`). An embedding's gradient: ``index_put(full(0), [ids], grad)``
+#: allocates the gradient once, the zeros never (counting both put a 4-layer GPT-1.3B's step
+#: floor at the embedding's backward 364 MiB above what ran on an H200, torch 2.11).
+SCATTER_OPS = frozenset({torch.ops.aten.index_put.default, torch.ops.aten._unsafe_index_put.default,
+                         torch.ops.aten._unsafe_masked_index_put_accumulate.default})
+
+
+def _scatter_in_loop(node: fx.Node) -> bool:
+    """Whether Inductor computes the ``SCATTER_OPS`` node ``node`` as a scatter kernel (reading
+    its values and indices in its loop) rather than aten's ``index_put_`` (``index_put_fallback``:
+    boolean indices, deterministic algorithms, an accumulate its atomics lack: int64, bool, and
+    bfloat16 below compute capability 9.0)."""
+    x = node.args[0]
+    if node.target is torch.ops.aten._unsafe_masked_index_put_accumulate.default:  # (x, mask, indices, values)
+        indices, accumulate = node.args[2], True
+    else:  # (x, indices, values, accumulate=False)
+        indices = node.args[1]
+        accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+    if torch.are_deterministic_algorithms_enabled():
+        return False
+    if any(isinstance(i, fx.Node) and getattr(i.meta.get("val"), "dtype", None) in (torch.bool, torch.uint8)
+           for i in indices):
+        return False
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return False
+    if accumulate and val.dtype in (torch.int64, torch.bool):
+        return False
+    if accumulate and val.dtype == torch.bfloat16 and val.device.type == "cuda":
+        return torch.cuda.get_device_capability(val.device) >= (9, 0)
+    return True
+
+
+def _reads_in_loop(node: fx.Node, producer: fx.Node, extern: frozenset = frozenset()) -> bool:
+    """``node`` reads ``producer`` inside a loop kernel (a pointwise op, a reduction, the copy or
+    the scatter of a ``SCATTER_OPS`` op), directly or through views, never as the graph's
+    output; a node in ``extern`` (an add Inductor turns into an ``addmm``) reads as an extern
+    kernel."""
+    if node in extern:
+        return False
+    if _is_loop(node) or torch.Tag.reduction in _tags(node):
+        return True
+    if node.op == "call_function" and node.target in SCATTER_OPS:
+        rest = [a for a in node.args[1:] for a in (a if isinstance(a, (list, tuple)) else (a,))]
+        return producer not in rest or _scatter_in_loop(node)
+    return _is_view(node) and bool(node.users) and all(_reads_in_loop(u, node, extern) for u in node.users)
+
+
+def _is_constant(node: fx.Node) -> bool:
+    """A deterministic op with no tensor inputs (``full``, ``arange``, ``scalar_tensor``)."""
+    return (node.op == "call_function" and not node.all_input_nodes and node.target not in _host_ops()
+            and isinstance(node.meta.get("val"), torch.Tensor)
+            and torch.Tag.nondeterministic_seeded not in _tags(node))
+
+
+def fused_interior(node: fx.Node, extern: frozenset = frozenset()) -> bool:
+    """A value Inductor computes inside the kernels that read it, so it never materializes: a
+    pointwise op or a constant whose every reader reads it in a loop kernel (a pointwise op or
+    a reduction, directly or through views; not the graph's output). Inductor's lowering inlines
+    such an unrealized value into its readers' loop bodies. ``extern``: pointwise readers that
+    Inductor computes as an extern kernel (the adds of :func:`late_addmms`: ``addmm`` reads its
+    addend from a buffer, so a tied embedding's bf16 gradient materializes)."""
+    if not (_is_loop(node) or _is_constant(node)):
+        return False
+    return bool(node.users) and all(_reads_in_loop(u, node, extern) for u in node.users)
+
+
+def _expands_to(t: torch.Tensor, out: torch.Tensor) -> bool:
+    try:
+        return tuple(torch.broadcast_shapes(t.shape, out.shape)) == tuple(out.shape)
+    except Exception:  # noqa: BLE001 - symbolic or incompatible shapes: no addmm
+        return False
+
+
+def splits_late_addmm(pos: dict[fx.Node, int], inp: fx.Node, a: fx.Node, b: fx.Node, out_bytes: int,
+                      at: int) -> bool:
+    """Whether ``inductor.split_late_addmm`` moves the matmul ``a @ b``, added to ``inp`` at
+    position ``at``, back to where its operands are ready: ``inp`` comes after both, and the
+    matmul's output (``out_bytes``) is smaller than the operands it frees (those read nowhere after
+    ``at``). The one rule for the pass and for this model of it (``late_addmms``)."""
+    later = max(a, b, key=pos.get)
+    freed = sum(_bytes(x) for x in {a, b} if all(pos.get(u, -1) <= at for u in x.users))
+    return pos[inp] >= pos[later] and out_bytes < freed
+
+
+def late_addmms(nodes: list[fx.Node]) -> set[fx.Node]:
+    """The matmuls Inductor computes at the ``add`` that reads them: its post-grad pattern turns
+    ``add(mm(a, b), inp)`` into ``addmm(inp, a, b)`` at the add (mm read only there, one dtype,
+    ``inp`` broadcastable; on a GPU only when the add has a non-pointwise reader), and lynx's
+    ``inductor.split_late_addmm`` moves the matmul back to its operands only when ``inp`` comes
+    after both and the matmul's output is smaller than the operands it frees. A tied weight's
+    gradient (gpt-tiny's LM head) is such an add: held, its operands live to the add. (lynx
+    splits only its own placements; for policies none and torch this assumes it does too.)"""
+    aten = torch.ops.aten
+    pos = {n: i for i, n in enumerate(nodes)}
+    late: set[fx.Node] = set()
+    for add in nodes:
+        if add.target is not aten.add.Tensor or len(add.args) != 2 or add.kwargs \
+                or not all(isinstance(x, fx.Node) for x in add.args):
+            continue
+        for mm, inp in (add.args, add.args[::-1]):
+            if mm.target is not aten.mm.default or len(mm.users) != 1 \
+                    or not isinstance(inp.meta.get("val"), torch.Tensor):
+                continue
+            a, b = mm.args
+            out, ival = mm.meta.get("val"), inp.meta["val"]
+            if not isinstance(out, torch.Tensor) or ival.dtype != out.dtype or not _expands_to(ival, out):
+                continue
+            if out.device.type == "cuda" and all(torch.Tag.pointwise in _tags(u) for u in add.users):
+                continue  # Inductor keeps it unfused on a GPU
+            if splits_late_addmm(pos, inp, a, b, _bytes(mm), pos[add]):
+                continue  # lynx splits it: the matmul runs where its operands are ready
+            late.add(mm)
+            break
+    return late
+
+
+def kernel_positions(nodes: list[fx.Node], interior: set[fx.Node] | None = None) -> dict[fx.Node, int]:
+    """Position (index in ``nodes``) at which each node's value is computed under Inductor.
+
+    A node that materializes runs where it stands. A ``fused_interior`` node is computed inside
+    the kernel of each reader that materializes (through chains of interior nodes and views);
+    it reads its inputs there, so its position is the latest such kernel's (a value read by
+    several kernels is computed in each). Why the reader's position: Inductor's lowering inlines
+    an unrealized pointwise value into the loop body of the buffer that reads it, and that
+    buffer is created, and scheduled, where its own FX node is lowered (the scheduler places a
+    fused group at its earliest member and moves only the group's dependencies ahead of it,
+    ``Scheduler.fuse_nodes_once``). A view counts at its latest reader's position too (its
+    readers read its base there anyway). ``interior``: the nodes computed inside a later kernel
+    (default: the ``fused_interior`` ones; ``simulate_graph`` adds ``late_addmms``)."""
+    if interior is None:
+        interior = {n for n in nodes if fused_interior(n)}
+    pos = {n: i for i, n in enumerate(nodes)}
+    at: dict[fx.Node, int] = {}
+    for node in reversed(nodes):
+        at[node] = pos[node]
+        if node in interior or _is_view(node):
+            at[node] = max([at[u] for u in node.users if u.op != "output"] + [pos[node]])
+    return at
+
+
+FUSION_SHARED_BYTES = 1 << 20
+"""Bytes two independent kernels must read in common for :func:`fused_order` to fuse them:
+lynx's ``score_fusion_memory_threshold`` (``_compat.INDUCTOR_KEEP_PLACEMENT``). torch.compile's
+own partitions compile with Inductor's default (any shared byte); smaller shared reads than
+this are not modelled there (a kernel left at its own position holds what it reads longer,
+never less)."""
+
+
+FUSION_MAX_DISTANCE = 64
+"""Inductor's scheduler fuses no two nodes farther apart than this in its order
+(``Scheduler.are_long_distant_nodes``: fusing recomputed nodes of different checkpointed regions
+lengthened their tensors' lives)."""
+
+
+def fused_order(nodes: list[fx.Node], keys: dict[fx.Node, str], interior: set[fx.Node],
+                sizes: dict[str, int]) -> tuple[list[fx.Node], dict[fx.Node, int]]:
+    """``nodes`` in the order Inductor runs them once its scheduler has fused pointwise kernels
+    into earlier ones, and the fused groups (kernel -> group number; kernels left alone are not
+    in it). A kernel ``k2`` (a pointwise op that materializes) joins the earlier kernel ``k1`` of
+    the same size with which it shares the most bytes of reads (at least
+    :data:`FUSION_SHARED_BYTES`, storages of ``sizes``), unless something it depends on reads
+    ``k1`` (a cycle) or the two stand more than :data:`FUSION_MAX_DISTANCE` kernels apart.
+    ``Scheduler.fuse_nodes_once`` runs a fused group where its earliest member stood and moves
+    the group's other dependencies ahead of it: what ``k2`` depends on that
+    stands between them moves before ``k1`` (a matmul), or with ``k2`` (values computed inside
+    it, views). A SwiGLU backward (torchtitan's qwen3 and llama3 blocks, HF Llama's MLP): the
+    kernels computing ``dh * silu(gate)``, silu's backward (and, where the MLP is recomputed,
+    ``silu(gate) * up``) read the same ``gate`` and ``up``; Inductor computes them in one
+    kernel, after the ``dh`` matmul and before the weight-gradient matmuls, so gate and up die
+    there (measured: the separate kernels' model held them across the matmuls, 7-19% above
+    Inductor's backward peak)."""
+    order = list(nodes)
+    at = {n: i for i, n in enumerate(order)}
+    # Inductor's scheduler order (a node per kernel or extern call: no views, nothing computed
+    # inside another kernel), for its refusal to fuse nodes far apart (``are_long_distant_nodes``)
+    sched: dict[fx.Node, int] = {}
+    for n in nodes:
+        if n.op == "call_function" and n not in interior and not _is_view(n):
+            sched[n] = len(sched)
+    span: dict[int, tuple[int, int]] = {}  # a fused group's first and last scheduler positions
+    reads: dict[fx.Node, set[str]] = {}
+    readers: dict[str, list[fx.Node]] = {}  # storage -> the kernels before that read it
+    group: dict[fx.Node, int] = {}
+    numel = lambda n: _bytes(n) // max(1, _value(n).element_size())  # noqa: E731
+    for k2 in nodes:
+        if k2 in interior or k2.op != "call_function" or not _is_loop(k2) or len(allocations(k2)) != 1 \
+                or not isinstance(_value(k2), torch.Tensor):
+            continue
+        reads[k2] = set(_kernel_reads(k2, keys, interior))
+        best, best_shared = None, 0
+        for k1 in dict.fromkeys(k for key in sorted(reads[k2]) for k in readers.get(key, ())):
+            if numel(k1) != numel(k2):
+                continue
+            lo, hi = span.get(group.get(k1, -1), (sched[k1], sched[k1]))
+            if max(abs(lo - sched[k2]), abs(sched[k2] - hi)) > FUSION_MAX_DISTANCE:
+                continue
+            shared = sum(sizes.get(k, 0) for k in reads[k1] & reads[k2])
+            if shared >= FUSION_SHARED_BYTES and shared > best_shared:
+                moves = _fusion_moves(k2, k1, at, interior)
+                if moves is not None:
+                    best, best_shared = (k1, moves), shared
+        for key in reads[k2]:
+            readers.setdefault(key, []).append(k2)
+        if best is None:
+            continue
+        k1, (ahead, along) = best
+        rest = [n for n in order if n not in ahead and n not in along]
+        i = rest.index(k1)
+        order = rest[:i] + sorted(ahead, key=at.get) + [k1] + sorted(along, key=at.get) + rest[i + 1:]
+        at = {n: i for i, n in enumerate(order)}
+        g = group[k2] = group.setdefault(k1, len(group))
+        lo, hi = span.get(g, (sched[k1], sched[k1]))
+        span[g] = (min(lo, sched[k2]), max(hi, sched[k2]))
+    return order, group
+
+
+def _fusion_moves(k2: fx.Node, k1: fx.Node, at: dict[fx.Node, int],
+                  interior: set[fx.Node]) -> tuple[set[fx.Node], set[fx.Node]] | None:
+    """What moves when ``k2`` joins ``k1``'s kernel: (the dependencies of ``k2`` standing after
+    ``k1`` that run ahead of it, ``k2`` with the values computed inside it and views); None when
+    one of those dependencies reads ``k1`` (fusing would make a cycle)."""
+    after = at[k1]
+    closure, todo = {k2}, list(k2.all_input_nodes)
+    while todo:
+        n = todo.pop()
+        if n in closure or n is k1 or at[n] <= after:
+            continue
+        closure.add(n)
+        todo.extend(n.all_input_nodes)
+    ahead: set[fx.Node] = set()
+    for n in closure:
+        if n is not k2 and n not in interior and not _is_view(n):  # a kernel of its own
+            ahead.add(n)
+            stack = list(n.all_input_nodes)
+            while stack:
+                m = stack.pop()
+                if m is k1:
+                    return None
+                if m in closure and m not in ahead:
+                    ahead.add(m)
+                    stack.extend(m.all_input_nodes)
+                elif at[m] > after and m not in closure:
+                    stack.extend(m.all_input_nodes)
+    return ahead, closure - ahead
+
+
+def _kernel_reads(node: fx.Node, keys: dict[fx.Node, str], interior: set[fx.Node]) -> list[str]:
+    """Storage keys the kernel of ``node`` reads, in argument order, through interior producers
+    (and views of them)."""
+    out: dict[str, None] = {}
+    for a in node.all_input_nodes:
+        if a in interior or (_is_view(a) and aliased_input(a) in interior):
+            out.update(dict.fromkeys(_kernel_reads(a, keys, interior)))
+        else:
+            out[keys[a]] = None
+    return list(out)
+
+
+def inplace_outputs(nodes: list[fx.Node], keys: dict[fx.Node, str], last_use: dict[str, int],
+                    pinned: set[str], interior: set[fx.Node], groups: dict[fx.Node, int] | None = None,
+                    donated: dict[str, int] | None = None, pos: dict[fx.Node, int] | None = None) -> dict[str, str]:
+    """Inductor's in-place buffers (``config.inplace_buffers``): the kernel of a pointwise op or
+    a reduction that materializes writes its output into the first buffer it reads that has the
+    same size, was computed in this graph or is a ``donated`` input (storage key -> bytes: the
+    backward's saved tensors AOTAutograd lets Inductor reuse), is no graph output, and has no
+    reader left but this kernel (it dies there, ``last_use``: positions in ``nodes``; and no
+    other kernel of its fused group, ``groups`` from :func:`fused_order`, reads it: Inductor
+    decides per node before the group's kernel runs; ``pos``: where each kernel runs, a fused
+    group's members at its last). Returns output key -> the reused buffer's
+    key, chains resolved (a kernel may write into a buffer that itself took another's storage)."""
+    alloc = {k: b for n in nodes if n not in interior for k, b in allocations(n)}
+    alloc.update(donated or {})
+    groups = groups or {}
+    members: dict[int, list[fx.Node]] = {}
+    for n, g in groups.items():
+        members.setdefault(g, []).append(n)
+    merged: dict[str, str] = {}
+    for i, node in enumerate(nodes):
+        out = allocations(node)
+        addmm = any(a in interior and a.target is torch.ops.aten.mm.default for a in node.all_input_nodes)
+        if len(out) != 1 or node in interior or addmm or not (_is_loop(node) or torch.Tag.reduction in _tags(node)):
+            continue  # (an add holding a matmul is Inductor's extern addmm, not a loop kernel)
+        others = {k for m in members.get(groups.get(node, -1), ()) if m is not node
+                  for k in _kernel_reads(m, keys, interior)}
+        for key in _kernel_reads(node, keys, interior):
+            if alloc.get(key) == out[0][1] and last_use.get(key) == (pos[node] if pos else i) \
+                    and key not in pinned and key not in others:
+                merged[out[0][0]] = merged.get(key, key)
+                break
+    return merged
