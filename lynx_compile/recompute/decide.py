@@ -394,6 +394,8 @@ def _baseline_candidates(joint: fx.GraphModule, ctx: PassContext, kw: dict, poli
     candidates = [(p, None) for p in policies]
     budgets = ({round(frac * m, 3) for m in TORCH_BUDGET_LADDER} if frac is not None else set()) | set(settings)
     candidates += [("torch", b) for b in sorted(budgets, reverse=True)]
+    saved_sets: dict = {}     # torch's min-cut: saved values -> the first budget that chose them
+    realized: dict[str, Applied] = {}
     for policy, torch_budget in candidates:
         name = f"torch@{torch_budget:g}" if policy == "torch" else policy
         sub = scratch_context(ctx, name)
@@ -405,8 +407,14 @@ def _baseline_candidates(joint: fx.GraphModule, ctx: PassContext, kw: dict, poli
                 continue
             yield name, realize(joint, sub, decisions, kw)
             continue
-        with _compat.min_cut_counts_script_objects_as_zero():
-            applied = realize(joint, sub, Decisions(policy=name), kw, torch_budget=torch_budget)
+        try:  # a budget whose min-cut saves what a higher one saved is that candidate again
+            with _compat.min_cut_counts_script_objects_as_zero(), \
+                    _compat.min_cut_stops_on_repeat(saved_sets, name):
+                applied = realize(joint, sub, Decisions(policy=name), kw, torch_budget=torch_budget)
+        except _compat.SameSavedValues as same:
+            clear_decision_tags(joint)  # as realize leaves it: min-cut's MUST_SAVE pins are no decision
+            applied = realized[same.first]
+        realized[name] = applied
         if planning_world_size() > 1:
             with _compat.eager_dispatch():
                 tokens = gather_values(partition_token(applied))
