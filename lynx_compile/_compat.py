@@ -916,6 +916,15 @@ def min_cut_counts_script_objects_as_zero():
     return contextlib.nullcontext()
 
 
+def inductor_atomic_add_falls_back(dtype: torch.dtype) -> bool:
+    """Whether Inductor computes an accumulating scatter of ``dtype`` with aten's kernel instead
+    of its own (``torch._inductor.utils.needs_fallback_due_to_atomic_add_limitations``: its
+    atomics lack int64, bool, and bfloat16 below compute capability 9.0)."""
+    from torch._inductor.utils import needs_fallback_due_to_atomic_add_limitations
+
+    return needs_fallback_due_to_atomic_add_limitations(dtype)
+
+
 def inductor_cache_dir() -> str:
     """torch.compile's on-disk cache directory (``TORCHINDUCTOR_CACHE_DIR``, else torch's
     default under the temp directory), where lynx keeps what must be the same in every process

@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from lynx_compile import _compat, autograd_cache
 from lynx_compile.config import OPTIONS_ENV, LynxConfig, make_config, options_from_env
-from lynx_compile.errors import LynxOptionError, PlanningDone  # noqa: F401  (re-exported)
+from lynx_compile.errors import LynxOptionError, PlanningDone
 from lynx_compile.recompute.partition import lynx_partition
 from lynx_compile.passes import GraphRecord
 

@@ -38,6 +38,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from lynx_compile import _compat
 from lynx_compile.costs.comm import is_wait_node
 from lynx_compile.memory.storage import _bytes, _host_ops, _value, aliased_input, allocations
 
@@ -86,8 +87,8 @@ SCATTER_OPS = frozenset({torch.ops.aten.index_put.default, torch.ops.aten._unsaf
 def _scatter_in_loop(node: fx.Node) -> bool:
     """Whether Inductor computes the ``SCATTER_OPS`` node ``node`` as a scatter kernel (reading
     its values and indices in its loop) rather than aten's ``index_put_`` (``index_put_fallback``:
-    boolean indices, deterministic algorithms, an accumulate its atomics lack: int64, bool, and
-    bfloat16 below compute capability 9.0)."""
+    boolean indices, deterministic algorithms, an accumulate its atomics lack:
+    ``_compat.inductor_atomic_add_falls_back``)."""
     x = node.args[0]
     if node.target is torch.ops.aten._unsafe_masked_index_put_accumulate.default:  # (x, mask, indices, values)
         indices, accumulate = node.args[2], True
@@ -102,11 +103,7 @@ def _scatter_in_loop(node: fx.Node) -> bool:
     val = x.meta.get("val") if isinstance(x, fx.Node) else None
     if not isinstance(val, torch.Tensor):
         return False
-    if accumulate and val.dtype in (torch.int64, torch.bool):
-        return False
-    if accumulate and val.dtype == torch.bfloat16 and val.device.type == "cuda":
-        return torch.cuda.get_device_capability(val.device) >= (9, 0)
-    return True
+    return not (accumulate and _compat.inductor_atomic_add_falls_back(val.dtype))
 
 
 def _reads_in_loop(node: fx.Node, producer: fx.Node, extern: frozenset = frozenset()) -> bool:
@@ -119,8 +116,9 @@ def _reads_in_loop(node: fx.Node, producer: fx.Node, extern: frozenset = frozens
     if _is_loop(node) or torch.Tag.reduction in _tags(node):
         return True
     if node.op == "call_function" and node.target in SCATTER_OPS:
-        rest = [a for a in node.args[1:] for a in (a if isinstance(a, (list, tuple)) else (a,))]
-        return producer not in rest or _scatter_in_loop(node)
+        read_in_scatter: list[fx.Node] = []  # indices, values (and mask): not the copied input
+        fx.node.map_arg(node.args[1:], read_in_scatter.append)
+        return producer not in read_in_scatter or _scatter_in_loop(node)
     return _is_view(node) and bool(node.users) and all(_reads_in_loop(u, node, extern) for u in node.users)
 
 
@@ -193,7 +191,16 @@ def late_addmms(nodes: list[fx.Node]) -> set[fx.Node]:
     return late
 
 
-def kernel_positions(nodes: list[fx.Node], interior: set[fx.Node] | None = None) -> dict[fx.Node, int]:
+def interior_nodes(nodes: list[fx.Node]) -> set[fx.Node]:
+    """The nodes Inductor computes inside a later kernel: the ``fused_interior`` ones, and the
+    matmuls of :func:`late_addmms` (computed in their ``addmm``, whose add reads its addend
+    from a buffer: that addend is no interior value)."""
+    late = late_addmms(nodes)
+    addmm_adds = frozenset(u for mm in late for u in mm.users)
+    return {n for n in nodes if fused_interior(n, addmm_adds)} | late
+
+
+def kernel_positions(nodes: list[fx.Node], interior: set[fx.Node]) -> dict[fx.Node, int]:
     """Position (index in ``nodes``) at which each node's value is computed under Inductor.
 
     A node that materializes runs where it stands. A ``fused_interior`` node is computed inside
@@ -205,9 +212,7 @@ def kernel_positions(nodes: list[fx.Node], interior: set[fx.Node] | None = None)
     fused group at its earliest member and moves only the group's dependencies ahead of it,
     ``Scheduler.fuse_nodes_once``). A view counts at its latest reader's position too (its
     readers read its base there anyway). ``interior``: the nodes computed inside a later kernel
-    (default: the ``fused_interior`` ones; ``simulate_graph`` adds ``late_addmms``)."""
-    if interior is None:
-        interior = {n for n in nodes if fused_interior(n)}
+    (:func:`interior_nodes`)."""
     pos = {n: i for i, n in enumerate(nodes)}
     at: dict[fx.Node, int] = {}
     for node in reversed(nodes):

@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from lynx_compile import _compat
-from lynx_compile.memory.inductor_model import fused_interior, fused_order, inplace_outputs, kernel_positions, late_addmms
+from lynx_compile.memory.inductor_model import fused_order, inplace_outputs, interior_nodes, kernel_positions
 from lynx_compile.memory.storage import _bytes, _nbytes, allocations, storage_keys
 
 
@@ -65,9 +65,7 @@ def simulate_graph(gm: fx.GraphModule, *, live_inputs: dict[str, int], input_key
     they die (:func:`donated_inputs`)."""
     keys = storage_keys(gm, input_keys)
     nodes = list(gm.graph.nodes)
-    late = late_addmms(nodes) if fused else set()
-    addmm_adds = frozenset(u for mm in late for u in mm.users)
-    interior = {n for n in nodes if fused_interior(n, addmm_adds)} | late if fused else set()
+    interior = interior_nodes(nodes) if fused else set()
     groups: dict[fx.Node, int] = {}
     if fused:
         sizes = {k: b for n in nodes for k, b in allocations(n)}
