@@ -111,7 +111,7 @@ def test_resident_bytes_alone_above_the_device_budget_is_one_line_at_compile():
 
 # Under compiler="eager" the budget named at 4 KiB was once refused when given (the smallest came
 # from torch min-cut settings scaled by the tiny budget's fraction, which the named budget's own
-# seeds did not try): decide.seed_with_baselines now names only candidates every budget retries.
+# seeds did not try): seeds.seed_with_baselines now names only candidates every budget retries.
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
 def test_refusal_names_the_smallest_device_budget_and_it_is_accepted(compiler):
     """A device budget no plan reaches is one BudgetError naming the smallest reachable

@@ -1,7 +1,7 @@
-"""``decide.exposed_floor``: the exposed recompute a baseline's decisions cannot go below, read off
+"""``seeds.exposed_floor``: the exposed recompute a baseline's decisions cannot go below, read off
 the tagged joint before any partition (issue P item 3: a baseline seed that cannot beat lynx's
 plan is not partitioned). Reference: the same decisions realized (torch's partitioner, then the
-backward as compiled) and priced by ``decide.exposed``, the measure candidates compete on.
+backward as compiled) and priced by ``seeds.exposed``, the measure candidates compete on.
 
 1. The floor is never above the realized exposed recompute, for ``full`` and ``selective``, under
    both compilers, on the zoo's GPT and Llama and on HF Llama.
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import lynx_compile
-from lynx_compile.recompute import decide
+from lynx_compile.recompute import seeds
 from _reach import reach_model
 
 OPTS = dict(cost_source="analytic", hardware="h100-sxm", plan_cache=False)
@@ -33,16 +33,16 @@ def _plan(model, x, **options):
 def test_floor_is_never_above_the_realized_exposed_recompute(name, compiler, monkeypatch):
     model, x = reach_model(name, monkeypatch)
     seen = []
-    original = decide._baseline_candidates
+    original = seeds.baseline_candidates
 
     def every_baseline_realized(joint, ctx, kw, policies, frac, settings=(), *, beat=None):
         for cand, applied in original(joint, ctx, kw, policies, frac, settings, beat=None):
             if cand in policies:
-                seen.append((cand, decide.exposed_floor(joint, ctx, applied.decisions),
-                             decide.exposed(applied, joint)))
+                seen.append((cand, seeds.exposed_floor(joint, ctx, applied.decisions),
+                             seeds.exposed(applied, joint)))
             yield cand, applied
 
-    monkeypatch.setattr(decide, "_baseline_candidates", every_baseline_realized)
+    monkeypatch.setattr(seeds, "baseline_candidates", every_baseline_realized)
     _plan(model, x, memory_budget=0.8, compiler=compiler)
     assert {c for c, *_ in seen} == {"full", "selective"}, seen
     for cand, floor, realized in seen:
@@ -57,7 +57,7 @@ def test_skipping_changes_no_plan(name, monkeypatch):
     than ``full`` can (gpt-tiny: than ``selective`` too), so those are not partitioned."""
     model, x = reach_model(name, monkeypatch)
     skipped = _plan(model, x, memory_budget=0.9)
-    monkeypatch.setattr(decide, "exposed_floor", lambda *a: 0.0)  # every baseline realized
+    monkeypatch.setattr(seeds, "exposed_floor", lambda *a: 0.0)  # every baseline realized
     realized = _plan(model, x, memory_budget=0.9)
     assert len(skipped) == len(realized) == 1
     a, b = skipped[0], realized[0]

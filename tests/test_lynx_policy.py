@@ -10,7 +10,7 @@ import torch
 
 import lynx_compile
 from lynx_compile.dynamo_backend import find_backend_error
-from lynx_compile.recompute.decide import TORCH_SETTINGS
+from lynx_compile.recompute.seeds import TORCH_SETTINGS
 from lynx_compile.memory import measure_step
 from lynx_compile.models import build_model, example_batch
 from lynx_compile.decisions import BudgetError
@@ -143,7 +143,7 @@ def test_lynx_reaches_each_baseline_peak_with_no_more_exposed_recompute(name, ba
     torch's min-cut was tried only at the budget fraction (0.52, which peaked above the budget)
     and half of it, not at the setting that reached the peak, so lynx fell back to full (362 us
     exposed against torch's 256 us); below the optimizer's reach it now tries every setting
-    0.1 ... 0.9 (``decide.TORCH_SETTINGS``). HF Llama (a model lynx was not written for) is
+    0.1 ... 0.9 (``seeds.TORCH_SETTINGS``). HF Llama (a model lynx was not written for) is
     checked against torch's min-cut only, for time: a plan below the optimizer's reach runs up to
     13 min-cut partitions. Analytic H100 costs, batch 2; tests/_reach.py."""
     model, x = reach_model(name, monkeypatch)

@@ -1,5 +1,5 @@
 """torch's min-cut at several budgets often saves the same values (issue P item 3: planning time).
-``decide._baseline_candidates`` tries torch's min-cut at up to 11 settings; a setting whose
+``seeds.baseline_candidates`` tries torch's min-cut at up to 11 settings; a setting whose
 choice of saved values an earlier one already made stops right after the choice
 (``_compat.min_cut_stops_on_repeat``) and is that earlier candidate again, instead of extracting,
 reordering and simulating the same graphs once more.

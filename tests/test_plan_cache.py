@@ -161,14 +161,14 @@ def test_torch_seed_is_partitioned_again_at_its_setting(cache_dir, monkeypatch):
     """A winning torch min-cut seed's decisions are a reading of its partition; a hit partitions
     at its setting again (applied as tags they would partition differently and peak higher).
     The optimizer and the other baselines are taken out so that a torch seed wins."""
-    from lynx_compile.recompute import decide, optimize
+    from lynx_compile.recompute import optimize, seeds
     from lynx_compile.decisions import BudgetError
 
     def no_plan(*args, **kwargs):
         raise BudgetError("taken out by the test")
 
     monkeypatch.setattr(optimize, "plan_lynx", no_plan)
-    monkeypatch.setattr(decide, "BASELINES", ())
+    monkeypatch.setattr(seeds, "BASELINES", ())
     miss = _plan([{"memory_budget": BUDGET}])[0]
     assert miss.decisions["plan_cache"] == "miss" and miss.plan.solver.startswith("baseline:torch")
     hit = _plan([{"memory_budget": BUDGET}])[0]

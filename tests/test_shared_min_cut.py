@@ -13,7 +13,7 @@ from functorch.compile import aot_function, make_boxed_func
 from torch._functorch import partitioners
 
 from lynx_compile import _compat
-from lynx_compile.recompute.decide import TORCH_SETTINGS
+from lynx_compile.recompute.seeds import TORCH_SETTINGS
 from lynx_compile.models import build_model, example_batch
 
 SETTINGS = (1.0, *TORCH_SETTINGS)

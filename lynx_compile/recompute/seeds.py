@@ -1,0 +1,219 @@
+"""Seeds: the baselines (``full``, ``selective``, torch's min-cut at several settings) applied
+and priced as candidates beside lynx's own plan, and the one measure they compete on.
+
+lynx's optimizer keeps tensors that cross a block boundary and never re-issues a collective, so
+some peaks a baseline reaches lie outside its search space. ``seed_with_baselines`` realizes
+each candidate (``apply.realize``: partitioned and simulated exactly) and keeps the one that
+fits the budget with the least exposed recompute (:func:`exposed`); ``exposed_floor`` skips a
+baseline that cannot beat lynx's plan before it is partitioned. ``decide`` calls these; a piece
+of a model (``decide.decide_piece``) weighs the same candidates.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch.fx as fx
+
+from lynx_compile import _compat
+from lynx_compile.budget import budget_error as refuse
+from lynx_compile.costs.comm import is_collective_node, is_wait_node
+from lynx_compile.decisions import Decisions, Window
+from lynx_compile.distributed.agreement import gather_values, planning_world_size
+from lynx_compile.passes import PassContext, meta
+from lynx_compile.passes.apply_decisions import clear_decision_tags
+from lynx_compile.passes.mark_recomputed import recomputed_source
+from lynx_compile.recompute.apply import Applied, partition_token, realize, scratch_context
+from lynx_compile.recompute.baselines import baseline_decisions
+
+log = logging.getLogger("lynx_compile")
+
+BASELINES = ("full", "selective")
+TORCH_BUDGET_LADDER = (1.0, 0.5)
+"""torch's min-cut is tried at these multiples of the requested budget fraction: its budget
+counts saved bytes, not the peak, so a lower setting may be the one that fits."""
+TORCH_SETTINGS = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
+"""Where lynx's optimizer has no plan under the budget, torch's min-cut is also tried at each of
+these settings. torch's setting bounds (saved - inputs) / (min-cut's saved - inputs), which has
+no fixed relation to the peak, so the setting that reached a peak need not be on the ladder
+above: on HF Llama (2 layers, batch 2, seq 32) setting 0.5 peaks at 0.520 of the no-recompute
+peak, but 0.52 (the ladder's first rung for that peak) at 0.534 and 0.26 at 0.719, so lynx fell
+back to ``full`` and exposed 362 us of recompute against torch's 256 us. Only when the optimizer
+fails: where it has a plan, it exposed 4-40x less than torch at every setting measured."""
+_SETTING_NAMES = frozenset(f"torch@{s:g}" for s in TORCH_SETTINGS)
+
+
+
+def exposed(applied: Applied, joint: fx.GraphModule) -> float:
+    """Exposed seconds of a candidate: on-demand recompute (``exposed_s``) plus the part of its
+    host copies compute does not hide (offload plans): the one measure candidates compete on."""
+    off = applied.record.decisions.get("offload", {})
+    return exposed_s(applied.bw, joint) + off.get("exposed_fw_s", 0.0) + off.get("exposed_bw_s", 0.0)
+
+
+def exposed_s(bw: fx.GraphModule, joint: fx.GraphModule) -> float:
+    """Seconds of recompute the backward runs on demand (not inside a communication window),
+    from the cost model."""
+    joint_nodes = {n.name: n for n in joint.graph.nodes}
+    total = 0.0
+    for node in bw.graph.nodes:
+        if not node.meta.get(meta.RECOMPUTED) or isinstance(node.meta.get(meta.DECISION), Window):
+            continue
+        cost = (recomputed_source(node, joint_nodes) or node).meta.get(meta.COST)
+        total += cost.runtime_s if cost else 0.0
+    return total
+
+
+def exposed_floor(joint: fx.GraphModule, ctx: PassContext, decisions: Decisions) -> float:
+    """Seconds of on-demand recompute that ``decisions`` expose at least, known before any
+    partition: a tagged forward node a backward node reads cannot be saved (torch's partitioners
+    never save a ``PREFER_RECOMPUTE`` node), so it is recomputed, and so are the tagged nodes it
+    is computed from. Left out, as torch may save them after all: a tagged node read by a tagged
+    node of a later block (``cleanup_recompute_tags`` saves block boundaries), one with a
+    backward hook, collectives. :func:`exposed` of the realized plan is never below this
+    (``tests/test_exposed_floor.py``)."""
+    tagged = {name for unit, d in decisions.recomputed() if not isinstance(d, Window)
+              for name in decisions.nodes_of(unit)}
+    nodes = {n.name: n for n in joint.graph.nodes}
+    forward = ctx.forward_names
+
+    def block(n: fx.Node) -> int:
+        return n.meta.get(meta.BLOCK) or 0
+
+    def surely_recomputed(n: fx.Node) -> bool:
+        return (n.op == "call_function" and n.name in tagged and not n.meta.get("has_backward_hook")
+                and not is_collective_node(n) and not is_wait_node(n)
+                and not any(u.name in tagged and u.name in forward and block(u) > block(n) for u in n.users))
+
+    stack = [n for name in tagged if (n := nodes.get(name)) is not None and surely_recomputed(n)
+             and any(u.name not in forward for u in n.users)]
+    seen: set[fx.Node] = set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(a for a in n.all_input_nodes if surely_recomputed(a))
+    # summed in graph order: a float sum in set order differs between processes in its last bit
+    return sum((c.runtime_s for n in joint.graph.nodes if n in seen and (c := n.meta.get(meta.COST)) is not None), 0.0)
+
+
+def seed_with_baselines(joint, ctx: PassContext, kw: dict, budget: int, reference_peak: int,
+                        outcome, failure: Exception | None):
+    """lynx's plan, or a baseline's when one fits ``budget`` with less exposed recompute.
+
+    The optimizer's model keeps tensors that cross a block boundary and never re-issues a
+    collective, so some peaks that ``full``, ``selective`` or torch's min-cut reach lie outside
+    its search space. Each baseline is applied and simulated exactly (``realize``); the
+    candidate that fits with the least on-demand recompute (``exposed_s``) wins, so lynx reaches
+    every peak a baseline reaches with no more exposed recompute. Raises ``failure`` (lynx's
+    BudgetError) when nothing fits."""
+    from lynx_compile.recompute.optimize import LynxOutcome
+
+    frac = min(1.0, budget / reference_peak)
+    scores: dict[str, tuple[float, int]] = {}
+    lowest: tuple[int, str] | None = None       # (peak, where) of the lowest-peak candidate
+    best = None
+    if outcome is not None:
+        best = ("lynx", exposed(outcome.applied, joint), outcome)
+        scores["lynx"] = (best[1], outcome.applied.mem.peak_bytes)
+    # every rank must try the same candidates (torch's are agreed on by a collective each)
+    with _compat.eager_dispatch():
+        failed_somewhere = any(gather_values(outcome is None))
+    settings = TORCH_SETTINGS if failed_somewhere else ()
+    policies = BASELINES if ctx.record.blocks else ()
+    # where lynx's plan fits, a baseline that exposes at least as much cannot win: not realized
+    beat = best[1] if best is not None and not failed_somewhere else None
+    for name, applied in baseline_candidates(joint, ctx, kw, policies, frac, settings, beat=beat):
+        if not isinstance(applied, Applied):  # skipped: its floor (0.0 where lynx's plan exposes nothing)
+            scores[name] = (applied, None)
+            continue
+        cost = exposed(applied, joint)
+        scores[name] = (cost, applied.mem.peak_bytes)
+        # the smallest named is a candidate every budget below the optimizer's reach tries again
+        # (full, selective, torch's min-cut at TORCH_SETTINGS), not one at this budget's fraction:
+        # else the budget named would be refused in its turn (seen under compiler='eager')
+        if (name in policies or name in _SETTING_NAMES) and (lowest is None or applied.mem.peak_bytes < lowest[0]):
+            lowest = (applied.mem.peak_bytes, applied.mem.peak_at)
+        if applied.mem.peak_bytes <= budget and (best is None or cost < best[1] * (1 - 1e-9)):
+            best = (name, cost, LynxOutcome(
+                applied=as_seed(applied),
+                problem=outcome.problem if outcome else ctx.record.problem,
+                solver=f"baseline:{name}", status="seeded", exposed_s=cost,
+                plan_time_s=outcome.plan_time_s if outcome else 0.0,
+                solve_s=outcome.solve_s if outcome else 0.0))
+    ctx.record.decisions["candidates"] = {
+        k: {"exposed_s": e, "peak_bytes": b} if b is not None else
+        {"exposed_at_least_s": e, "skipped": "exposes at least as much as lynx's plan"} for k, (e, b) in scores.items()}
+    if best is None:
+        tried = ", ".join(f"{k} {b / reference_peak:.3f}" for k, (_, b) in scores.items() if b is not None)
+        smallest = getattr(failure, "smallest_bytes", None)
+        why = f"no plan reaches it. lynx's optimizer: {getattr(failure, 'why', failure)}. Baselines tried as " \
+              f"seeds peak at (fraction of the no-recompute peak): {tried}"
+        if lowest is not None:
+            # the lowest candidate simulated exactly is reachable; the optimizer's own floor is its
+            # linear model's and may not be (seen: floor 0.615, the plan for it peaked at 0.632)
+            smallest = lowest[0]
+            why += f". The lowest of them peaks at {lowest[1]}"
+            peaks = [b for _, b in scores.values() if b is not None]  # no candidate (full ... torch@0.1) moves it
+            if lowest[0] >= 0.9 * reference_peak or max(peaks) <= 1.01 * min(peaks):
+                why += (": recompute cannot lower it, the bytes live there are the step's working set "
+                        "(e.g. the logits, the loss, the parameter gradients the backward returns), not "
+                        "saved activations")
+        raise refuse(ctx.config.budget, reference_peak, smallest, why) from failure
+    if best[0] != "lynx":
+        why = (f"lynx's optimizer found no plan under this budget ({failure})" if outcome is None else
+               f"lynx's own plan exposes {scores['lynx'][0] * 1e3:.3g} ms of recompute")
+        note = (f"seeded by baseline '{best[0]}': {why}; '{best[0]}' fits (peak "
+                f"{best[2].applied.mem.peak_bytes} B <= {budget} B) exposing {best[1] * 1e3:.3g} ms")
+        ctx.record.notes.append(note)
+        log.info("lynx: %s", note)
+    return best[2]
+
+
+def baseline_candidates(joint: fx.GraphModule, ctx: PassContext, kw: dict, policies: tuple[str, ...],
+                         frac: float | None, settings: tuple[float, ...] = (), *, beat: float | None = None):
+    """(name, Applied) of each baseline in ``policies``, then torch's min-cut at ``frac`` times
+    ``TORCH_BUDGET_LADDER`` (not with ``frac`` None) and at each of ``settings``, highest first,
+    each applied on a scratch record. torch's min-cut breaks ties in set order, which differs
+    between processes (seen on 2 gloo ranks: the same graph, different recomputed getitems):
+    with several ranks a torch candidate is used only where every rank partitioned it alike
+    (else it is left out on every rank, with a note), so ranks never choose different plans.
+    ``beat``: a baseline whose :func:`exposed_floor` is at least this is not realized; it is
+    yielded as (name, its floor) instead (the floor reads only the graph: every rank skips alike)."""
+    candidates = [(p, None) for p in policies]
+    budgets = ({round(frac * m, 3) for m in TORCH_BUDGET_LADDER} if frac is not None else set()) | set(settings)
+    candidates += [("torch", b) for b in sorted(budgets, reverse=True)]
+    saved_sets: dict = {}     # torch's min-cut: saved values -> the first budget that chose them
+    realized: dict[str, Applied] = {}
+    for policy, torch_budget in candidates:
+        name = f"torch@{torch_budget:g}" if policy == "torch" else policy
+        sub = scratch_context(ctx, name)
+        if policy != "torch":
+            decisions = baseline_decisions(joint, sub, policy)
+            floor = exposed_floor(joint, ctx, decisions) if beat is not None else None
+            if floor is not None and floor >= beat:
+                yield name, floor
+                continue
+            yield name, realize(joint, sub, decisions, kw)
+            continue
+        try:  # a budget whose min-cut saves what a higher one saved is that candidate again
+            with _compat.min_cut_counts_script_objects_as_zero(), \
+                    _compat.min_cut_stops_on_repeat(saved_sets, name):
+                applied = realize(joint, sub, Decisions(policy=name), kw, torch_budget=torch_budget)
+        except _compat.SameSavedValues as same:
+            clear_decision_tags(joint)  # as realize leaves it: min-cut's MUST_SAVE pins are no decision
+            applied = realized[same.first]
+        realized[name] = applied
+        if planning_world_size() > 1:
+            with _compat.eager_dispatch():
+                tokens = gather_values(partition_token(applied))
+            if len(set(tokens)) > 1:
+                ctx.record.notes.append(f"{name}: ranks partitioned it differently (torch's min-cut breaks "
+                                        "ties in set order), so it is no candidate")
+                continue
+        yield name, applied
+
+
+def as_seed(applied: Applied) -> Applied:
+    return dataclasses.replace(applied, decisions=applied.decisions.with_source("seed"))
