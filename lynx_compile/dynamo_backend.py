@@ -114,7 +114,7 @@ class LynxBackend:
         compiled = self._compile(gm, example_inputs, record)
         if self.step_recorder is None:
             return compiled
-        from lynx_compile.step_record import InputSpec
+        from lynx_compile.compiled_piece import InputSpec
 
         devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
         return self.step_recorder.piece(compiled, record, functools.partial(self._rebuild, gm, InputSpec(example_inputs)),

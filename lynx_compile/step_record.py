@@ -34,15 +34,14 @@ reachable and what lies outside the compiled pieces (compiling it too is the fix
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
-import weakref
 from typing import Any, Callable
 
 import torch
 
 from lynx_compile import _compat
 from lynx_compile.budget import budget_error, format_bytes
+from lynx_compile.compiled_piece import Piece
 from lynx_compile.decisions import BudgetError
 from lynx_compile.memory.param_grads import GradWatch
 from lynx_compile.memory.step_recording import AllocatorRecording, ProfilerRecording
@@ -51,105 +50,6 @@ from lynx_compile.step_model import Segment, StepChoice, StepModel, choose
 log = logging.getLogger("lynx_compile")
 RECORDED_STEP = 2
 """Which step is recorded (see the module docstring for why not the first)."""
-
-
-class InputSpec:
-    """What a compile of a graph needs of its example inputs, without keeping them alive: a
-    weak reference (parameters stay alive, activations do not) and the tensor's metadata, from
-    which an empty tensor of the same layout stands in once it is gone (for a DTensor, a DTensor
-    of the same layout, mesh and placements: ``_compat.dtensor_stand_in``)."""
-
-    def __init__(self, example_inputs: list):
-        self._items: list[tuple] = []
-        for t in example_inputs:
-            layout = _compat.dtensor_layout(t) if isinstance(t, torch.Tensor) else None
-            if layout is not None:  # a DTensor (TP): its local shard's layout and how it is distributed
-                self._items.append(("dtensor", weakref.ref(t), layout[0], layout[1], t.dtype, t.device,
-                                    t.requires_grad, isinstance(t, torch.nn.Parameter), layout))
-            elif isinstance(t, torch.Tensor):
-                self._items.append(("tensor", weakref.ref(t), tuple(t.shape), t.stride(), t.dtype, t.device,
-                                    t.requires_grad, isinstance(t, torch.nn.Parameter)))
-            else:
-                self._items.append(("value", t))
-
-    def inputs(self) -> list:
-        out = []
-        for item in self._items:
-            if item[0] == "value":
-                out.append(item[1])
-                continue
-            kind, ref, shape, stride, dtype, device, requires_grad, is_param = item[:8]
-            t = ref()
-            if t is None:
-                t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
-                if kind == "dtensor":  # a DTensor stands in for a DTensor (TP's activations)
-                    t = _compat.dtensor_stand_in(t, item[8])
-                t = torch.nn.Parameter(t, requires_grad) if is_param else t.requires_grad_(requires_grad)
-            out.append(t)
-        return out
-
-
-class Piece:
-    """What dynamo calls for one lynx-compiled graph: the compile in use (swapped once, after the
-    recorded step), with the recorder told of every forward and backward.
-
-    After the step's plan a graph called several times per step may run two compiles: the
-    ``k``-th call of a step (counting calls with gradients on) runs ``by_call[k]``."""
-
-    def __init__(self, recorder: "StepRecorder", compiled: Callable, record: Any,
-                 rebuild: Callable[..., tuple[Callable, Any]]):
-        self.recorder = recorder
-        self.compiled = compiled
-        self.record = record
-        self.rebuild = rebuild
-        self.key = len(recorder.pieces)
-        self.records = [record]
-        """Its records since the step's plan (two when its calls run two compiles)."""
-        self.by_call: list[Callable] | None = None
-        self._count = 0
-
-    def __call__(self, *args: Any) -> Any:
-        rec = self.recorder
-        rec.before_forward()
-        if not rec.tracking or not torch.is_grad_enabled():
-            return self._current()(*args)
-        call = rec.begin_forward(self)
-        out = self.compiled(*args)
-        rec.end_forward(call, out)
-        return out
-
-    def _current(self) -> Callable:
-        if self.by_call is None or not torch.is_grad_enabled():
-            return self.compiled
-        fn = self.by_call[self._count % len(self.by_call)]
-        self._count += 1
-        return fn
-
-    def assign(self, names: tuple[str, ...]) -> list[str]:
-        """Compile (once per candidate) and use candidate ``names[k]`` for the ``k``-th call of
-        each step; returns what changed, for the log."""
-        current = self.record.step.current
-        compiled = {current: self.compiled}
-        records = {current: self.record}
-        anchor = self.record  # where the next record goes in backend.records
-        for name in dict.fromkeys(names):
-            if name not in compiled:
-                replace = current not in names and anchor is self.record  # the first drops the old one
-                compiled[name], records[name] = self.rebuild(anchor, name, replace=replace)
-                anchor = records[name]
-        self.compiled, self.record = compiled[names[-1]], records[names[-1]]
-        self.records = [records[n] for n in dict.fromkeys(names)]
-        self.by_call = None if len(set(names)) == 1 else [compiled[n] for n in names]
-        self._count = 0
-        if names == (current,) * len(names):
-            return []
-        runs = [(n, sum(1 for _ in grp)) for n, grp in itertools.groupby(names)]
-        first, parts = 1, []
-        for n, count in runs:
-            span = f"call {first}" if count == 1 else f"calls {first}-{first + count - 1}"
-            parts.append(f"{span} '{n}'")
-            first += count
-        return [f"graph {self.record.graph_id}: '{current}' -> " + (", ".join(parts) if len(runs) > 1 else f"'{names[0]}'")]
 
 
 def _backward_node(out: Any) -> Any:
