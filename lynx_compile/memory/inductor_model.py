@@ -40,7 +40,7 @@ import torch.fx as fx
 
 from lynx_compile import _compat
 from lynx_compile.costs.comm import is_wait_node
-from lynx_compile.memory.storage import _bytes, _host_ops, _value, aliased_input, allocations
+from lynx_compile.memory.storage import HOST_OUTPUT_OPS, _bytes, _value, aliased_input, allocations
 
 
 INDEX_OPS = frozenset({torch.ops.aten.index.Tensor, torch.ops.aten._unsafe_index.Tensor})
@@ -124,7 +124,7 @@ def _reads_in_loop(node: fx.Node, producer: fx.Node, extern: frozenset = frozens
 
 def _is_constant(node: fx.Node) -> bool:
     """A deterministic op with no tensor inputs (``full``, ``arange``, ``scalar_tensor``)."""
-    return (node.op == "call_function" and not node.all_input_nodes and node.target not in _host_ops()
+    return (node.op == "call_function" and not node.all_input_nodes and node.target not in HOST_OUTPUT_OPS
             and isinstance(node.meta.get("val"), torch.Tensor)
             and torch.Tag.nondeterministic_seeded not in _tags(node))
 

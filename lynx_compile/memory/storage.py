@@ -3,7 +3,6 @@ bytes, and which node's output shares another's storage (views, in-place ops, wa
 vocabulary of ``simulate`` (the live-bytes walk) and ``inductor_model`` (Inductor's kernels)."""
 from __future__ import annotations
 
-import functools
 import operator
 
 import torch
@@ -109,7 +108,7 @@ def allocations(node: fx.Node) -> list[tuple[str, int]]:
     tuples flattened)."""
     if node.op != "call_function" or aliased_input(node) is not None or node.target is operator.getitem:
         return []
-    if node.target in _host_ops():
+    if node.target in HOST_OUTPUT_OPS:
         return []          # host memory, not device memory
     val = _value(node)
     if isinstance(val, (tuple, list)):
@@ -117,11 +116,15 @@ def allocations(node: fx.Node) -> list[tuple[str, int]]:
     return [(node.name, _nbytes(val))]
 
 
-@functools.lru_cache(maxsize=1)
-def _host_ops() -> frozenset:
-    from lynx_compile.runtime.offload import HOST_OPS
+HOST_OUTPUT_OPS: set = set()
+"""Ops whose output lives in host memory, not on the device: they allocate no device bytes.
+The module that defines such an op registers it (:func:`register_host_output_op`;
+``runtime/offload.py``'s ``lynx.offload``), so memory never imports what runs the graphs."""
 
-    return HOST_OPS
+
+def register_host_output_op(op) -> None:
+    """Count ``op``'s output as host memory (no device bytes) from now on."""
+    HOST_OUTPUT_OPS.add(op)
 
 
 def _bytes(node: fx.Node) -> int:

@@ -27,6 +27,8 @@ from typing import Optional
 import torch
 from torch.fx.node import has_side_effect
 
+from lynx_compile.memory.storage import register_host_output_op
+
 _EVENTS: dict[int, "torch.cuda.Event"] = {}
 """id(tensor produced by a copy) → the copy's event (CUDA only), popped by its wait."""
 _STREAM: dict[torch.device, "torch.cuda.Stream"] = {}
@@ -124,8 +126,7 @@ OFFLOAD = torch.ops.lynx.offload.default
 OFFLOAD_WAIT = torch.ops.lynx.offload_wait.default
 RELOAD = torch.ops.lynx.reload.default
 RELOAD_WAIT = torch.ops.lynx.reload_wait.default
-HOST_OPS = frozenset({OFFLOAD})
-"""Ops whose output lives in host memory: no device bytes (``memory.simulate``)."""
+register_host_output_op(OFFLOAD)  # its output lives in host memory: no device bytes (memory model)
 
 for _target in (OFFLOAD_WAIT, RELOAD_WAIT):
     has_side_effect(_target)
