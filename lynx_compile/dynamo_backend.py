@@ -23,8 +23,8 @@ import torch.fx as fx
 from lynx_compile import _compat, autograd_cache
 from lynx_compile.config import OPTIONS_ENV, LynxConfig, make_config, options_from_env
 from lynx_compile.errors import LynxOptionError, PlanningDone
+from lynx_compile.passes import GraphRecord, check_pass_names
 from lynx_compile.recompute.partition import lynx_partition
-from lynx_compile.passes import GraphRecord
 
 log = logging.getLogger("lynx_compile")
 _graph_ids = itertools.count()
@@ -346,6 +346,7 @@ def backend(**options: Any) -> LynxBackend:
     option and its valid values."""
     try:
         config = make_config(options)
+        check_pass_names(config.disable_passes)
     except ValueError as e:
         raise LynxOptionError(str(e)) from None
     return _cached_backend(config, type(config.memory_budget))

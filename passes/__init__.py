@@ -26,7 +26,18 @@ FORWARD_PIPELINE = (offload_forward_pass,)
 BACKWARD_PIPELINE = (mark_recomputed_pass, insert_recompute_pass, fuse_recompute_pass,
                      offload_backward_pass, side_stream_pass)
 
-__all__ = ["PREPARE_PIPELINE", "JOINT_PIPELINE", "APPLY_PIPELINE", "FORWARD_PIPELINE", "BACKWARD_PIPELINE", "GraphRecord", "PassContext", "run_passes",
+
+
+def check_pass_names(names: tuple[str, ...]) -> None:
+    """``ValueError`` naming the passes when one of ``names`` (option ``disable_passes``) is no
+    pass of the ``*_PIPELINE`` tuples here."""
+    known = [p.__name__ for attr, value in sorted(globals().items()) if attr.endswith("_PIPELINE") for p in value]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"disable_passes: unknown pass(es) {unknown}; passes are {known}")
+
+
+__all__ = ["check_pass_names", "PREPARE_PIPELINE", "JOINT_PIPELINE", "APPLY_PIPELINE", "FORWARD_PIPELINE", "BACKWARD_PIPELINE", "GraphRecord", "PassContext", "run_passes",
            "annotate_costs_pass", "find_blocks_pass", "apply_decisions_pass", "mark_recomputed_pass",
            "insert_recompute_pass", "fuse_recompute_pass", "offload_forward_pass", "offload_backward_pass",
            "side_stream_pass", "alias_clones_pass"]
