@@ -8,15 +8,11 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
 from lynx_compile import _compat
-
-if TYPE_CHECKING:
-    from lynx_compile.step_record import StepRecorder
-
 
 class InputSpec:
     """What a compile of a graph needs of its example inputs, without keeping them alive: a
@@ -59,9 +55,10 @@ class Piece:
     recorded step), with the recorder told of every forward and backward.
 
     After the step's plan a graph called several times per step may run two compiles: the
-    ``k``-th call of a step (counting calls with gradients on) runs ``by_call[k]``."""
+    ``k``-th call of a step (counting calls with gradients on) runs ``by_call[k]``. ``recorder``
+    is the backend's ``step_record.StepRecorder`` (told of each forward and backward)."""
 
-    def __init__(self, recorder: "StepRecorder", compiled: Callable, record: Any,
+    def __init__(self, recorder: Any, compiled: Callable, record: Any,
                  rebuild: Callable[..., tuple[Callable, Any]]):
         self.recorder = recorder
         self.compiled = compiled
