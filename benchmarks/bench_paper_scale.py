@@ -17,8 +17,8 @@ its best attempt needs. Writes ``results/paper_scale.{csv,md}``, ``results/paper
 
 ``--schedules`` compares pipeline schedules instead (``schedule_table``): per pipelined
 configuration and micro-batch, lynx's recompute-aware stage plan (``plan_stages``, Lynx-OPT's
-per-layer recompute curve) under each schedule and its predicted step (``sim.pipeline``: the
-zero-bubble schedules replay torch's own order with each backward split into B and W). Writes
+per-layer recompute curve) under each schedule and its predicted step (``pipelining.schedule_sim``:
+the zero-bubble schedules replay torch's own order with each backward split into B and W). Writes
 ``results/paper_scale_schedules.{csv,md}``.
 """
 from __future__ import annotations
@@ -412,7 +412,7 @@ ASSUMPTIONS = (
 
 SCHEDULE_ASSUMPTIONS = (
     "Per schedule, lynx's recompute-aware stage cuts (plan_stages, method lynx, Lynx-OPT's per-layer recompute "
-    "curve) and the step sim.pipeline replays: 1F1B one stage per rank; ZBVZeroBubble two per rank in a V, torch's "
+    "curve) and the step pipelining.schedule_sim replays: 1F1B one stage per rank; ZBVZeroBubble two per rank in a V, torch's "
     "own action order, each backward split into B (input gradients, with the tensor-parallel collectives) and W = "
     "3h/(6h+s) of a layer's backward compute (half the LM head's). A rank holding two stages fits them to its "
     "memory together (pipeline.rank_memory). recompute_ms_per_mb: exposed recompute summed over the stages. Bubble: 1 - the busiest rank's work "

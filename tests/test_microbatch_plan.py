@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from lynx_compile.pipelining.placement import zero_bubble_orders
-from lynx_compile.sim.pipeline import held_microbatches, simulate_actions
+from lynx_compile.pipelining.schedule_sim import held_microbatches, simulate_actions
 
 mp = importlib.import_module("lynx_compile.pipelining.microbatch_plan")  # lynx_compile.pipeline is a function
 MicrobatchPlanError, StageVariant, plan_microbatches, replay = (

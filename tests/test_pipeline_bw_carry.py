@@ -9,7 +9,7 @@ import torch
 
 from lynx_compile.pipelining.placement import zero_bubble_orders
 from lynx_compile.pipelining.plan_stages import PipelineCosts, SegmentCost, StagePlan, StagePlanError, plan_stages
-from lynx_compile.sim.pipeline import held_microbatches
+from lynx_compile.pipelining.schedule_sim import held_microbatches
 
 MiB, ms = 2**20, 1e-3
 

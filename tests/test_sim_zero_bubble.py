@@ -8,8 +8,8 @@ import torch
 from lynx_compile.pipelining.placement import in_flight
 from lynx_compile.pipelining.plan_stages import PipelineCosts, SegmentCost, plan_stages
 from lynx_compile.pipelining.placement import zero_bubble_orders
+from lynx_compile.pipelining.schedule_sim import simulate_actions, simulate_pipeline
 from lynx_compile.pipelining.step_time import WEIGHT_SHARE, stage_times
-from lynx_compile.sim.pipeline import simulate_actions, simulate_pipeline
 
 
 def zb(schedule, ranks, stages, m, F=1.0, B=1.0, W=1.0, s=0.0, **kw):

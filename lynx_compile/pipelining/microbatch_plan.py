@@ -22,7 +22,7 @@ everything is linear in the choice, with no big-M (``build_model``):
   recompute that lands in a bubble ties on T: only the needed ones are kept).
 
 The least e's meeting these rows are the replay's end times, so min T is the least step.
-``replay`` is the exact reference for one choice (``sim.pipeline``'s replay loop and the memory
+``replay`` is the exact reference for one choice (``schedule_sim``'s replay loop and the memory
 walk below); the MILP's numbers are never reported, ``replay``'s are. Without a MILP solver a
 greedy (``_greedy``) finds a fitting choice, no optimality claimed.
 
@@ -37,7 +37,7 @@ its actions in order, starting from nothing alive.
 - W(s, j): its carry dies (no point: memory only falls).
 
 The rank's peak is the largest sum of held, carry and fresh bytes alive at a point. Per stage,
-with one variant, the pairs ``sim.pipeline.held_microbatches`` returns are the counts (f, w)
+with one variant, the pairs ``schedule_sim.held_microbatches`` returns are the counts (f, w)
 just *after* each action; the B point here is that pair with the micro-batch B runs still held
 and only its fresh part carried, so a stage's peak is ``max(f x held + w x carry)`` over the
 after-F pairs and ``max((f + 1) x held + (w - 1) x carry + fresh)`` over the after-B ones. A
@@ -53,7 +53,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from lynx_compile.sim.pipeline import Action, replay_actions
+from .schedule_sim import Action, replay_actions
 
 MiB = 2**20
 TOLERANCE_RETRIES = 3
@@ -187,7 +187,7 @@ def replay(orders: Sequence[Sequence[Action]], variants: Sequence[Sequence[Stage
            send_s: Sequence[float]) -> tuple[float, tuple[int, ...]]:
     """Step seconds and per-rank peak bytes of ``choice`` (the exact reference): micro-batch j of
     stage s takes the F, B and W seconds of ``variants[s][choice[s][j]]`` under
-    ``sim.pipeline.replay_actions``' rules (``send_s[s]``: the transfer between stage s and s + 1
+    ``schedule_sim.replay_actions``' rules (``send_s[s]``: the transfer between stage s and s + 1
     on different ranks); peaks from the memory walk (module docstring)."""
     def seconds(action: Action) -> float:
         kind, s, j = action

@@ -46,7 +46,7 @@ memory_per_device - static_i`` at every pair, and the peak is the joint maximum 
 - ``"compute"``: the same programme on compute alone (F + B), then priced like the others;
 - ``"uniform"``: equal numbers of blocks per stage (the remainder to the last stages, which
   hold the fewest micro-batches).
-The predicted step time comes from ``lynx_compile.sim.pipeline`` (the schedule's timeline),
+The predicted step time comes from ``schedule_sim`` (the schedule's timeline),
 with and without recompute run while the stage waits for its gradient.
 """
 from __future__ import annotations
@@ -240,7 +240,7 @@ class StageInfo:
     split; 0 otherwise)."""
     held: tuple[tuple[int, int], ...] = ()
     """Pairs (micro-batches between F and B, carries between B and W) the stage passes through
-    and no other pair exceeds in both, from torch's action order (``sim.pipeline.held_microbatches``);
+    and no other pair exceeds in both, from torch's action order (``schedule_sim.held_microbatches``);
     ``((in_flight, 0),)`` without W. The peak is the joint maximum over them."""
     pending_w: int = 0
     """Carries held at the predicted peak (the ``w`` of the pair reaching it)."""
@@ -392,9 +392,8 @@ class _Pricer:
         if self.schedule not in ZERO_BUBBLE_SCHEDULES or not self.c.weight_split:
             return ((in_flight(self.schedule, self.p, self.m, i, self.ranks), 0),)
         if self._held is None:
-            from lynx_compile.sim.pipeline import held_microbatches
-
             from .placement import zero_bubble_orders
+            from .schedule_sim import held_microbatches
 
             self._held = held_microbatches(zero_bubble_orders(self.schedule, self.ranks, self.p, self.m))
         return self._held[i]
