@@ -267,7 +267,8 @@ def pipeline_costs(prof: LayerProfile, cluster, layout: Layout):
     B), half the LM head's backward (its dx and dW matmuls), none of the embedding's, and the
     point-to-point link between stages (``sim.scale``'s choice)."""
     from lynx_compile.costs.comm import LINKS
-    from lynx_compile.pipelining.plan_stages import PipelineCosts, RecomputeCurve, SegmentCost
+    from lynx_compile.pipelining.pipeline_costs import PipelineCosts, SegmentCost
+    from lynx_compile.pipelining.recompute_curve import RecomputeCurve
     from lynx_compile.sim.scale import STATE_BYTES_PER_PARAM_BYTE, _candidates, _exposed, _logits_bytes
 
     pts = _candidates(prof, "lynx-opt")
@@ -296,7 +297,8 @@ def schedule_rows(cache: dict, args) -> list[dict]:
     (``SCHEDULE_ASSUMPTIONS``). A rank holding two stages fits them to its memory together
     (``plan_stages``' rank sharing, ``pipeline.rank_memory``)."""
     from lynx_compile.pipelining.placement import stage_rank
-    from lynx_compile.pipelining.plan_stages import StagePlanError, plan_stages
+    from lynx_compile.pipelining.plan_stages import plan_stages
+    from lynx_compile.pipelining.stage_plan import StagePlanError
 
     rows = []
     for model, cluster, tp, pp, dp in configs(args.models, args.clusters):

@@ -316,7 +316,9 @@ def test_stage_variants_priced_from_the_curves_by_hand():
     # one block per stage, ZBV, 4 stages on 2 ranks, 4 micro-batches; each block: F 1 ms, backward
     # 3 ms of which W 1 ms; curve: 4 MiB kept exposes 0, 2 MiB 2 ms (1 of it W's), 0 MiB 6 ms
     # (2 of it W's); no working, static or traced carry bytes
-    from lynx_compile.pipelining.plan_stages import PipelineCosts, RecomputeCurve, SegmentCost, plan_stages
+    from lynx_compile.pipelining.pipeline_costs import PipelineCosts, SegmentCost
+    from lynx_compile.pipelining.plan_stages import plan_stages
+    from lynx_compile.pipelining.recompute_curve import RecomputeCurve
     from lynx_compile.pipelining.stage_variants import stage_variants
 
     MiB, ms = 2**20, 1e-3

@@ -7,9 +7,11 @@ import json
 import pytest
 import torch
 
+from lynx_compile.pipelining.pipeline_costs import PipelineCosts, SegmentCost
 from lynx_compile.pipelining.placement import zero_bubble_orders
-from lynx_compile.pipelining.plan_stages import PipelineCosts, SegmentCost, StagePlan, StagePlanError, plan_stages
+from lynx_compile.pipelining.plan_stages import plan_stages
 from lynx_compile.pipelining.schedule_sim import held_microbatches
+from lynx_compile.pipelining.stage_plan import StagePlan, StagePlanError
 
 MiB, ms = 2**20, 1e-3
 

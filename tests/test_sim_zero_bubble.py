@@ -5,9 +5,9 @@ import random
 import pytest
 import torch
 
-from lynx_compile.pipelining.placement import in_flight
-from lynx_compile.pipelining.plan_stages import PipelineCosts, SegmentCost, plan_stages
-from lynx_compile.pipelining.placement import zero_bubble_orders
+from lynx_compile.pipelining.pipeline_costs import PipelineCosts, SegmentCost
+from lynx_compile.pipelining.placement import in_flight, zero_bubble_orders
+from lynx_compile.pipelining.plan_stages import plan_stages
 from lynx_compile.pipelining.schedule_sim import simulate_actions, simulate_pipeline
 from lynx_compile.pipelining.step_time import WEIGHT_SHARE, stage_times
 

@@ -26,11 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .plan_stages import (
-    METHODS, SCHEDULES, PipelineCosts, StagePlan, StagePlanError, plan_stages)
-
 from .costs import profile_pipeline
+from .pipeline_costs import PipelineCosts
 from .placement import MULTI_STAGE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, check_placement, local_stages, schedule_class
+from .plan_stages import plan_stages
+from .stage_plan import METHODS, SCHEDULES, StagePlan, StagePlanError
 from .stages import LynxPipelineStage, compile_stage, split_model, sync_tied_grads
 
 log = logging.getLogger("lynx_compile")

@@ -50,7 +50,8 @@ from torch.utils.flop_counter import flop_registry
 
 from lynx_compile import _compat
 from lynx_compile.costs.analytic import FLOP_FORMULA_ALIASES
-from lynx_compile.pipelining.plan_stages import PipelineCosts, RecomputeCurve, SegmentCost
+from lynx_compile.pipelining.pipeline_costs import PipelineCosts, SegmentCost
+from lynx_compile.pipelining.recompute_curve import RecomputeCurve
 
 log = logging.getLogger("lynx_compile")
 BUDGET_LADDER = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.45, 0.4, 0.35, 0.3, 0.25, 0.2, 0.15, 0.1)
