@@ -260,11 +260,11 @@ def test_param_bytes_follow_blocks_traced_through_a_bound_forward():
     still gets its own parameters (it once charged every weight to the stage before the blocks)."""
     from lynx_compile.models import build_model, example_batch
     from lynx_compile.pipelining import _Forward
-    from lynx_compile.pipelining.costs import _param_bytes
+    from lynx_compile.pipelining.forward_census import param_bytes
 
     model = build_model("gpt-tiny")
     paths = [f"_fn.__self__.blocks.{i}" for i in range(len(model.blocks))]
-    got = _param_bytes(_Forward(model, model.logits), (example_batch(model, 1),), paths)
+    got = param_bytes(_Forward(model, model.logits), (example_batch(model, 1),), paths)
     for i, path in enumerate(paths):
         assert got[path] == sum(p.numel() * p.element_size() for p in model.blocks[i].parameters())
     outside = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("blocks."))

@@ -26,10 +26,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .costs import profile_pipeline
 from .pipeline_costs import PipelineCosts
 from .placement import MULTI_STAGE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, check_placement, local_stages, schedule_class
 from .plan_stages import plan_stages
+from .profile import profile_pipeline
 from .stage_plan import METHODS, SCHEDULES, StagePlan, StagePlanError
 from .stages import LynxPipelineStage, compile_stage, split_model, sync_tied_grads
 
