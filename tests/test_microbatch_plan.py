@@ -1,7 +1,6 @@
 """plan_microbatches (a recompute variant per stage and micro-batch) against independent references:
 simulate_actions and an interval count of what is alive (replay), brute force over every choice
 (the MILP's optimum), and a hand-drawn ZBV timeline (which micro-batches recompute)."""
-import importlib
 import importlib.util
 import itertools
 import random
@@ -9,12 +8,11 @@ import shutil
 
 import pytest
 
+from lynx_compile.pipelining.microbatch_milp import smallest_peaks
+from lynx_compile.pipelining.microbatch_plan import MicrobatchPlanError, plan_microbatches
+from lynx_compile.pipelining.microbatch_replay import StageVariant, replay
 from lynx_compile.pipelining.placement import zero_bubble_orders
 from lynx_compile.pipelining.schedule_sim import held_microbatches, simulate_actions
-
-mp = importlib.import_module("lynx_compile.pipelining.microbatch_plan")  # lynx_compile.pipeline is a function
-MicrobatchPlanError, StageVariant, plan_microbatches, replay = (
-    mp.MicrobatchPlanError, mp.StageVariant, mp.plan_microbatches, mp.replay)
 
 
 def var(name, F, B, W, held, carry, fresh=None):
@@ -191,7 +189,7 @@ def test_infeasible_names_the_smallest_peak(case):
                        rf"{smallest[1] - 1} B") as err:
         plan_microbatches(orders, variants, send, limit)
     assert err.value.smallest == smallest and isinstance(err.value, ValueError)
-    assert mp.smallest_peaks(orders, variants)[0] == smallest
+    assert smallest_peaks(orders, variants)[0] == smallest
 
 
 def test_greedy_fits_or_refuses(case):

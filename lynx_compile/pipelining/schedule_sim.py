@@ -1,7 +1,7 @@
 """The pipeline schedule simulator: replay one step of GPipe / 1F1B / zero-bubble actions.
 
-The stage planners price their plans with it (``step_time``, ``plan_stages``' held micro-batches,
-``microbatch_plan``); ``lynx_compile.sim`` (the paper-scale training-iteration simulator)
+The stage planners price their plans with it (``step_time``, ``stage_pricer``'s held
+micro-batches, ``microbatch_replay``); ``lynx_compile.sim`` (the paper-scale training-iteration simulator)
 builds on its ``schedule_order``.
 
 Every rank runs its actions one at a time, in its list's order. ``F j`` (forward of micro-batch
@@ -17,7 +17,7 @@ j) of stage s waits for ``F j`` of stage s-1 plus the point-to-point send; ``B j
   ZBVZeroBubble) run this way; their per-rank lists are torch's own
   (``placement.zero_bubble_orders``; ``step_time`` prices a stage plan).
   A send between two stages on the same rank costs nothing. ``replay_actions`` is its loop,
-  with each action priced on its own (``microbatch_plan``: a recompute plan per
+  with each action priced on its own (``microbatch_replay``: a recompute plan per
   micro-batch).
 
 ZBV on 2 ranks, 4 stages, 4 micro-batches (``F30``: forward of stage 3, micro-batch 0), unit

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .microbatch_plan import StageVariant
+from .microbatch_replay import StageVariant
 from .pipeline_costs import PipelineCosts
 from .placement import default_ranks, stage_rank
 from .recompute_curve import allocate_with_transient, transient_bytes, weight_share
@@ -51,7 +51,7 @@ class StageVariants:
     variants: tuple[tuple[StageVariant, ...], ...]
     budgets: tuple[tuple[int | None, ...], ...]
     memory_limit: tuple[int, ...]
-    """Per rank: bytes for the activations its stages hold (``microbatch_plan``'s walk)."""
+    """Per rank: bytes for the activations its stages hold (``microbatch_replay``'s walk)."""
     reserved_bytes: tuple[int, ...]
     """Per rank: what the limit sets aside beside the walk (one micro-batch's working bytes and the
     largest block-backward transient); walk + reserved is the predicted activation peak."""
