@@ -96,7 +96,7 @@ def _runtime_carry(stage, x):
 
 @pytest.mark.timeout(120)
 def test_carry_bytes_equal_the_runtime_carry():
-    from lynx_compile.pipelining import _Forward
+    from lynx_compile.pipelining.local_pipeline import _Forward
     from lynx_compile.pipelining.weight_split_census import weight_split_census
 
     model, idx = _gpt_tiny()
@@ -130,7 +130,7 @@ def test_carry_bytes_equal_the_runtime_carry():
 
 @pytest.mark.timeout(120)
 def test_profile_fills_the_carry_for_the_eager_compiler_only():
-    from lynx_compile.pipelining import _Forward
+    from lynx_compile.pipelining.local_pipeline import _Forward
     from lynx_compile.pipelining.profile import _splits_weights, profile_pipeline
     from lynx_compile.pipelining.weight_split_census import carry_bytes
 
@@ -246,7 +246,7 @@ def test_recompute_only_w_needs_is_the_weight_matmuls_inputs():
     # plus the LM head's input (the final norm's output) and the position ids (the position
     # embedding's gradient is a weight gradient). The norms' own nodes stay B's: their backward
     # reads their mean and rstd, outputs of the same op, so recomputing a norm runs in B.
-    from lynx_compile.pipelining import _Forward
+    from lynx_compile.pipelining.local_pipeline import _Forward
     from lynx_compile.pipelining.profile import profile_pipeline
     from lynx_compile.pipelining.weight_split_census import weight_split_census
 

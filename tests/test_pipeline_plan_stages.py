@@ -259,7 +259,7 @@ def test_param_bytes_follow_blocks_traced_through_a_bound_forward():
     ``_fn.__self__.blocks.N`` while the wrapper's modules are ``model.blocks.N``: each block
     still gets its own parameters (it once charged every weight to the stage before the blocks)."""
     from lynx_compile.models import build_model, example_batch
-    from lynx_compile.pipelining import _Forward
+    from lynx_compile.pipelining.local_pipeline import _Forward
     from lynx_compile.pipelining.forward_census import param_bytes
 
     model = build_model("gpt-tiny")
