@@ -17,8 +17,8 @@ its best attempt needs. Writes ``results/paper_scale.{csv,md}``, ``results/paper
 
 ``--schedules`` compares pipeline schedules instead (``schedule_table``): per pipelined
 configuration and micro-batch, lynx's recompute-aware stage plan (``plan_stages``, Lynx-OPT's
-per-layer recompute curve) under each schedule and its predicted step (``sim.pipeline``: the
-zero-bubble schedules replay torch's own order with each backward split into B and W). Writes
+per-layer recompute curve) under each schedule and its predicted step (``pipelining.schedule_sim``:
+the zero-bubble schedules replay torch's own order with each backward split into B and W). Writes
 ``results/paper_scale_schedules.{csv,md}``.
 """
 from __future__ import annotations
@@ -267,7 +267,8 @@ def pipeline_costs(prof: LayerProfile, cluster, layout: Layout):
     B), half the LM head's backward (its dx and dW matmuls), none of the embedding's, and the
     point-to-point link between stages (``sim.scale``'s choice)."""
     from lynx_compile.costs.comm import LINKS
-    from lynx_compile.pipelining.plan_stages import PipelineCosts, RecomputeCurve, SegmentCost
+    from lynx_compile.pipelining.pipeline_costs import PipelineCosts, SegmentCost
+    from lynx_compile.pipelining.recompute_curve import RecomputeCurve
     from lynx_compile.sim.scale import STATE_BYTES_PER_PARAM_BYTE, _candidates, _exposed, _logits_bytes
 
     pts = _candidates(prof, "lynx-opt")
@@ -296,7 +297,8 @@ def schedule_rows(cache: dict, args) -> list[dict]:
     (``SCHEDULE_ASSUMPTIONS``). A rank holding two stages fits them to its memory together
     (``plan_stages``' rank sharing, ``pipeline.rank_memory``)."""
     from lynx_compile.pipelining.placement import stage_rank
-    from lynx_compile.pipelining.plan_stages import StagePlanError, plan_stages
+    from lynx_compile.pipelining.plan_stages import plan_stages
+    from lynx_compile.pipelining.stage_plan import StagePlanError
 
     rows = []
     for model, cluster, tp, pp, dp in configs(args.models, args.clusters):
@@ -412,7 +414,7 @@ ASSUMPTIONS = (
 
 SCHEDULE_ASSUMPTIONS = (
     "Per schedule, lynx's recompute-aware stage cuts (plan_stages, method lynx, Lynx-OPT's per-layer recompute "
-    "curve) and the step sim.pipeline replays: 1F1B one stage per rank; ZBVZeroBubble two per rank in a V, torch's "
+    "curve) and the step pipelining.schedule_sim replays: 1F1B one stage per rank; ZBVZeroBubble two per rank in a V, torch's "
     "own action order, each backward split into B (input gradients, with the tensor-parallel collectives) and W = "
     "3h/(6h+s) of a layer's backward compute (half the LM head's). A rank holding two stages fits them to its "
     "memory together (pipeline.rank_memory). recompute_ms_per_mb: exposed recompute summed over the stages. Bubble: 1 - the busiest rank's work "

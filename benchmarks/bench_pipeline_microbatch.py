@@ -14,7 +14,7 @@ and against 1F1B, on 2 gloo CPU ranks. Not a test: it measures and writes
      (``per_microbatch=True``: ``pipeline.stage_variants`` + the MILP of ``pipeline.microbatch_plan``).
 3. Columns: the predicted step (the stage planner's timeline; per-mb: the MILP choice replayed),
    the measured step (median after the compile step, best launch; every launch's median listed),
-   the predicted per-rank activation peak of the rank's memory walk (``microbatch_plan.replay``:
+   the predicted per-rank activation peak of the rank's memory walk (``microbatch_replay.replay``:
    for the uniform rows every micro-batch at the stage's allowance, the ``plan`` variant), the
    measured per-rank peak (CPU allocator events over one more step, gradients left out, gloo
    buffers in), and the largest relative loss difference to the same steps in one process.
@@ -44,7 +44,7 @@ def _rank_activation(sv, walk) -> str:
 def _uniform_walk(plan, costs):
     """Predicted (step s, per-rank peak B) of ``plan`` with every micro-batch of a stage at its
     allowance: the ``plan`` variant (``keep`` where the stage recomputes nothing) for all."""
-    from lynx_compile.pipelining.microbatch_plan import replay
+    from lynx_compile.pipelining.microbatch_replay import replay
     from lynx_compile.pipelining.placement import zero_bubble_orders
     from lynx_compile.pipelining.stage_variants import send_seconds, stage_variants
 
@@ -159,7 +159,7 @@ def _write(args, top: int, rows: list[dict]) -> None:
             f"the gradient wait, {args.steps} steps per launch, step_ms = median of the steps after the compile "
             f"step, best of {args.repeats} interleaved launches (all medians listed). Memory per device = level x "
             f"the largest stage peak of an unconstrained ZBV plan ({top / 2**20:.2f} MiB). pred_rank_peak_MiB: "
-            f"each rank's activation walk (microbatch_plan.replay; ZBV: every micro-batch at its stage's "
+            f"each rank's activation walk (microbatch_replay.replay; ZBV: every micro-batch at its stage's "
             f"allowance), against rank_limit_MiB (memory per device less the rank's static bytes, one "
             f"micro-batch's working bytes and a block's backward transient); pred_rank_activation_MiB adds "
             f"the working and transient bytes back (what the allocator measures). planner_rank_activation_MiB: "

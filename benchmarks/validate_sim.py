@@ -13,7 +13,7 @@ two all-reduces per layer each way (blocking, as the simulator assumes); the rec
 predicts is on demand (``pred_exposed_ms``) or inside the windows (the rest). A second row per
 configuration drops the collectives (hidden behind independent compute, as gloo's asynchronous
 collectives allow on CPU), leaving T0 plus the exposed recompute.
-Pipeline runs: the prediction is the stage planner's timeline (``sim.pipeline``, which
+Pipeline runs: the prediction is the stage planner's timeline (``pipelining.schedule_sim``, which
 ``sim.step`` reproduces to 1e-12 on one-layer stages, tested) from the profiled per-stage costs.
 """
 from __future__ import annotations

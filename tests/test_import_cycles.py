@@ -164,3 +164,21 @@ def test_subpackages_import_on_their_own():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_the_stage_planner_and_sim_import_without_torch():
+    """``lynx_compile.sim`` builds on the pipeline schedule simulator and the stage planner of
+    ``lynx_compile.pipelining`` (plain data in and out), so importing them loads no torch: the
+    package loads ``pipeline(...)`` and its torch.distributed machinery on first use."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, lynx_compile.sim, lynx_compile.pipelining\n"
+        "import lynx_compile.pipelining.plan_stages, lynx_compile.pipelining.stage_variants\n"
+        "import lynx_compile.pipelining.microbatch_plan, lynx_compile.pipelining.schedule_sim\n"
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('lynx_compile'))\n"
+        "assert callable(lynx_compile.pipelining.plan_stages)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]

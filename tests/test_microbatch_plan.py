@@ -1,7 +1,6 @@
 """plan_microbatches (a recompute variant per stage and micro-batch) against independent references:
 simulate_actions and an interval count of what is alive (replay), brute force over every choice
 (the MILP's optimum), and a hand-drawn ZBV timeline (which micro-batches recompute)."""
-import importlib
 import importlib.util
 import itertools
 import random
@@ -9,12 +8,11 @@ import shutil
 
 import pytest
 
+from lynx_compile.pipelining.microbatch_milp import smallest_peaks
+from lynx_compile.pipelining.microbatch_plan import MicrobatchPlanError, plan_microbatches
+from lynx_compile.pipelining.microbatch_replay import StageVariant, replay
 from lynx_compile.pipelining.placement import zero_bubble_orders
-from lynx_compile.sim.pipeline import held_microbatches, simulate_actions
-
-mp = importlib.import_module("lynx_compile.pipelining.microbatch_plan")  # lynx_compile.pipeline is a function
-MicrobatchPlanError, StageVariant, plan_microbatches, replay = (
-    mp.MicrobatchPlanError, mp.StageVariant, mp.plan_microbatches, mp.replay)
+from lynx_compile.pipelining.schedule_sim import held_microbatches, simulate_actions
 
 
 def var(name, F, B, W, held, carry, fresh=None):
@@ -191,7 +189,7 @@ def test_infeasible_names_the_smallest_peak(case):
                        rf"{smallest[1] - 1} B") as err:
         plan_microbatches(orders, variants, send, limit)
     assert err.value.smallest == smallest and isinstance(err.value, ValueError)
-    assert mp.smallest_peaks(orders, variants)[0] == smallest
+    assert smallest_peaks(orders, variants)[0] == smallest
 
 
 def test_greedy_fits_or_refuses(case):
@@ -316,7 +314,9 @@ def test_stage_variants_priced_from_the_curves_by_hand():
     # one block per stage, ZBV, 4 stages on 2 ranks, 4 micro-batches; each block: F 1 ms, backward
     # 3 ms of which W 1 ms; curve: 4 MiB kept exposes 0, 2 MiB 2 ms (1 of it W's), 0 MiB 6 ms
     # (2 of it W's); no working, static or traced carry bytes
-    from lynx_compile.pipelining.plan_stages import PipelineCosts, RecomputeCurve, SegmentCost, plan_stages
+    from lynx_compile.pipelining.pipeline_costs import PipelineCosts, SegmentCost
+    from lynx_compile.pipelining.plan_stages import plan_stages
+    from lynx_compile.pipelining.recompute_curve import RecomputeCurve
     from lynx_compile.pipelining.stage_variants import stage_variants
 
     MiB, ms = 2**20, 1e-3

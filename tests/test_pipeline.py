@@ -217,7 +217,7 @@ def test_memory_bound_plan_gives_the_first_stage_fewer_layers():
     # then had the zoo's F.dropout(p=0) copies (of the attention probabilities and of both
     # residual branches) in every block. Without them the no-recompute peak is lower (4|4's
     # stage 0: 98.5 MiB, was 114.6), and the least a block saves under full recompute, HEU's
-    # last feasible rung of costs.BUDGET_LADDER, is a higher rung's (1.5 MiB a block, was 0.5:
+    # last feasible rung of profile.BUDGET_LADDER, is a higher rung's (1.5 MiB a block, was 0.5:
     # the least reachable now lies between rungs): each split's need rose as a fraction (3|5
     # 0.405 -> 0.454, 4|4 0.446 -> 0.507). (Micro-batches of 2 until the profile stopped counting
     # intermediates no stage saves: at 2 the weights dominate and 4|4 is also the least-memory

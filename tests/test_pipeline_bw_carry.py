@@ -7,9 +7,11 @@ import json
 import pytest
 import torch
 
+from lynx_compile.pipelining.pipeline_costs import PipelineCosts, SegmentCost
 from lynx_compile.pipelining.placement import zero_bubble_orders
-from lynx_compile.pipelining.plan_stages import PipelineCosts, SegmentCost, StagePlan, StagePlanError, plan_stages
-from lynx_compile.sim.pipeline import held_microbatches
+from lynx_compile.pipelining.plan_stages import plan_stages
+from lynx_compile.pipelining.schedule_sim import held_microbatches
+from lynx_compile.pipelining.stage_plan import StagePlan, StagePlanError
 
 MiB, ms = 2**20, 1e-3
 
@@ -94,8 +96,8 @@ def _runtime_carry(stage, x):
 
 @pytest.mark.timeout(120)
 def test_carry_bytes_equal_the_runtime_carry():
-    from lynx_compile.pipelining import _Forward
-    from lynx_compile.pipelining.costs import weight_split_census
+    from lynx_compile.pipelining.local_pipeline import _Forward
+    from lynx_compile.pipelining.weight_split_census import weight_split_census
 
     model, idx = _gpt_tiny()
     n = len(model.blocks)
@@ -128,8 +130,9 @@ def test_carry_bytes_equal_the_runtime_carry():
 
 @pytest.mark.timeout(120)
 def test_profile_fills_the_carry_for_the_eager_compiler_only():
-    from lynx_compile.pipelining import _Forward
-    from lynx_compile.pipelining.costs import _splits_weights, carry_bytes, profile_pipeline
+    from lynx_compile.pipelining.local_pipeline import _Forward
+    from lynx_compile.pipelining.profile import _splits_weights, profile_pipeline
+    from lynx_compile.pipelining.weight_split_census import carry_bytes
 
     model, idx = _gpt_tiny()
     wrapped = _Forward(model, model.logits)
@@ -243,8 +246,9 @@ def test_recompute_only_w_needs_is_the_weight_matmuls_inputs():
     # plus the LM head's input (the final norm's output) and the position ids (the position
     # embedding's gradient is a weight gradient). The norms' own nodes stay B's: their backward
     # reads their mean and rstd, outputs of the same op, so recomputing a norm runs in B.
-    from lynx_compile.pipelining import _Forward
-    from lynx_compile.pipelining.costs import profile_pipeline, weight_split_census
+    from lynx_compile.pipelining.local_pipeline import _Forward
+    from lynx_compile.pipelining.profile import profile_pipeline
+    from lynx_compile.pipelining.weight_split_census import weight_split_census
 
     model, idx = _gpt_tiny()
     n = len(model.blocks)

@@ -4,9 +4,12 @@ import json
 
 import pytest
 
-from lynx_compile.pipelining.plan_stages import (
-    PipelineCosts, RecomputeCurve, SegmentCost, StagePlanError, _Pricer, allocate, allocate_with_transient, in_flight,
-    plan_stages, transient_bytes, uniform_cuts)
+from lynx_compile.pipelining.pipeline_costs import PipelineCosts, SegmentCost
+from lynx_compile.pipelining.placement import in_flight
+from lynx_compile.pipelining.plan_stages import plan_stages, uniform_cuts
+from lynx_compile.pipelining.recompute_curve import RecomputeCurve, allocate, allocate_with_transient, transient_bytes
+from lynx_compile.pipelining.stage_plan import StagePlanError
+from lynx_compile.pipelining.stage_pricer import StagePricer
 
 MiB, ms = 2**20, 1e-3
 
@@ -170,7 +173,7 @@ def brute_costs():
 @pytest.mark.parametrize("mem_mib", [8, 14.5, 15, 17, 17.5, 24, 40])
 def test_lynx_matches_brute_force(schedule, m, mem_mib):
     costs, p, mem = brute_costs(), 3, int(mem_mib * MiB)
-    pr = _Pricer(costs, p, m, mem, schedule)
+    pr = StagePricer(costs, p, m, mem, schedule)
     best = least = float("inf")
     for cuts in itertools.combinations(range(1, 6), p - 1):
         ranges = list(enumerate(zip((0, *cuts), (*cuts, 6))))
@@ -212,7 +215,7 @@ def test_memory_too_small_names_least_memory():
     #                                    3|1: 12 + 2*4.5 = 21,    4 + 1*2.5 = 6.5  -> 21
     blocks = tuple(block(i, cv=curve((1, 4), (2, 0)), param_mib=1) for i in range(4))
     costs = PipelineCosts(blocks=blocks, working_bytes=MiB // 2)
-    pr = _Pricer(costs, 2, 2, None, "1F1B")  # brute force over the three splits agrees
+    pr = StagePricer(costs, 2, 2, None, "1F1B")  # brute force over the three splits agrees
     assert min(max(pr.min_memory(0, 0, c), pr.min_memory(1, c, 4)) for c in (1, 2, 3)) == 15 * MiB
     with pytest.raises(StagePlanError, match=rf"needs {15 * MiB} B \(15\.00 MiB\)"):
         plan_stages(costs, 2, 2, 15 * MiB - 1)
@@ -256,12 +259,12 @@ def test_param_bytes_follow_blocks_traced_through_a_bound_forward():
     ``_fn.__self__.blocks.N`` while the wrapper's modules are ``model.blocks.N``: each block
     still gets its own parameters (it once charged every weight to the stage before the blocks)."""
     from lynx_compile.models import build_model, example_batch
-    from lynx_compile.pipelining import _Forward
-    from lynx_compile.pipelining.costs import _param_bytes
+    from lynx_compile.pipelining.local_pipeline import _Forward
+    from lynx_compile.pipelining.forward_census import param_bytes
 
     model = build_model("gpt-tiny")
     paths = [f"_fn.__self__.blocks.{i}" for i in range(len(model.blocks))]
-    got = _param_bytes(_Forward(model, model.logits), (example_batch(model, 1),), paths)
+    got = param_bytes(_Forward(model, model.logits), (example_batch(model, 1),), paths)
     for i, path in enumerate(paths):
         assert got[path] == sum(p.numel() * p.element_size() for p in model.blocks[i].parameters())
     outside = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("blocks."))
@@ -269,7 +272,7 @@ def test_param_bytes_follow_blocks_traced_through_a_bound_forward():
 
 
 def test_weight_share_interpolates_and_zero_bubble_runs_it_in_w():
-    from lynx_compile.pipelining.plan_stages import weight_share
+    from lynx_compile.pipelining.recompute_curve import weight_share
 
     # exposed 10 ms at 0 MiB (4 of them W's), 2 ms at 2 MiB (all W's), 0 at 4 MiB
     c = RecomputeCurve(kept_bytes=(0, 2 * MiB, 4 * MiB), exposed_s=(10 * ms, 2 * ms, 0.0),

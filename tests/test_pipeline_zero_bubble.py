@@ -84,7 +84,8 @@ def test_zero_bubble_placement_and_in_flight():
 
 def test_zero_bubble_requests_name_the_limit():
     from lynx_compile.pipelining import StagePlanError
-    from lynx_compile.pipelining.plan_stages import PipelineCosts, SegmentCost, plan_stages
+    from lynx_compile.pipelining.pipeline_costs import PipelineCosts, SegmentCost
+    from lynx_compile.pipelining.plan_stages import plan_stages
 
     costs = PipelineCosts(blocks=tuple(SegmentCost(name=f"blocks.{i}", forward_s=1e-3, backward_s=2e-3)
                                        for i in range(4)))

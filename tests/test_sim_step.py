@@ -5,7 +5,7 @@ import types
 
 import pytest
 
-from lynx_compile.sim.pipeline import simulate_pipeline
+from lynx_compile.pipelining.schedule_sim import simulate_pipeline
 from lynx_compile.sim.step import (LayerSim, StageSim, StepResult, StepSim, interleaved_order, rank_orders,
                                    simulate_step)
 from lynx_compile.sim.timeline import plot_gantt, to_chrome_trace

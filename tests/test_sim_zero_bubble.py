@@ -5,11 +5,11 @@ import random
 import pytest
 import torch
 
-from lynx_compile.pipelining.placement import in_flight
-from lynx_compile.pipelining.plan_stages import PipelineCosts, SegmentCost, plan_stages
-from lynx_compile.pipelining.placement import zero_bubble_orders
+from lynx_compile.pipelining.pipeline_costs import PipelineCosts, SegmentCost
+from lynx_compile.pipelining.placement import in_flight, zero_bubble_orders
+from lynx_compile.pipelining.plan_stages import plan_stages
+from lynx_compile.pipelining.schedule_sim import simulate_actions, simulate_pipeline
 from lynx_compile.pipelining.step_time import WEIGHT_SHARE, stage_times
-from lynx_compile.sim.pipeline import simulate_actions, simulate_pipeline
 
 
 def zb(schedule, ranks, stages, m, F=1.0, B=1.0, W=1.0, s=0.0, **kw):
@@ -256,7 +256,7 @@ def test_stage_times_split_w_from_segments():
 
 def test_census_weight_share_of_a_gpt_block():
     from lynx_compile.models import build_model, example_batch
-    from lynx_compile.pipelining.costs import _forward_census, _param_bytes
+    from lynx_compile.pipelining.forward_census import forward_census, param_bytes
 
     torch.manual_seed(0)
     model = build_model("gpt-tiny", dropout=0.0)
@@ -270,9 +270,9 @@ def test_census_weight_share_of_a_gpt_block():
         def forward(self, idx):
             return self.model.logits(idx)
 
-    params, share = _forward_census(Logits(), (example_batch(model, 2),), paths)
+    params, share = forward_census(Logits(), (example_batch(model, 2),), paths)
     h, s = 64, 32  # gpt-tiny: linears 24Bsh^2, attention scores 4Bs^2h -> W share 3h / (6h + s)
     assert share["model.blocks.0"] == pytest.approx(3 * h / (6 * h + s)) == share["model.blocks.1"]
     assert share["<pre>"] == 0.0  # the embedding's gradient is a scatter-add, no matmul
     assert share["<post>"] == pytest.approx(0.5)  # the tied LM head: dx and dW, one matmul each
-    assert params == _param_bytes(Logits(), (example_batch(model, 2),), paths)
+    assert params == param_bytes(Logits(), (example_batch(model, 2),), paths)

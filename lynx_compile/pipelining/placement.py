@@ -98,7 +98,7 @@ def rank_orders(schedule: str, ranks: int, num_stages: int,
 def in_flight(schedule: str, num_stages: int, num_microbatches: int, stage: int, ranks: int | None = None) -> int:
     """Micro-batches whose activations stage ``stage`` holds at its peak (between a micro-batch's
     forward and its backward, B under the zero-bubble schedules; what a deferred W keeps from B,
-    ``runtime.weight_split``'s carry, is counted beside it by ``plan_stages._Pricer.held``).
+    ``runtime.weight_split``'s carry, is counted beside it by ``stage_pricer.StagePricer.held``).
 
     ``ranks``: the pipeline group size (None: one stage per rank; two for ``ZBVZeroBubble``).
     - GPipe: all m. 1F1B: ``min(p - i, m)``.

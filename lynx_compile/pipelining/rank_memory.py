@@ -9,7 +9,7 @@ they fit, keeping the bytes where they save the most recompute.
 
 After each action of the rank (``rank_points``: F adds a micro-batch in flight, B turns it into a
 W-carry, W frees the carry; without W's B frees it), stage s holds ``f_s`` micro-batches and
-``w_s`` carries. The fit test is the stage planner's own (``plan_stages._Pricer.allowance``),
+``w_s`` carries. The fit test is the stage planner's own (``stage_pricer.StagePricer.allowance``),
 summed over the rank point by point: each micro-batch in flight counts at the stage's whole
 allowance ``b_s`` (its lynx ``memory_budget``, which bounds one micro-batch's forward + backward
 peak, not what it saves: a stage compiled at ``b`` may keep close to ``b``; measured on gpt-small,
@@ -23,7 +23,8 @@ gradient ``g`` (its B computes nothing, its W reads all it keeps). At every poin
 ``share_rank`` picks one allowance per stage among a few (``StageShare.options``: from the least
 the stage runs with, full recompute, to the most it had alone), minimizing the summed stage time
 (one rank runs all its stages' work). ``StagePlan.rank_peak_bytes`` counts what the planner
-expects each micro-batch to keep instead (lower). Pure (no torch).
+expects each micro-batch to keep instead (lower). Plain numbers in and out; ``rank_sharing``
+applies it to a stage plan's priced stages. Pure (no torch).
 """
 from __future__ import annotations
 

@@ -17,9 +17,9 @@ The variants of stage i, each one lynx compile of the stage:
 
 A variant's times: F as the stage plan; B = the backward less its weight share, plus the
 variant's exposed recompute that B needs; W = the weight share plus the exposed recompute only
-W needs (``plan_stages.weight_share`` of the curves' ``exposed_w_s``, as
+W needs (``recompute_curve.weight_share`` of the curves' ``exposed_w_s``, as
 ``step_time.simulate_stages``). ``held_bytes`` = what it keeps (blocks + pre/post), ``carry_bytes`` =
-``_Pricer.carry`` at that. A variant another one matches or beats in held bytes, carry, B and W
+``StagePricer.carry`` at that. A variant another one matches or beats in held bytes, carry, B and W
 at once is dropped (each variant a stage uses is one more compile of it).
 
 The rank's limit for the micro-batch walk: memory per device less the static bytes of every
@@ -31,9 +31,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .microbatch_plan import StageVariant
+from .microbatch_replay import StageVariant
+from .pipeline_costs import PipelineCosts
 from .placement import default_ranks, stage_rank
-from .plan_stages import PipelineCosts, StagePlan, _Pricer, allocate_with_transient, transient_bytes, weight_share
+from .recompute_curve import allocate_with_transient, transient_bytes, weight_share
+from .stage_plan import StagePlan
+from .stage_pricer import StagePricer
 from .step_time import stage_times
 
 LEAST_SLACK = 0.02
@@ -48,7 +51,7 @@ class StageVariants:
     variants: tuple[tuple[StageVariant, ...], ...]
     budgets: tuple[tuple[int | None, ...], ...]
     memory_limit: tuple[int, ...]
-    """Per rank: bytes for the activations its stages hold (``microbatch_plan``'s walk)."""
+    """Per rank: bytes for the activations its stages hold (``microbatch_replay``'s walk)."""
     reserved_bytes: tuple[int, ...]
     """Per rank: what the limit sets aside beside the walk (one micro-batch's working bytes and the
     largest block-backward transient); walk + reserved is the predicted activation peak."""
@@ -61,7 +64,7 @@ def stage_variants(plan: StagePlan, costs: PipelineCosts, *, ranks: int | None =
         raise ValueError("per-micro-batch variants need a memory_per_device: without one nothing is recomputed")
     p, m = plan.num_stages, plan.num_microbatches
     ranks = default_ranks(plan.schedule, p, ranks)
-    pr = _Pricer(costs, p, m, plan.memory_per_device, plan.schedule, ranks)
+    pr = StagePricer(costs, p, m, plan.memory_per_device, plan.schedule, ranks)
     fwd, bwd, wgt, _ = stage_times(plan.stages, costs)
     variants, budgets, transient = [], [], [0] * ranks
     for st in plan.stages:

@@ -1,11 +1,10 @@
 """A stage plan's step time: each stage priced from ``PipelineCosts`` and replayed by
-``lynx_compile.sim.pipeline`` (``simulate_pipeline`` for GPipe / 1F1B, ``simulate_actions`` over
+``schedule_sim`` (``simulate_pipeline`` for GPipe / 1F1B, ``simulate_actions`` over
 torch's own order for the zero-bubble schedules, with each backward split into B and W)."""
 from __future__ import annotations
 
-from lynx_compile.sim.pipeline import simulate_actions, simulate_pipeline
-
 from .placement import ZERO_BUBBLE_SCHEDULES, zero_bubble_orders
+from .schedule_sim import simulate_actions, simulate_pipeline
 
 WEIGHT_SHARE = 0.5
 """Share of a segment's ``backward_s`` taken as weight gradients when its cost gives none: in a

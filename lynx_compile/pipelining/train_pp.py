@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .placement import stage_rank
-from .plan_stages import SCHEDULES
+from .stage_plan import SCHEDULES
 
 
 def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:

@@ -18,8 +18,8 @@ its gradients (None for the weights: autograd accumulates nothing there) and kee
 under ``key``; ``run_weights(key)`` later runs W and accumulates into each parameter's
 ``.grad`` as autograd would. Outside ``defer_weights`` the whole backward runs as before. The
 carry stays alive from B to W (``WeightDeferral.pending_bytes``); a pipeline stage's memory plan
-counts it (``pipeline.plan_stages``: ``StageInfo.carry_bytes``, from ``weight_side`` on the
-traced backward, ``pipeline.costs``).
+counts it (``pipelining.plan_stages``: ``StageInfo.carry_bytes``, from ``weight_side`` on the
+traced backward, ``pipelining.weight_split_census``).
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""Timeline simulation of training steps from the cost model (pipeline schedules so far)."""
-from .pipeline import PipelineTimeline, schedule_order, simulate_actions, simulate_pipeline
+"""Timeline simulation of a training iteration from the cost model (pipeline x tensor parallel x
+recompute, at paper scale). It builds on the pipeline schedule simulator that the stage planner
+owns, ``lynx_compile.pipelining.schedule_sim`` (``simulate_pipeline``, ``simulate_actions``)."""
 from .step import (Event, LayerSim, StageSim, StepResult, StepSim, interleaved_order, rank_orders,
                    simulate_step)
 from .timeline import plot_gantt, to_chrome_trace
 
-__all__ = ["PipelineTimeline", "schedule_order", "simulate_actions", "simulate_pipeline",
-           "Event", "LayerSim", "StageSim", "StepResult", "StepSim", "interleaved_order", "rank_orders",
+__all__ = ["Event", "LayerSim", "StageSim", "StepResult", "StepSim", "interleaved_order", "rank_orders",
            "simulate_step", "plot_gantt", "to_chrome_trace"]

@@ -164,7 +164,10 @@ def _cuts(profile: LayerProfile, strategy: str, cluster: Cluster, layout: Layout
 
 def _lynx_cuts(profile: LayerProfile, strategy: str, cluster: Cluster, layout: Layout) -> list[int]:
     """Layers per stage from lynx's recompute-aware stage planner (``plan_stages``)."""
-    from lynx_compile.pipelining.plan_stages import PipelineCosts, RecomputeCurve, SegmentCost, StagePlanError, plan_stages
+    from lynx_compile.pipelining.pipeline_costs import PipelineCosts, SegmentCost
+    from lynx_compile.pipelining.plan_stages import plan_stages
+    from lynx_compile.pipelining.recompute_curve import RecomputeCurve
+    from lynx_compile.pipelining.stage_plan import StagePlanError
 
     pts = _candidates(profile, strategy)
     curve = RecomputeCurve(kept_bytes=tuple(q.kept_bytes for q in pts),

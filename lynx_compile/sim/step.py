@@ -1,10 +1,10 @@
 """Replay one training iteration (pipeline x tensor parallel x recompute) as a timeline.
 
 ``simulate_step(StepSim) -> StepResult``: plain numbers in, events and per-rank peaks out; no
-torch. Richer than ``simulate_pipeline`` (same dependency rules, same ``schedule_order``): each
-stage is a list of layers whose forward and backward are split into compute segments and
-blocking tensor-parallel collectives, and recompute is either on demand (exposed, right before
-the layer's backward) or placed in a backward collective's window::
+torch. Richer than ``pipelining.schedule_sim.simulate_pipeline`` (same dependency rules, same
+``schedule_order``): each stage is a list of layers whose forward and backward are split into
+compute segments and blocking tensor-parallel collectives, and recompute is either on demand
+(exposed, right before the layer's backward) or placed in a backward collective's window::
 
     compute:  | B seg | R (kappa * r_w) ..... | B seg | ...        window w lasts
     comm:     |       | TP collective c_w ...........|             max(c_w, kappa * r_w)
@@ -32,7 +32,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
-from .pipeline import schedule_order
+from lynx_compile.pipelining.schedule_sim import schedule_order
 
 SCHEDULES = frozenset({"1F1B", "GPipe", "Interleaved1F1B"})
 Lane = Literal["compute", "comm", "p2p", "fsdp"]

@@ -1,4 +1,8 @@
-"""Replay one pipeline step from per-stage times; return its length.
+"""The pipeline schedule simulator: replay one step of GPipe / 1F1B / zero-bubble actions.
+
+The stage planners price their plans with it (``step_time``, ``stage_pricer``'s held
+micro-batches, ``microbatch_replay``); ``lynx_compile.sim`` (the paper-scale training-iteration simulator)
+builds on its ``schedule_order``.
 
 Every rank runs its actions one at a time, in its list's order. ``F j`` (forward of micro-batch
 j) of stage s waits for ``F j`` of stage s-1 plus the point-to-point send; ``B j`` waits for
@@ -11,9 +15,9 @@ j) of stage s waits for ``F j`` of stage s-1 plus the point-to-point send; ``B j
   gradients, what the previous stage waits for; torch's ``I``) and ``W`` (weight gradients; ``W j``
   waits only for ``B j`` of its own stage). The zero-bubble schedules (InterleavedZeroBubble,
   ZBVZeroBubble) run this way; their per-rank lists are torch's own
-  (``pipeline.placement.zero_bubble_orders``; ``pipeline.step_time`` prices a stage plan).
+  (``placement.zero_bubble_orders``; ``step_time`` prices a stage plan).
   A send between two stages on the same rank costs nothing. ``replay_actions`` is its loop,
-  with each action priced on its own (``pipeline.microbatch_plan``: a recompute plan per
+  with each action priced on its own (``microbatch_replay``: a recompute plan per
   micro-batch).
 
 ZBV on 2 ranks, 4 stages, 4 micro-batches (``F30``: forward of stage 3, micro-batch 0), unit

@@ -4,7 +4,7 @@ import types
 
 import pytest
 
-from lynx_compile.sim.pipeline import schedule_order, simulate_pipeline
+from lynx_compile.pipelining.schedule_sim import schedule_order, simulate_pipeline
 
 
 def sim(p, m, F, B, R=0.0, s=0.0, schedule="1F1B", wait=False):
