@@ -8,6 +8,7 @@ from setuptools import setup
 setup(
     packages=[
         "lynx_compile",
+        "lynx_compile._compat",
         "lynx_compile.costs",
         "lynx_compile.distributed",
         "lynx_compile.memory",

@@ -1,0 +1,62 @@
+"""The backward pass at run time: the autograd engine's Python entry and its callbacks, and what
+AOTAutograd's compiled backward holds (its incoming gradients) and donates (its saved tensors)."""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable
+
+import torch
+
+from lynx_compile._compat.versions import TORCH_VERSION
+
+
+def engine_run_backward_code() -> Any:
+    """The code object of the Python function that calls the autograd engine
+    (``torch.autograd.graph._engine_run_backward``: ``Tensor.backward`` and ``autograd.grad``
+    both go through it), or None where it is not there. Once it returns, the engine has
+    restored the thread's state it saved when the backward started."""
+    try:
+        from torch.autograd.graph import _engine_run_backward
+
+        return _engine_run_backward.__code__
+    except (ImportError, AttributeError):
+        return None
+
+
+def backward_roots(frame: Any) -> Any:
+    """The roots (tensors or gradient edges) of a backward, from the frame of a call of
+    :func:`engine_run_backward_code`'s function (its first argument, ``t_outputs``)."""
+    return frame.f_locals.get("t_outputs", ())
+
+
+def queue_backward_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` once the backward pass now executing ends (call from inside it: a hook)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+@functools.lru_cache(maxsize=None)
+def backward_holds_grad_inputs() -> bool:
+    """Whether aot_autograd's ``CompiledFunction.backward`` keeps the incoming output gradients
+    (the backward graph's ``tangents_*``) alive until the compiled backward returns.
+
+    torch 2.11 passes them as the ``*flat_args`` tuple of ``backward(ctx, *flat_args)`` and holds
+    it for the whole call, so the boxed backward cannot free them at their last use (measured: a
+    gpt-tiny step peaks one logits gradient, 64 KiB, above the prediction). torch 2.13's
+    generated backward prologue clears ``flat_args`` first (``flat_args.clear()``), so they die
+    at their last use like every other input."""
+    try:
+        from torch._functorch._aot_autograd import runtime_wrappers
+
+        return "flat_args.clear()" not in inspect.getsource(runtime_wrappers)
+    except (ImportError, OSError, TypeError):
+        return TORCH_VERSION < (2, 13)
+
+
+def backward_donates_saved() -> bool:
+    """Whether AOTAutograd lets Inductor write into the backward's saved tensors once they die
+    (``torch._functorch.config.donated_buffer``, on by default in 2.11 and 2.13: the saved
+    tensors that alias no forward input or output are ``bw_donated_idxs``)."""
+    from torch._functorch import config as functorch_config
+
+    return bool(getattr(functorch_config, "donated_buffer", False))

@@ -1,0 +1,147 @@
+"""Compiling with Inductor: ``torch.compile``'s own pipeline with lynx's partitioner in place of
+min-cut (and its placement settings, ``INDUCTOR_KEEP_PLACEMENT``), Inductor's compile of one
+partitioned graph, and Inductor at an activation-memory budget (the ``torch`` baseline).
+
+``INDUCTOR_KEEP_PLACEMENT`` is read through the package (``lynx_compile._compat``), where its
+users read it and a benchmark rebinds it (``benchmarks/bench_codegen.py``)."""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch._functorch import config as _functorch_config
+
+from lynx_compile._compat.keyed_passes import _chained_post_grad_pass, _keyed_partitioner_class, _scheduler_pass
+from lynx_compile._compat.tracing import adopt_unbacked_symbols
+
+
+def inductor_partitioner_base() -> type:
+    """``torch._inductor.custom_graph_pass.CustomPartitionerFn`` (2.9.1+): the base class of a
+    partitioner that Inductor calls after its joint-graph passes (RNG replacement included)."""
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    return CustomPartitionerFn
+
+
+def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, partitioner: Any,
+                                      keep_placement: bool = True, post_grad: Callable | None = None,
+                                      post_fusion: Callable | None = None,
+                                      inner_compile: Callable | None = None,
+                                      autograd_cache: bool = False) -> Callable:
+    """Compile a dynamo graph with Inductor end to end (``compile_fx``: decompositions, joint
+    passes, then ``partitioner`` instead of min-cut, post-grad passes, fused codegen) —
+    ``torch.compile``'s own pipeline with only the partition replaced.
+
+    ``keep_placement``: the settings of ``INDUCTOR_KEEP_PLACEMENT``. ``post_grad(graph)``: run
+    on every post-grad graph after Inductor's own passes and the user's
+    ``post_grad_custom_post_pass``, if any (``CustomGraphPass``, 2.11 and 2.13; its cache key is
+    the hash of the file defining it). ``post_fusion``: called
+    with the scheduler's fused nodes of every graph this compile schedules (forward, backward),
+    in run order (``config._post_fusion_custom_pass``, 2.11 and 2.13); it must return them.
+    Inductor's FX-graph cache stays on, keyed on the pass by the hash of the file defining
+    ``post_fusion``'s class (2.13: a ``CustomSchedulerPass``; 2.11: the pass pickled as that
+    hash); a cache hit skips the scheduler, so ``post_fusion`` is not called. ``inner_compile``: what compiles each
+    partitioned graph in place of ``compile_fx_inner`` (it gets the same arguments, the
+    backward's with ``is_backward=True``; see :func:`inductor_compile_graph`)."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx
+
+    adopt_unbacked_symbols(gm)
+    patches: dict[str, Any] = {}
+    if keep_placement:
+        patches.update(_keep_placement())
+    if post_grad is not None:
+        patches["post_grad_custom_post_pass"] = _chained_post_grad_pass(inductor_config.post_grad_custom_post_pass,
+                                                                        post_grad)
+    if post_fusion is not None:
+        patches.update(_scheduler_pass(post_fusion))
+    # ``autograd_cache``: AOTAutograd's cache may return an earlier compile of this graph
+    # without calling the partitioner (its key holds the partitioner's uuid); the caller then
+    # restores the plan (lynx_compile.autograd_cache). Off, the partitioner always runs.
+    # Inductor's FX-graph cache (of each partitioned graph) and its kernel caches stay on.
+    # (config_patches, not a patch around the call: the backward may be compiled lazily, at the
+    # first backward, and compile_fx re-applies these to every inner compile.)
+    with inductor_config.patch(custom_partitioner_fn=_keyed_partitioner_class()(partitioner)), \
+            _functorch_config.patch(enable_autograd_cache=autograd_cache
+                                    and _functorch_config.enable_autograd_cache):
+        if inner_compile is None:
+            return compile_fx(gm, example_inputs, config_patches=patches or None)
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches or None)
+
+
+def _keep_placement() -> dict:
+    """``INDUCTOR_KEEP_PLACEMENT`` as the package binds it now. Callers read it as
+    ``_compat.INDUCTOR_KEEP_PLACEMENT`` and a benchmark rebinds it there; a module of the package
+    cannot import the package (an import cycle), and Python loads the package before any module
+    of it, so it is in ``sys.modules`` by the time a compile runs."""
+    return sys.modules[__package__].INDUCTOR_KEEP_PLACEMENT
+
+
+INDUCTOR_KEEP_PLACEMENT = {
+    # Inductor's scheduler may move a recompute far from where the partition put it: its
+    # peak-memory reordering hoisted block 0's recompute to the start of the backward, and
+    # horizontal fusion of independent kernels that share a tiny read (the causal mask) fused
+    # block 0's recomputed softmax with block 1's. Either keeps both blocks' activations alive at
+    # once: measured on gpt-tiny (batch 1, CPU), policy full peaked at 403 KB, above no
+    # recompute (380 KB), predicted 214 KB; with both off it peaks at the predicted 214 KB.
+    # Vertical (producer-consumer) fusion is untouched; only fusions of unrelated nodes sharing
+    # less than this many bytes are refused. Not for policies none and torch, whose partition is
+    # torch.compile's own (there Inductor's defaults hold less: gpt-tiny batch 2, torch at 0.5
+    # measured 438 KiB with them, 502 KiB without).
+    "reorder_for_peak_memory": False,
+    "score_fusion_memory_threshold": 1 << 20,
+    # Inductor's wrapper keeps a freed buffer (no `del`) to hand its storage to a later buffer of
+    # the same size, whenever that keeps the graph under its own peak estimate, which counts the
+    # gradients and is loose: HF Llama (4 layers, batch 2, seq 64, CPU) under full held a block's
+    # attention scores (128 KB) through the MLP's backward, 99 KB above the peak without reuse.
+    # Without it each buffer is freed after its last reader; a kernel that overwrites its input
+    # in place still does (inplace_buffers).
+    "allow_buffer_reuse": False,
+}
+
+
+def inductor_compile_graph(gm: fx.GraphModule, example_inputs: Any, donated: Any = None, **kwargs: Any) -> Callable:
+    """Inductor's compile of one partitioned graph (``compile_fx_inner``: post-grad passes,
+    fusion, codegen; a boxed callable), for an ``inner_compile`` of
+    :func:`inductor_compile_with_partitioner` (``kwargs``: the ones it was given). ``donated``:
+    the backward inputs whose buffers Inductor may reuse once read (AOTAutograd's
+    ``bw_donated_idxs``, read from the compile's tracing context); None keeps the context's."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    meta = _tracing_fw_metadata()
+    if donated is None or meta is None or not hasattr(meta, "bw_donated_idxs"):
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+    before = meta.bw_donated_idxs
+    meta.bw_donated_idxs = list(donated)
+    try:
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+    finally:
+        meta.bw_donated_idxs = before
+
+
+def inductor_donated_inputs() -> list[int]:
+    """The backward inputs AOTAutograd lets Inductor reuse (``bw_donated_idxs`` of the
+    compile's tracing context; [] outside one)."""
+    return list(getattr(_tracing_fw_metadata(), "bw_donated_idxs", None) or [])
+
+
+def _tracing_fw_metadata() -> Any:
+    """AOTAutograd's ``fw_metadata`` of the compile in progress (its tracing context), or None."""
+    context = torch._guards.TracingContext.try_get()
+    return context.fw_metadata if context is not None else None
+
+
+def inductor_at_activation_budget(budget: float) -> Callable:
+    """A dynamo backend: Inductor (``compile_fx``, what ``backend="inductor"`` runs) with
+    ``torch._functorch.config.activation_memory_budget = budget`` while it compiles, where the
+    min-cut partition reads it (the backward, compiled later, is already partitioned)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    def inductor_at_budget(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
+        with _functorch_config.patch(activation_memory_budget=budget):
+            return compile_fx(gm, example_inputs, **kwargs)
+
+    inductor_at_budget.__name__ = f"inductor_at_budget_{budget:g}"
+    return inductor_at_budget

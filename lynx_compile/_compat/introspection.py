@@ -1,0 +1,104 @@
+"""What torch records of a run or a compile: a finished profile's allocator events and
+``record_function`` marks (kineto's event tree) and the ops a traced ``record_function`` lowers
+to; Inductor's metrics and output code, dynamo's counters, and torch.compile's cache directory."""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import torch
+
+
+def record_function_ops() -> tuple[Any, Any]:
+    """The ops a traced ``torch.profiler.record_function`` range lowers to: (enter, exit)."""
+    ops = torch.ops.profiler
+    return ops._record_function_enter_new.default, ops._record_function_exit._RecordFunction
+
+
+def cpu_allocation_events(prof: Any, device_type: str = "cpu") -> list[tuple[int, int, int]]:
+    """(time ns, address, signed bytes) of every allocator event on ``device_type`` a finished
+    ``torch.profiler.profile(profile_memory=True)`` recorded, in time order (read from the
+    kineto event tree: ``torch._C._profiler._EventType.Allocation``)."""
+    from torch._C._profiler import _EventType
+
+    out: list[tuple[int, int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == device_type:
+            out.append((node.start_time_ns, node.typed[1].ptr, node.typed[1].alloc_size))
+        stack.extend(node.children)
+    return sorted(out)
+
+
+def profiler_marks(prof: Any, prefix: str) -> dict[str, int]:
+    """Start time (ns, the clock of :func:`cpu_allocation_events`) of every ``record_function``
+    range whose name starts with ``prefix`` in a finished profile, by name."""
+    from torch._C._profiler import _EventType
+
+    out: dict[str, int] = {}
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.typed[0] == _EventType.TorchOp and node.name.startswith(prefix):
+            out[node.name] = node.start_time_ns
+        stack.extend(node.children)
+    return out
+
+
+def profiler_running() -> bool:
+    """Whether an autograd profiler (``torch.profiler.profile``) is collecting in this thread."""
+    return bool(torch.autograd._profiler_enabled())
+
+
+def inductor_metrics() -> Any:
+    """``torch._inductor.metrics``: Inductor's counters of what it generated (kernels, bytes
+    accessed, IR nodes; ``reset()`` before a compile). Turns on ``num_bytes_accessed``, which
+    Inductor counts only while its ``inductor_metrics`` log is on (2.11 and 2.13): that log is
+    enabled here with its output discarded."""
+    import logging
+
+    from torch._inductor import compile_fx, metrics
+
+    log = compile_fx.inductor_metrics_log
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    if not log.handlers:
+        log.addHandler(logging.NullHandler())
+    return metrics
+
+
+@contextlib.contextmanager
+def inductor_output_code():
+    """Yields a list that receives the output code (wrapper and kernels) of every graph Inductor
+    compiles inside the block (``GraphLowering.save_output_code``)."""
+    from unittest import mock
+
+    from torch._inductor.graph import GraphLowering
+
+    codes: list[str] = []
+    with mock.patch.object(GraphLowering, "save_output_code", codes.append, create=True):
+        yield codes
+
+
+def dynamo_counters() -> Any:
+    """``torch._dynamo.utils.counters`` (e.g. ``["inductor"]["fxgraph_cache_hit"]``)."""
+    from torch._dynamo.utils import counters
+
+    return counters
+
+
+def inductor_cache_dir() -> str:
+    """torch.compile's on-disk cache directory (``TORCHINDUCTOR_CACHE_DIR``, else torch's
+    default under the temp directory), where lynx keeps what must be the same in every process
+    of a machine (the calibrated CPU profile)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+    except ImportError:  # pragma: no cover - present on 2.11-2.13
+        import getpass
+        import tempfile
+
+        return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
+            tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    return cache_dir()

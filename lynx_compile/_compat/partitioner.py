@@ -1,0 +1,226 @@
+"""AOTAutograd's entry and its partitioners: torch's default and min-cut partitions of a joint
+graph, the min-cut's solves shared or cut short between partitions of one joint, and the
+checkpoint tags (``node.meta["recompute"]``) both partitioners honour.
+
+Partitioners are called by keyword and filtered against the installed signature
+(``_call_by_keyword``): their arguments change between releases.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+from typing import Any, Callable
+
+import torch.fx as fx
+from torch._functorch import config as _functorch_config
+from torch._functorch import partitioners as _partitioners
+from torch.utils.checkpoint import CheckpointPolicy
+
+from lynx_compile._compat.tracing import refuse_unbacked_retrace
+
+
+def _call_by_keyword(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call ``fn`` passing only the keyword arguments its installed signature accepts."""
+    params = inspect.signature(fn).parameters
+    accepts_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if not accepts_var_kw:
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    return fn(*args, **kwargs)
+
+
+def aot_autograd(**kwargs: Any) -> Any:
+    """``torch._dynamo.backends.common.aot_autograd`` (stable across 2.11-2.13); a graph with
+    data-dependent sizes compiled outside dynamo is refused (``refuse_unbacked_retrace``)."""
+    from torch._dynamo.backends.common import aot_autograd as _aot
+
+    compile_ = _aot(**kwargs)
+
+    def compile_graph(gm: fx.GraphModule, example_inputs: Any, **kw: Any) -> Any:
+        refuse_unbacked_retrace(gm)
+        return compile_(gm, example_inputs, **kw)
+
+    return compile_graph
+
+
+def default_partition(joint_gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
+                      static_lifetime_input_indices: list[int] | None = None):
+    """torch's default partitioner. With ``node.meta["recompute"]`` tags it is the
+    selective-activation-checkpoint partitioner: tagged nodes are recomputed, untagged
+    producers of tagged nodes are saved, recomputed RNG ops replay their saved RNG state."""
+    return _call_by_keyword(
+        _partitioners.default_partition, joint_gm, joint_inputs,
+        num_fwd_outputs=num_fwd_outputs,
+        static_lifetime_input_indices=static_lifetime_input_indices,
+    )
+
+
+def canonicalize_joint(joint_gm: fx.GraphModule) -> fx.GraphModule:
+    """Dead code out and common subexpressions merged (``functorch.config.cse``), in place:
+    what torch's min-cut partitioner does to the joint graph on every call. Done once before
+    any decision, so every decision names nodes every later partition still has."""
+    from torch._functorch.compile_utils import fx_graph_cse
+
+    joint_gm.graph.eliminate_dead_code()
+    if _functorch_config.cse:
+        joint_gm.graph = fx_graph_cse(joint_gm.graph)
+    joint_gm.recompile()
+    return joint_gm
+
+
+def min_cut_partition(joint_gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
+                      static_lifetime_input_indices: list[int] | None = None,
+                      memory_budget: float = 1.0, compiler: str = "inductor"):
+    """torch's min-cut partitioner with ``activation_memory_budget`` set for this call only.
+
+    It honours ``meta["recompute"]`` tags (MUST_RECOMPUTE / PREFER_RECOMPUTE nodes are never
+    saved, MUST_SAVE nodes never recomputed) and, for untagged nodes, recomputes what it judges
+    free once Inductor fuses it (cheap pointwise chains): what ``torch.compile`` does by default."""
+    with _functorch_config.patch(activation_memory_budget=float(memory_budget)):
+        return _call_by_keyword(
+            _partitioners.min_cut_rematerialization_partition, joint_gm, joint_inputs,
+            num_fwd_outputs=num_fwd_outputs, compiler=compiler,
+            static_lifetime_input_indices=static_lifetime_input_indices,
+        )
+
+
+def min_cut_counts_script_objects_as_zero():
+    """A context in which torch's min-cut partition (below budget 1) counts an opaque graph
+    input (a DTensor graph's process group, a ``FakeScriptObject``) as zero bytes instead of
+    raising (``unsafe_treat_script_objects_as_zero_size``, torch 2.13; a no-op where the flag is
+    missing). Sound for lynx's candidates: a process group holds no activations, and lynx
+    simulates whatever partition it gets back exactly."""
+    if hasattr(_functorch_config, "unsafe_treat_script_objects_as_zero_size"):
+        return _functorch_config.patch(unsafe_treat_script_objects_as_zero_size=True)
+    return contextlib.nullcontext()
+
+
+def compute_intensive_ops() -> list:
+    """The ops torch's min-cut partitioner never recomputes (``get_default_op_list()
+    .compute_intensive_ops``: matmuls, convolutions, attention), as OpOverloadPackets."""
+    from torch._functorch.partitioners import get_default_op_list
+
+    return list(get_default_op_list().compute_intensive_ops)
+
+
+_MIN_CUT_META = ("recompute", "ac_graph_id", "partitioner_tag")
+
+
+def _min_cut_key(graph: fx.Graph, node_info: Any, options: Any, dont_ban: Any) -> str:
+    """What ``solve_min_cut`` answers depends on: the graph (structure and the recompute tags
+    it honours), the node classification, the options, the nodes not to ban."""
+    h = hashlib.sha256()
+    for n in graph.nodes:
+        h.update(n.format_node().encode())
+        val = n.meta.get("val")
+        h.update(repr((tuple(getattr(val, "shape", ())), getattr(val, "dtype", None),
+                       *(str(n.meta.get(k)) for k in _MIN_CUT_META))).encode())
+    h.update(repr(([i.name for i in node_info.inputs], sorted(x.name for x in node_info.required_fw_nodes),
+                   sorted(x.name for x in node_info.required_bw_nodes), repr(options),
+                   sorted(x.name for x in dont_ban or ()))).encode())
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def shared_min_cut_solves():
+    """A context in which torch's min-cut solves are shared between partitions of one joint.
+
+    ``choose_saved_values_set`` solves the min-cut up to three times per partition (runtime-
+    optimized, more aggressive, aggressive; then a knapsack picks between them for the
+    ``activation_memory_budget``) and the first three solves do not depend on the budget. lynx
+    partitions one joint many times (the no-recompute reference, torch's min-cut at several
+    settings, the baselines): each distinct solve (same graph, tags, options, unbanned nodes)
+    runs once and is replayed by node name. Nested uses share the outer memo."""
+    original = _partitioners.solve_min_cut
+    if getattr(original, "_lynx_shared", False):
+        yield
+        return
+    memo: dict[str, tuple[list[str], list[str]]] = {}
+
+    def solve(joint_graph, node_info, min_cut_options, dont_ban=None):
+        key = _min_cut_key(joint_graph, node_info, min_cut_options, dont_ban)
+        if key not in memo:
+            saved, banned = original(joint_graph, node_info, min_cut_options, dont_ban)
+            memo[key] = ([n.name for n in saved], [n.name for n in banned])
+            return saved, banned
+        by_name = {n.name: n for n in joint_graph.nodes}
+        saved, banned = memo[key]
+        return [by_name[n] for n in saved], _partitioners.OrderedSet(by_name[n] for n in banned)
+
+    solve._lynx_shared = True
+    _partitioners.solve_min_cut = solve
+    try:
+        yield
+    finally:
+        _partitioners.solve_min_cut = original
+
+
+class SameSavedValues(Exception):
+    """Raised from inside torch's min-cut partition (``min_cut_stops_on_repeat``) once it has
+    chosen a set of saved values that an earlier partition of the same joint chose: the rest of
+    the partition would repeat that one. ``first``: the label that earlier partition was given."""
+
+    def __init__(self, first: Any):
+        super().__init__(first)
+        self.first = first
+
+
+@contextlib.contextmanager
+def min_cut_stops_on_repeat(seen: dict, label: Any):
+    """A context in which torch's min-cut partition stops, raising :class:`SameSavedValues`,
+    right after ``choose_saved_values_set`` returns saved values (as a set of node names) already
+    in ``seen``; otherwise records them there under ``label``. What follows that choice in
+    ``min_cut_rematerialization_partition`` (extracting the forward and backward modules,
+    functionalizing RNG, reordering the backward) depends only on the joint and the saved
+    values, and costs ~3x the choice itself: torch's min-cut at several budgets often saves the
+    same values (a 4-layer GPT-1.3B: 12 budgets, 6 distinct sets)."""
+    original = _partitioners.choose_saved_values_set
+
+    def choose(*args: Any, **kwargs: Any):
+        saved = original(*args, **kwargs)
+        key = frozenset(n.name for n in saved)
+        if key in seen:
+            raise SameSavedValues(seen[key])
+        seen[key] = label
+        return saved
+
+    _partitioners.choose_saved_values_set = choose
+    try:
+        yield
+    finally:
+        _partitioners.choose_saved_values_set = original
+
+
+def forward_node_names(joint_gm: fx.GraphModule) -> set[str]:
+    """Names of the joint-graph nodes traced in the forward.
+
+    aot_autograd traces the forward first and appends the backward, whose first node reads a
+    tangent (named ``tangents_*``). Forward nodes are the ones before that point that do not
+    depend on a tangent. This includes values only the backward reads (e.g. the ``detach`` of a
+    softmax output saved by autograd), which torch's ``classify_nodes`` leaves unclaimed, and
+    excludes backward-generated nodes that happen not to read a tangent (``t(weight)``)."""
+    backward: set[fx.Node] = set()
+    forward: set[str] = set()
+    seen_backward = False
+    for node in joint_gm.graph.nodes:
+        if (node.op == "placeholder" and str(node.target).startswith("tangents")) or any(
+                a in backward for a in node.all_input_nodes):
+            backward.add(node)
+            seen_backward = seen_backward or node.op != "placeholder"
+        elif not seen_backward and node.op != "output":
+            forward.add(node.name)
+    return forward
+
+
+def tag_recompute(node: fx.Node, group: int) -> None:
+    """Tag a joint-graph node for recomputation in checkpoint region ``group``.
+
+    Consecutive regions with different ids keep their boundary tensor saved (torch's
+    ``cleanup_recompute_tags``), which is how each block input stays saved under ``full``."""
+    node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+    node.meta["ac_graph_id"] = group
+
+
+def is_recompute_tagged(node: fx.Node) -> bool:
+    return node.meta.get("recompute") in (
+        CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
