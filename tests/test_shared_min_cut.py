@@ -94,3 +94,29 @@ def test_the_patch_is_undone_when_a_partition_raises():
         with _compat.shared_min_cut_solves():
             raise RuntimeError("a partition failed")
     assert partitioners.solve_min_cut is original
+
+
+def test_a_merged_joint_is_not_merged_again(monkeypatch):
+    """``canonicalize_joint`` merges common subexpressions once; ``min_cut_partition`` then skips
+    torch's own merge (a rebuild of the whole graph on every call) and partitions exactly as
+    torch does with it. Reference: a fresh copy of the unmerged joint per setting (torch merges)."""
+    joint, inputs, kw = _joint()
+    settings = SETTINGS[:4]
+    fresh = {s: _code(joint, inputs, kw, s) for s in settings}
+    merged = _compat.canonicalize_joint(copy.deepcopy(joint))
+    merges = []
+    original = partitioners.fx_graph_cse
+
+    def counted(graph):
+        merges.append(1)
+        return original(graph)
+
+    monkeypatch.setattr(partitioners, "fx_graph_cse", counted)
+    got = {}
+    for s in settings:  # one joint partitioned at every setting, as lynx's planning does
+        fw, bw = _compat.min_cut_partition(merged, inputs, memory_budget=s, **kw)
+        got[s] = (fw.code, bw.code)
+    assert merges == []
+    assert got == fresh
+    _code(joint, inputs, kw, 1.0)  # a copy is not marked: torch merges it
+    assert merges == [1]

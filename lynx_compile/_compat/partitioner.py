@@ -64,8 +64,21 @@ def canonicalize_joint(joint_gm: fx.GraphModule) -> fx.GraphModule:
     joint_gm.graph.eliminate_dead_code()
     if _functorch_config.cse:
         joint_gm.graph = fx_graph_cse(joint_gm.graph)
+        setattr(joint_gm.graph, _MERGED, len(joint_gm.graph.nodes))
     joint_gm.recompile()
     return joint_gm
+
+
+_MERGED = "_lynx_subexpressions_merged"
+"""Set by :func:`canonicalize_joint` on the graph it merged: its node count then."""
+
+
+def _merged_already(graph: fx.Graph) -> bool:
+    """``graph`` is one :func:`canonicalize_joint` merged, with no node added since (lynx's
+    passes on the joint only tag it; torch's partitioner only removes dead code): merging it
+    again would rebuild the same graph. A copy of it (``copy.deepcopy``) is not marked."""
+    count = getattr(graph, _MERGED, None)
+    return count is not None and len(graph.nodes) <= count
 
 
 def min_cut_partition(joint_gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
@@ -75,8 +88,13 @@ def min_cut_partition(joint_gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_ou
 
     It honours ``meta["recompute"]`` tags (MUST_RECOMPUTE / PREFER_RECOMPUTE nodes are never
     saved, MUST_SAVE nodes never recomputed) and, for untagged nodes, recomputes what it judges
-    free once Inductor fuses it (cheap pointwise chains): what ``torch.compile`` does by default."""
-    with _functorch_config.patch(activation_memory_budget=float(memory_budget)):
+    free once Inductor fuses it (cheap pointwise chains): what ``torch.compile`` does by default.
+
+    On a joint :func:`canonicalize_joint` merged, torch's own merging of common subexpressions
+    (``functorch.config.cse``, a rebuild of the whole graph on every call) is skipped: it would
+    give the same graph (lynx partitions one joint up to ~15 times while planning)."""
+    cse = _functorch_config.cse and not _merged_already(joint_gm.graph)
+    with _functorch_config.patch(activation_memory_budget=float(memory_budget), cse=cse):
         return _call_by_keyword(
             _partitioners.min_cut_rematerialization_partition, joint_gm, joint_inputs,
             num_fwd_outputs=num_fwd_outputs, compiler=compiler,
