@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 # The model, its batch and torchtitan's CompileConfig are the launcher's
 # (``python -m lynx_compile.torchtitan_train``), shared so both build the same model.
-from lynx_compile.torchtitan_train import MODELS, VOCAB, available, batch, build, compile_config  # noqa: F401
+from lynx_compile.tools.torchtitan_train import MODELS, VOCAB, available, batch, build, compile_config  # noqa: F401
 
 
 def loss(backend: Any = None) -> Callable[[Any, Any], Any]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lynx_compile
-from lynx_compile.cli import main
+from lynx_compile.tools.cli import main
 from lynx_compile.plan import RecomputePlan
 
 

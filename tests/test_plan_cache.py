@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from lynx_compile import plan_cache
-from lynx_compile.cli import main
+from lynx_compile.tools.cli import main
 from lynx_compile.config import make_config
 from lynx_compile.decisions import DEMAND, Decisions
 
