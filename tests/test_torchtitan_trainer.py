@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from lynx_compile.tools.torchtitan_train import available
+from lynx_compile.tools.torchtitan_models import available
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _MISSING = available()

@@ -26,23 +26,25 @@ matplotlib is installed).
 
 ``--model gpt-tiny`` (any preset; its own layers and sequence, batch 4) runs the old small demo;
 ``--layers`` / ``--seq-len`` override the shape.
+
+The table's rows are built in ``tools/demo_table.py``, the plot in ``tools/demo_plot.py``.
 """
 from __future__ import annotations
 
 import copy
-import math
 import os
-import re
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from lynx_compile.report import environment, human_bytes, markdown_table
-from lynx_compile.variants import GRAD_RTOL, describe, parse_variant, run_variant, under_inductor
+from lynx_compile.tools.demo_plot import plot_demo
+from lynx_compile.tools.demo_table import TABLE_COLUMNS, short_result, table_rows
+from lynx_compile.variants import GRAD_RTOL, run_variant, under_inductor
 
 DEMO_VARIANTS = ("eager", "checkpoint", "inductor", "inductor-b0.5", "lynx-b0.7", "lynx-b0.5", "lynx-b0.2")
 DEMO_MODEL, DEMO_LAYERS, DEMO_SEQ, DEMO_BATCH = "gpt-small", 8, 512, 2
@@ -53,8 +55,6 @@ OTHER_PRESET_BATCH = 4
 """Batch for ``--model`` other than the default (gpt-tiny: at 2 its parameter gradients hold the
 smallest reachable budget at 0.76 of its step)."""
 DEMO_STYLE, DEMO_WARMUP, DEMO_STEPS = "per-block", 3, 10
-TABLE_COLUMNS = ["variant", "what", "step_ms", "peak", "peak_vs_compile", "peak_vs_eager", "predicted_peak",
-                 "grads_equal_eager", "grad_rel_diff", "first_step_s"]
 
 
 @dataclass(frozen=True)
@@ -76,44 +76,6 @@ class DemoResult:
     device: str
     wall_s: float = 0.0
     """Seconds from building the model to the written report."""
-
-
-def resolve_device(device: str) -> str:
-    """``auto``: ``cuda`` when a CUDA device is present, else ``cpu``; ``cuda`` without one
-    raises ValueError."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available (use --device cpu or auto)")
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"unknown device {device!r}: auto, cpu or cuda")
-    return device
-
-
-def why_not_equal(row: dict, *, dropout: float, lynx_compiler: str = "inductor") -> Optional[str]:
-    """None when the row's first-step gradients equal eager's (``GRAD_RTOL``), else why not."""
-    if row["result"] != "ok":
-        return "did not run"
-    diff = row.get("grad_rel_diff")
-    if diff is not None and diff <= GRAD_RTOL:
-        return None
-    if dropout > 0 and under_inductor(row["variant"], lynx_compiler):
-        return "Inductor draws its own dropout masks"
-    return f"differs by {diff:.1e} (> {GRAD_RTOL:g})"
-
-
-def demo_shape(preset: Optional[str], batch_size: Optional[int], n_layers: Optional[int],
-               seq_len: Optional[int]) -> tuple[str, int, dict]:
-    """``(preset, batch, config overrides)``: None for ``preset`` is the default demo model
-    (``DEMO_MODEL`` at ``DEMO_LAYERS`` layers, sequence ``DEMO_SEQ``, batch ``DEMO_BATCH``); a
-    named preset keeps its own shape (batch ``OTHER_PRESET_BATCH``). ``n_layers`` / ``seq_len``
-    / ``batch_size`` given override either."""
-    if preset is None:
-        preset, overrides, batch = DEMO_MODEL, {"n_layers": DEMO_LAYERS, "seq_len": DEMO_SEQ}, DEMO_BATCH
-    else:
-        overrides, batch = {}, OTHER_PRESET_BATCH
-    overrides.update({k: v for k, v in (("n_layers", n_layers), ("seq_len", seq_len)) if v is not None})
-    return preset, batch if batch_size is None else batch_size, overrides
 
 
 def run_demo(preset: Optional[str] = None, *, batch_size: Optional[int] = None, n_layers: Optional[int] = None,
@@ -171,49 +133,42 @@ def run_demo(preset: Optional[str] = None, *, batch_size: Optional[int] = None, 
                         solver=solver, style=style, started=t_start)
 
 
-def short_result(row: dict) -> str:
-    """A failed row's result, short enough for a table cell: a refusal with the smallest
-    reachable budget lynx named (``refused (reachable >= 0.188)``), an error's first 60 characters."""
-    result = row["result"]
-    if result.startswith("refused"):
-        m = re.search(r"memory_budget >= ([0-9.]+)", result)
-        return f"refused (reachable >= {m.group(1)})" if m else "refused"
-    return result if len(result) <= 60 else result[:57] + "..."
+def resolve_device(device: str) -> str:
+    """``auto``: ``cuda`` when a CUDA device is present, else ``cpu``; ``cuda`` without one
+    raises ValueError."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available (use --device cpu or auto)")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {device!r}: auto, cpu or cuda")
+    return device
 
 
-def what(row: dict) -> str:
-    """``describe`` of the variant, saying when it was compiled per block."""
-    text = describe(row["variant"])
-    if row.get("style") == "per-block" and parse_variant(row["variant"]).kind in ("inductor", "lynx"):
-        text = text.replace("torch.compile", "torch.compile per block", 1) if text.startswith("torch.compile") \
-            else text.replace("lynx", "lynx per block", 1)
-    return text
+def demo_shape(preset: Optional[str], batch_size: Optional[int], n_layers: Optional[int],
+               seq_len: Optional[int]) -> tuple[str, int, dict]:
+    """``(preset, batch, config overrides)``: None for ``preset`` is the default demo model
+    (``DEMO_MODEL`` at ``DEMO_LAYERS`` layers, sequence ``DEMO_SEQ``, batch ``DEMO_BATCH``); a
+    named preset keeps its own shape (batch ``OTHER_PRESET_BATCH``). ``n_layers`` / ``seq_len``
+    / ``batch_size`` given override either."""
+    if preset is None:
+        preset, overrides, batch = DEMO_MODEL, {"n_layers": DEMO_LAYERS, "seq_len": DEMO_SEQ}, DEMO_BATCH
+    else:
+        overrides, batch = {}, OTHER_PRESET_BATCH
+    overrides.update({k: v for k, v in (("n_layers", n_layers), ("seq_len", seq_len)) if v is not None})
+    return preset, batch if batch_size is None else batch_size, overrides
 
 
-def table_rows(rows: Sequence[dict]) -> list[dict]:
-    """The rows as the printed table shows them. ``peak_vs_compile``: of torch.compile's own
-    step (the ``inductor`` row), what a lynx ``memory_budget`` fraction is of."""
-    eager_peak = next((r.get("peak_MiB") for r in rows if r["variant"] == "eager" and r["result"] == "ok"), None)
-    compile_peak = next((r.get("peak_MiB") for r in rows if r["variant"] == "inductor" and r["result"] == "ok"),
-                        None)
-    out = []
-    for r in rows:
-        ok = r["result"] == "ok"
-        peak = r.get("peak_MiB")
-        predicted = r.get("predicted_peak_MiB")
-        out.append({
-            "variant": r["variant"], "what": what(r),
-            "step_ms": round(r["step_ms"], 1) if ok else short_result(r),
-            "peak": human_bytes(peak * 2**20) if ok else "-",
-            "peak_vs_compile": round(peak / compile_peak, 3) if ok and compile_peak else None,
-            "peak_vs_eager": round(peak / eager_peak, 3) if ok and eager_peak else None,
-            "predicted_peak": human_bytes(predicted * 2**20) if predicted is not None and ok else "-",
-            "grads_equal_eager": "yes" if r["grads_equal_eager"] else "- (did not run)" if not ok
-            else f"no: {r['why_not_equal']}",
-            "grad_rel_diff": f"{r['grad_rel_diff']:.1e}" if r.get("grad_rel_diff") is not None and ok else "-",
-            "first_step_s": round(r["first_step_s"], 1) if r.get("first_step_s") is not None else None,
-        })
-    return out
+def why_not_equal(row: dict, *, dropout: float, lynx_compiler: str = "inductor") -> Optional[str]:
+    """None when the row's first-step gradients equal eager's (``GRAD_RTOL``), else why not."""
+    if row["result"] != "ok":
+        return "did not run"
+    diff = row.get("grad_rel_diff")
+    if diff is not None and diff <= GRAD_RTOL:
+        return None
+    if dropout > 0 and under_inductor(row["variant"], lynx_compiler):
+        return "Inductor draws its own dropout masks"
+    return f"differs by {diff:.1e} (> {GRAD_RTOL:g})"
 
 
 def write_report(rows: Sequence[dict], *, shape: str, device: str, threads: int, out: Optional[str], warmup: int,
@@ -256,211 +211,6 @@ def write_report(rows: Sequence[dict], *, shape: str, device: str, threads: int,
         f.write(markdown)
     return DemoResult(rows=list(rows), text=text, markdown=markdown, table_path=stem + ".md", plot_path=plot_path,
                       plot_note=plot_note, device=device, wall_s=wall_s)
-
-
-# ----------------------------------------------------------------------------------- the plot
-
-_STYLE = {  # kind -> marker, colour
-    "eager": ("o", "black"), "checkpoint": ("v", "dimgray"), "inductor": ("s", "tab:blue"),
-    "lynx": ("D", "tab:red"),
-}
-
-
-def point_label(row: dict, compile_peak: Optional[float]) -> str:
-    """A point's label: what ran, then its peak and step time (and a lynx budget in MiB)."""
-    v = parse_variant(row["variant"])
-    if v.kind == "eager":
-        name = "eager"
-    elif v.kind == "checkpoint":
-        name = "eager + checkpoint per block"
-    elif v.kind == "inductor":
-        name = "torch.compile" if v.budget is None else f"torch.compile, activation_memory_budget {v.budget:g}"
-    elif v.policy == "lynx":
-        bound = f" (\u2264 {v.budget * compile_peak:.3g} MiB)" if compile_peak else ""
-        name = f"lynx, memory_budget {v.budget:g}{bound}"
-    else:
-        name = describe(row["variant"])
-    return f"{name}\n{row['peak_MiB']:.3g} MiB, {row['step_ms']:.3g} ms"
-
-
-def plot_demo(rows: Sequence[dict], path: str, title: str, *, keep_open: bool = False) -> Any:
-    """Peak memory (x, MiB) against step time (y, ms), one marker per variant that ran, each
-    labelled by an annotation placed where it overlaps no other label, no marker and stays inside
-    the axes (``place_labels``); lynx's points joined by a dashed line; refused or failed
-    variants listed under the plot. Returns the figure when ``keep_open`` (else closes it).
-    Needs matplotlib."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [r for r in rows if r["result"] == "ok"]
-    compile_peak = next((r["peak_MiB"] for r in ok if r["variant"] == "inductor"), None)
-    fig = plt.figure(figsize=(10, 6.5))
-    ax = fig.add_axes((0.08, 0.14, 0.9, 0.72))
-    for r in ok:
-        marker, colour = _STYLE.get(parse_variant(r["variant"]).kind, ("o", "tab:green"))
-        ax.plot(r["peak_MiB"], r["step_ms"], marker, color=colour, markersize=8, zorder=3)
-    lynx = sorted((r for r in ok if parse_variant(r["variant"]).kind == "lynx"), key=lambda r: r["peak_MiB"])
-    if len(lynx) > 1:
-        ax.plot([r["peak_MiB"] for r in lynx], [r["step_ms"] for r in lynx], "--", color="tab:red", alpha=0.4,
-                zorder=2)
-    if ok:  # room for the labels: wide margins, memory from 0
-        xs, ys = [r["peak_MiB"] for r in ok], [r["step_ms"] for r in ok]
-        x_hi, y_lo, y_hi = max(xs), min(ys), max(ys)
-        y_span = max(y_hi - y_lo, 0.1 * y_hi, 1e-9)
-        ax.set_xlim(0, x_hi * 1.3)
-        ax.set_ylim(max(0.0, y_lo - 0.9 * y_span), y_hi + 0.9 * y_span)
-    ax.set_xlabel("peak step memory (MiB, measured)")
-    ax.set_ylabel("step time (ms, median)")
-    ax.grid(alpha=0.3)
-    ax.set_title(title, fontsize=9)
-    place_labels(ax, [(r["peak_MiB"], r["step_ms"], point_label(r, compile_peak),
-                       _STYLE.get(parse_variant(r["variant"]).kind, ("o", "tab:green"))[1]) for r in ok],
-                 lines=[[(r["peak_MiB"], r["step_ms"]) for r in lynx]])
-    failed = [r for r in rows if r["result"] != "ok"]
-    if failed:
-        fig.text(0.08, 0.02, "not shown: " + "; ".join(f"{r['variant']} {short_result(r)}" for r in failed),
-                 fontsize=8, color="dimgray")
-    fig.savefig(path, dpi=110)
-    if keep_open:
-        return fig
-    plt.close(fig)
-    return None
-
-
-def place_labels(ax: Any, points: Sequence[tuple[float, float, str, str]],
-                 lines: Sequence[Sequence[tuple[float, float]]] = ()) -> list:
-    """Annotate each ``(x, y, text, colour)`` point with a label joined to it by a line, choosing
-    each label's place among a ring of offsets around its point (nearest first) to overlap no
-    other label, no marker, no polyline of ``lines`` (data coordinates), to stay inside the axes,
-    and so that no label's line crosses another label, marker or label's line. Labels are placed greedily, the
-    most crowded points first, then each is moved again while that lowers the total cost (the
-    overlapping area, crossings weighted as a large overlap). The axes' limits and position must
-    be final. Returns the annotations."""
-    fig = ax.figure
-    fig.canvas.draw()
-    renderer = fig.canvas.get_renderer()
-    frame = ax.get_window_extent(renderer)
-    frame = (frame.x0, frame.y0, frame.x1, frame.y1)
-    to_px = ax.transData.transform
-    anchors = [tuple(to_px((x, y))) for x, y, _, _ in points]
-    half = 7 * fig.dpi / 72  # half a marker's side, with room
-    markers = [_box(cx, cy, half) for cx, cy in anchors]
-    line_px = [to_px(a) + (to_px(b) - to_px(a)) * t / 40 for line in lines for a, b in zip(line, line[1:])
-               for t in range(41)]
-    offsets = [(r * math.cos(a), r * math.sin(a)) for r in (18, 32, 50, 72, 100, 130, 165)
-               for a in (math.radians(d) for d in (30, -30, 150, -150, 90, -90, 0, 180, 60, -60, 120, -120))]
-    cross = 2000.0  # a crossing costs as much as a 45 x 45 pixel overlap
-
-    def annotate(i: int, dx: float, dy: float, **kw: Any) -> Any:
-        x, y, text, colour = points[i]
-        return ax.annotate(text, (x, y), xytext=(dx, dy), textcoords="offset points", fontsize=8, color=colour,
-                           ha="left" if dx > 1 else "right" if dx < -1 else "center",
-                           va="bottom" if dy > 1 else "top" if dy < -1 else "center", **kw)
-
-    boxes, own = [], []  # per point, per offset: the label's box (padded) and the cost of it alone
-    for i in range(len(points)):
-        boxes.append([]), own.append([])
-        for dx, dy in offsets:
-            ann = annotate(i, dx, dy)
-            box = _text_box(ann, renderer, pad=3)
-            ann.remove()
-            boxes[i].append(box)
-            own[i].append(sum(_overlap(box, m) for m in markers) + _outside(box, frame)
-                          + sum(cross * _crosses(anchors[i], _centre(box), m) for j, m in enumerate(markers) if j != i)
-                          + sum(20.0 for p in line_px if box[0] < p[0] < box[2] and box[1] < p[1] < box[3]))
-
-    def cost(i: int, k: int, chosen: dict) -> float:
-        box, c = boxes[i][k], own[i][k]
-        for j, kj in chosen.items():
-            if j == i:
-                continue
-            other = boxes[j][kj]
-            c += _overlap(box, other) + cross * (_crosses(anchors[i], _centre(box), other)
-                                                 + _crosses(anchors[j], _centre(other), box)
-                                                 + _segments_cross(anchors[i], _centre(box), anchors[j],
-                                                                   _centre(other)))
-        return c
-
-    def best(i: int, chosen: dict) -> int:
-        costs = [cost(i, k, chosen) for k in range(len(offsets))]
-        return min(range(len(offsets)), key=lambda k: (costs[k], k))
-
-    def crowd(i: int) -> int:  # points within 150 px
-        return sum(1 for c in anchors if math.dist(c, anchors[i]) < 150 * fig.dpi / 100)
-
-    chosen: dict[int, int] = {}
-    order = sorted(range(len(points)), key=lambda i: (-crowd(i), points[i][0], points[i][1]))
-    for i in order:
-        chosen[i] = best(i, chosen)
-    for _ in range(5):  # move labels while that helps
-        moved = False
-        for i in order:
-            k = best(i, chosen)
-            if cost(i, k, chosen) < cost(i, chosen[i], chosen):
-                chosen[i], moved = k, True
-        if not moved:
-            break
-    annotations = []
-    for i in range(len(points)):
-        colour = points[i][3]
-        annotations.append(annotate(i, *offsets[chosen[i]], arrowprops=dict(
-            arrowstyle="-", color=colour, alpha=0.6, lw=0.8, shrinkA=1, shrinkB=5)))
-    return annotations
-
-
-def label_boxes(fig: Any) -> list[tuple[float, float, float, float]]:
-    """The display-coordinate boxes ``(x0, y0, x1, y1)`` of the figure's point labels (its axes'
-    annotations, the text without its arrow), from its renderer: for checking that none overlap."""
-    fig.canvas.draw()
-    renderer = fig.canvas.get_renderer()
-    return [_text_box(t, renderer) for ax in fig.axes for t in ax.texts]
-
-
-def _text_box(text: Any, renderer: Any, pad: float = 0.0) -> tuple[float, float, float, float]:
-    """An annotation's text box in pixels (``Annotation.get_window_extent`` adds the arrow)."""
-    from matplotlib.text import Text
-
-    if hasattr(text, "update_positions"):  # an annotation: its text's place follows from xytext
-        text.update_positions(renderer)
-    b = Text.get_window_extent(text, renderer)
-    return (b.x0 - pad, b.y0 - pad, b.x1 + pad, b.y1 + pad)
-
-
-def _centre(box: tuple) -> tuple[float, float]:
-    """Where an annotation's arrow points from (matplotlib's default ``relpos``: the text's centre)."""
-    return ((box[0] + box[2]) / 2, (box[1] + box[3]) / 2)
-
-
-def _segments_cross(p1: tuple, p2: tuple, q1: tuple, q2: tuple) -> float:
-    """Whether segments p1-p2 and q1-q2 properly intersect (two labels' lines crossing)."""
-    def side(a: tuple, b: tuple, c: tuple) -> float:
-        return (b[0] - a[0]) * (c[1] - a[1]) - (b[1] - a[1]) * (c[0] - a[0])
-
-    return float(side(p1, p2, q1) * side(p1, p2, q2) < 0 and side(q1, q2, p1) * side(q1, q2, p2) < 0)
-
-
-def _crosses(a: tuple, b: tuple, box: tuple, samples: int = 24) -> float:
-    """Whether the segment a-b passes through ``box`` (sampled)."""
-    return float(any(box[0] < a[0] + (b[0] - a[0]) * t / samples < box[2]
-                     and box[1] < a[1] + (b[1] - a[1]) * t / samples < box[3] for t in range(1, samples)))
-
-
-def _box(cx: float, cy: float, half: float) -> tuple:
-    return (cx - half, cy - half, cx + half, cy + half)
-
-
-def _overlap(a: tuple, b: tuple) -> float:
-    w = min(a[2], b[2]) - max(a[0], b[0])
-    h = min(a[3], b[3]) - max(a[1], b[1])
-    return w * h if w > 0 and h > 0 else 0.0
-
-
-def _outside(box: tuple, frame: tuple) -> float:
-    """Area of ``box`` outside ``frame`` (weighted up: a label cut off is worse than one touching)."""
-    area = (box[2] - box[0]) * (box[3] - box[1])
-    return 10 * (area - _overlap(box, frame))
 
 
 def cmd_demo(args: Any) -> int:

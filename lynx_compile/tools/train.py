@@ -15,24 +15,27 @@ share of recompute time that ran while a collective was in flight.
 
 A rank that fails names the ranks that stopped (``lynx_compile.distributed.failures``); ranks
 that planned differently stop together (``lynx_compile.distributed.agreement``).
+
+What a rank builds before its first step is in ``tools/train_setup.py``; what it measures and
+rank 0 prints, in ``tools/train_result.py``.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import statistics
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from lynx_compile.budget import DEVICE_BUDGET_FORMS, device_budget_argument
 from lynx_compile.config import BUDGET_FORMS, budget_argument
-from lynx_compile.tools.train_setup import backend_options, batches_from_args, local_device, model_from_args
+from lynx_compile.tools.train_result import TrainResult, comm_stats, emulated_log_module, finish_trace, peak_meter, \
+    record_plans, start_trace, step_line, summary
+from lynx_compile.tools.train_setup import backend_options, batches_from_args, init_distributed, local_device, \
+    model_from_args, parallelize
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -84,99 +87,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     add_pipeline_arguments(p)
 
 
-@dataclass
-class TrainResult:
-    """What one rank measured."""
-
-    rank: int
-    world_size: int
-    losses: list[float] = field(default_factory=list)
-    step_s: list[float] = field(default_factory=list)
-    peak_bytes: list[int | None] = field(default_factory=list)
-    peak_method: str = ""
-    predicted_peak_bytes: int | None = None
-    exposed_s: float | None = None
-    plans: list[dict] = field(default_factory=list)
-    link: str = ""
-    overlap: dict | None = None
-    reference_losses: list[float] | None = None
-    comm_bytes_per_step: float | None = None
-    """Emulated link only: payload bytes and modeled seconds of this rank's collectives per
-    steady step (steps after the first, before any trace)."""
-    comm_modeled_s_per_step: float | None = None
-    comm_ops_per_step: float | None = None
-    timed_steps: list[int] = field(default_factory=list)
-    """Steps whose times enter the median: after the compile step, before the traced ones."""
-
-
-def init_distributed(args: argparse.Namespace) -> tuple[int, int]:
-    """Join the process group torchrun set up (env:// rendezvous); (rank, world_size)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    if "RANK" not in os.environ:
-        if (args.tp or 1) > 1 or getattr(args, "pp", 1) > 1:
-            n = max(args.tp or 1, getattr(args, "pp", 1))
-            raise SystemExit(f"lynx train: --tp/--pp {n} needs {n} processes; launch with "
-                             f"`torchrun --nproc-per-node {n} -m lynx_compile.train ...`")
-        return 0, 1
-    timeout = datetime.timedelta(seconds=args.timeout)
-    if local_device().type == "cuda":
-        torch.cuda.set_device(local_device())
-        backend = "nccl"
-    elif args.emulate_link:
-        from lynx_compile.distributed.emulated_link import BACKEND_NAME, configure_emulated_link, parse_link
-
-        configure_emulated_link(parse_link(args.emulate_link))
-        backend = BACKEND_NAME
-    else:
-        backend = "gloo"
-    dist.init_process_group(backend, timeout=timeout)
-    return dist.get_rank(), dist.get_world_size()
-
-
-def _peak_meter(device: torch.device):
-    """(reset, read) for per-step peak bytes above the step's start; CPU has no allocator
-    statistics, so there the column is the plan's prediction (labelled)."""
-    if device.type == "cuda":
-        def reset():
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            return torch.cuda.memory_allocated(device)
-
-        def read(start):
-            torch.cuda.synchronize(device)
-            return torch.cuda.max_memory_allocated(device) - start
-        return reset, read, "cuda-allocator"
-    return (lambda: 0), (lambda start: None), "predicted"
-
-
-def _parallelize(model, args: argparse.Namespace, world: int):
-    import torch.distributed as dist
-
-    if world == 1:
-        return model, None
-    if args.tp_impl == "dtensor":
-        from torch.distributed.device_mesh import init_device_mesh
-
-        from lynx_compile.distributed.dtensor_tp import dtensor_parallelize
-
-        if args.sp:
-            raise SystemExit("lynx train: --sp is supported with --tp-impl megatron")
-        mesh = init_device_mesh(local_device().type, (world,))
-        return dtensor_parallelize(model, mesh), None
-    from lynx_compile.distributed.tensor_parallel import tensor_parallelize
-
-    group = dist.group.WORLD
-    return tensor_parallelize(model, group, sequence_parallel=args.sp), group
-
-
 def train(args: argparse.Namespace, *, on_step: Callable[[int], None] | None = None,
           say: Callable[[str], None] = print) -> TrainResult:
     """Run ``args.steps`` training steps on this rank (torch.distributed already initialized
     for more than one rank). ``on_step(i)`` runs before step i (tests inject failures)."""
-    import lynx_compile
     from lynx_compile.distributed.failures import Heartbeat
 
     rank, world = init_distributed(args)
@@ -193,18 +107,10 @@ def train(args: argparse.Namespace, *, on_step: Callable[[int], None] | None = N
                               (os.cpu_count() or world) // world))
     model = model_from_args(args, device)
     batches = batches_from_args(args, model.config, device)
-    model, group = _parallelize(model, args, world)
-    backend = None
-    if args.policy == "eager":
-        step_model = model
-    else:
-        options = backend_options(args)
-        if getattr(args, "device_budget", None) is not None:
-            options["device_budget"] = args.device_budget
-        backend = lynx_compile.backend(**options)
-        step_model = torch.compile(model, backend=backend)
+    model, group = parallelize(model, args, world)
+    step_model, backend = _compile(model, args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    reset, read, method = _peak_meter(device)
+    reset, read, method = peak_meter(device)
     result = TrainResult(rank=rank, world_size=world, peak_method=method)
     heartbeat = None
     if world > 1:
@@ -216,7 +122,7 @@ def train(args: argparse.Namespace, *, on_step: Callable[[int], None] | None = N
     # taken from the untraced steps in between (the profiler slows CPU execution).
     trace_from = max(1, args.steps - args.trace_steps) if args.trace else args.steps
     result.timed_steps = list(range(1, trace_from)) or [i for i in range(args.steps) if i > 0] or [0]
-    emulated = _emulated_log_module() if world > 1 else None
+    emulated = emulated_log_module() if world > 1 else None
     try:
         for i, idx in enumerate(batches):
             if on_step is not None:
@@ -224,9 +130,9 @@ def train(args: argparse.Namespace, *, on_step: Callable[[int], None] | None = N
             if emulated is not None and i == 1:
                 emulated.clear_collective_log()
             if emulated is not None and i == trace_from:
-                _comm_stats(result, emulated, world, trace_from - 1)
+                comm_stats(result, emulated, world, trace_from - 1)
             if args.trace and i == trace_from:
-                prof = _start_trace(args)
+                prof = start_trace(args)
             start_mem = reset()
             t0 = time.perf_counter()
             loss = step_model(idx).loss
@@ -244,14 +150,9 @@ def train(args: argparse.Namespace, *, on_step: Callable[[int], None] | None = N
             result.step_s.append(dt)
             result.peak_bytes.append(read(start_mem))
             if i == 0 and backend is not None:
-                _record_plans(result, backend)
+                record_plans(result, backend)
             if rank == 0:
-                peak = result.peak_bytes[-1]
-                mem = f"{peak / 2**20:.2f} MiB" if peak is not None else (
-                    f"{result.predicted_peak_bytes / 2**20:.2f} MiB (predicted)"
-                    if result.predicted_peak_bytes is not None else "-")
-                say(f"step {i:3d}  loss {result.losses[-1]:.6f}  time {dt * 1e3:9.2f} ms"
-                    f"{' (compile)' if i == 0 and backend is not None else ''}  peak {mem}")
+                say(step_line(result, i, compiled=backend is not None))
     except Exception as e:
         if heartbeat is not None:
             heartbeat.stop(f"failed: {_first_line(e)}")
@@ -259,112 +160,30 @@ def train(args: argparse.Namespace, *, on_step: Callable[[int], None] | None = N
                 raise RuntimeError(heartbeat.explain(e)) from e
         raise
     if emulated is not None and trace_from == args.steps:
-        _comm_stats(result, emulated, world, args.steps - 1)
+        comm_stats(result, emulated, world, args.steps - 1)
     if prof is not None:
-        result.overlap = _finish_trace(prof, args, rank)
+        result.overlap = finish_trace(prof, args, rank)
     if heartbeat is not None:
         heartbeat.stop("ok")
     if args.check and rank == 0:
         result.reference_losses = _reference_losses(args)
     if rank == 0:
-        _summary(result, args, say)
+        summary(result, args, say)
     return result
 
 
-def _comm_stats(result: TrainResult, emulated, world: int, steps: int) -> None:
-    if steps < 1:
-        return
-    log = emulated.collective_log()
-    result.comm_bytes_per_step = sum(r.nbytes for r in log) / steps
-    result.comm_ops_per_step = len(log) / steps
-    result.comm_modeled_s_per_step = _modeled_seconds(log, emulated.emulated_link_of(), world) / steps
+def _compile(model: torch.nn.Module, args: argparse.Namespace) -> tuple[Callable, object | None]:
+    """``(step model, lynx backend)``: ``model`` compiled by a lynx backend of the command line's
+    options, or ``(model, None)`` for ``--policy eager``."""
+    import lynx_compile
 
-
-def _modeled_seconds(log, link, world: int) -> float:
-    """Sum of each logged collective's alpha-beta time on ``link`` (no queueing)."""
-    from lynx_compile.costs.comm import COLLECTIVE_KINDS, collective_time
-
-    return sum(collective_time(r.kind, r.nbytes, world, link) for r in log if r.kind in COLLECTIVE_KINDS)
-
-
-def _unwrap(e: BaseException) -> BaseException:
-    """The backend's own error when dynamo wrapped it (BackendCompilerFailed), else ``e``."""
-    inner = getattr(e, "inner_exception", None)
-    return inner if inner is not None else e
-
-
-def _first_line(e: BaseException) -> str:
-    e = _unwrap(e)
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
-
-
-def _is_communication_failure(e: BaseException) -> bool:
-    """A collective that failed because a peer is gone or stuck (not a local bug)."""
-    import torch.distributed as dist
-
-    while e is not None:
-        if isinstance(e, getattr(dist, "DistError", ())):
-            return True
-        text = str(e)
-        if any(k in text for k in ("Connection closed", "Connection reset", "timed out", "Timed out",
-                                   "Broken pipe", "ProcessGroupGloo", "NCCL")):
-            return True
-        e = e.__cause__ or getattr(e, "inner_exception", None)
-    return False
-
-
-def _record_plans(result: TrainResult, backend) -> None:
-    plans = backend.plans
-    result.plans = [{"policy": p.policy, "peak_bytes": p.peak_bytes,
-                     "reference_peak_bytes": p.reference_peak_bytes, "exposed_s": p.exposed_s,
-                     "recompute_s": p.recompute_s, "windows": p.decisions.counts()["window"],
-                     "offloaded": p.decisions.counts()["offload"]}
-                    for p in plans]
-    if plans:
-        result.predicted_peak_bytes = max(p.peak_bytes for p in plans)
-        result.exposed_s = sum(p.exposed_s for p in plans)
-    links = {r.decisions.get("link") for r in backend.records if r.decisions.get("link")}
-    result.link = ",".join(sorted(links))
-
-
-def _emulated_log_module():
-    from lynx_compile.distributed import emulated_link
-
-    return emulated_link if emulated_link.emulated_link_of() is not None else None
-
-
-def _start_trace(args: argparse.Namespace):
-    """Start the profiler and stamp the clock-sync range (maps perf_counter onto trace time)."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from lynx_compile.distributed.overlap import CLOCK_SYNC
-
-    os.makedirs(args.trace, exist_ok=True)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    prof = profile(activities=activities)
-    prof.__enter__()
-    emulated = _emulated_log_module()
-    if emulated is not None:
-        emulated.clear_collective_log()
-    prof._lynx_sync = time.perf_counter()  # type: ignore[attr-defined]
-    with record_function(CLOCK_SYNC):
-        pass
-    return prof
-
-
-def _finish_trace(prof, args: argparse.Namespace, rank: int) -> dict:
-    from lynx_compile.distributed.overlap import overlap_report
-
-    prof.__exit__(None, None, None)
-    path = os.path.join(args.trace, f"trace_rank{rank}.json")
-    prof.export_chrome_trace(path)
-    emulated = _emulated_log_module()
-    log = list(emulated.collective_log()) if emulated is not None else None
-    report = overlap_report(path, log, prof._lynx_sync)
-    return {"trace": path, "share": report.share, "recompute_s": report.recompute_s,
-            "overlapped_s": report.overlapped_s, "window_recompute_s": report.window_recompute_s,
-            "collectives": report.collectives, "source": report.source}
+    if args.policy == "eager":
+        return model, None
+    options = backend_options(args)
+    if getattr(args, "device_budget", None) is not None:
+        options["device_budget"] = args.device_budget
+    backend = lynx_compile.backend(**options)
+    return torch.compile(model, backend=backend), backend
 
 
 def _train_pipeline(args: argparse.Namespace, rank: int, world: int, say) -> TrainResult:
@@ -411,38 +230,31 @@ def _reference_losses(args: argparse.Namespace, microbatches: int = 1) -> list[f
     return losses
 
 
-def _summary(result: TrainResult, args: argparse.Namespace, say: Callable[[str], None]) -> None:
-    steady = [result.step_s[i] for i in result.timed_steps]
-    say(f"median step time (steps {result.timed_steps[0]}..{result.timed_steps[-1]}): "
-        f"{statistics.median(steady) * 1e3:.2f} ms"
-        f"  [{result.world_size} rank(s), {'TP ' + str(result.world_size) if result.world_size > 1 else 'single process'}"
-        f"{', sequence parallel' if args.sp else ''}, policy {args.policy}]")
-    if args.emulate_link:
-        say(f"link: EMULATED ({args.emulate_link}): collective completion delayed to the alpha-beta time")
-        if result.comm_modeled_s_per_step is not None:
-            say(f"collectives per step (rank 0): {result.comm_bytes_per_step / 2**20:.2f} MiB, "
-                f"{result.comm_modeled_s_per_step * 1e3:.2f} ms modeled on the emulated link")
-    if result.link:
-        say(f"collectives priced on: {result.link}")
-    for i, p in enumerate(result.plans):
-        say(f"plan {i}: predicted peak {p['peak_bytes'] / 2**20:.2f} MiB "
-            f"({p['peak_bytes'] / max(1, p['reference_peak_bytes']):.2f} of no-recompute), recompute "
-            f"{p['recompute_s'] * 1e3:.2f} ms, exposed {p['exposed_s'] * 1e3:.2f} ms, "
-            f"{p['windows']} units in windows"
-            + (f", {p['offloaded']} offloaded to host" if args.offload else ""))
-    if result.overlap:
-        o = result.overlap
-        say(f"overlap: {o['share'] * 100:.1f}% of {o['recompute_s'] * 1e3:.2f} ms recompute ran while a "
-            f"collective was in flight ({o['source']}); trace: {o['trace']}")
-    if result.reference_losses is not None:
-        worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(result.losses, result.reference_losses))
-        say("check: step  lynx/TP loss     single-process loss")
-        for i, (a, b) in enumerate(zip(result.losses, result.reference_losses)):
-            say(f"       {i:4d}  {a:.8f}     {b:.8f}")
-        say(f"check: max relative loss difference {worst:.2e}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result.__dict__, f, indent=2)
+def _unwrap(e: BaseException) -> BaseException:
+    """The backend's own error when dynamo wrapped it (BackendCompilerFailed), else ``e``."""
+    inner = getattr(e, "inner_exception", None)
+    return inner if inner is not None else e
+
+
+def _first_line(e: BaseException) -> str:
+    e = _unwrap(e)
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def _is_communication_failure(e: BaseException) -> bool:
+    """A collective that failed because a peer is gone or stuck (not a local bug)."""
+    import torch.distributed as dist
+
+    while e is not None:
+        if isinstance(e, getattr(dist, "DistError", ())):
+            return True
+        text = str(e)
+        if any(k in text for k in ("Connection closed", "Connection reset", "timed out", "Timed out",
+                                   "Broken pipe", "ProcessGroupGloo", "NCCL")):
+            return True
+        e = e.__cause__ or getattr(e, "inner_exception", None)
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:
