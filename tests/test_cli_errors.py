@@ -10,9 +10,9 @@ import torch
 
 import lynx_compile
 from lynx_compile.dynamo_backend import LynxOptionError, _log_to_stderr
-from lynx_compile.tools.cli import build_parser, main
 from lynx_compile.config import make_config, parse_budget
 from lynx_compile.models import build_model, example_batch
+from lynx_compile.tools.cli import build_parser, main
 
 
 @pytest.fixture
