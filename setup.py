@@ -18,6 +18,7 @@ setup(
         "lynx_compile.pipelining",
         "lynx_compile.runtime",
         "lynx_compile.sim",
+        "lynx_compile.tools",
         "lynx_compile.passes",
         "lynx_compile.kernels",
     ],

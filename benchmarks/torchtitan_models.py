@@ -33,8 +33,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 # The model, its batch and torchtitan's CompileConfig are the launcher's
-# (``python -m lynx_compile.torchtitan_train``), shared so both build the same model.
-from lynx_compile.torchtitan_train import MODELS, VOCAB, available, batch, build, compile_config  # noqa: F401
+# (``python -m lynx_compile.torchtitan_train``: lynx_compile/tools/torchtitan_models.py), shared so
+# both build the same model.
+from lynx_compile.tools.torchtitan_models import MODELS, VOCAB, available, batch, build, compile_config  # noqa: F401
 
 
 def loss(backend: Any = None) -> Callable[[Any, Any], Any]:

@@ -9,14 +9,31 @@ import pytest
 import torch
 
 import lynx_compile
-from lynx_compile.cli import main
 from lynx_compile.plan import RecomputePlan
+from lynx_compile.tools.cli import main
 
 
 def test_entry_point_registers_lynx():
     eps = importlib.metadata.entry_points(group="torch_dynamo_backends")
     assert any(ep.name == "lynx" and ep.value == "lynx_compile.dynamo_backend:lynx_backend" for ep in eps)
     assert "lynx" in torch._dynamo.list_backends()
+
+
+def test_console_script_is_the_tools_cli():
+    eps = importlib.metadata.entry_points(group="console_scripts")
+    assert any(ep.name == "lynx" and ep.value == "lynx_compile.tools.cli:main" for ep in eps)
+
+
+@pytest.mark.parametrize("module, usage", [
+    ("lynx_compile.train", "usage: lynx train"),
+    ("lynx_compile.torchtitan_train", "usage: python -m lynx_compile.torchtitan_train"),
+])
+def test_kept_module_entries_run_their_tools_main(tmp_path, module, usage):
+    """``python -m lynx_compile.train`` (what torchrun launches) and ``.torchtitan_train`` run
+    their ``lynx_compile.tools`` module's main, and define nothing to import."""
+    out = subprocess.run([sys.executable, "-m", module, "--help"], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith(usage), out.stderr
+    assert [n for n in vars(importlib.import_module(module)) if not n.startswith("__")] == []
 
 
 def test_backend_binds_options_and_is_shared():

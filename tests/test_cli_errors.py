@@ -10,9 +10,9 @@ import torch
 
 import lynx_compile
 from lynx_compile.dynamo_backend import LynxOptionError, _log_to_stderr
-from lynx_compile.cli import build_parser, main
 from lynx_compile.config import make_config, parse_budget
 from lynx_compile.models import build_model, example_batch
+from lynx_compile.tools.cli import build_parser, main
 
 
 @pytest.fixture
@@ -213,7 +213,7 @@ def test_train_parser_reads_budgets_as_lynx_plan_does_and_documents_every_flag()
     ``lynx plan``: ``2`` is refused (bytes need a unit), ``48MiB`` is bytes, ``0.5`` a fraction."""
     import argparse
 
-    from lynx_compile.train import add_train_arguments
+    from lynx_compile.tools.train import add_train_arguments
 
     p = argparse.ArgumentParser(prog="lynx train")
     add_train_arguments(p)  # (includes the pipeline flags)

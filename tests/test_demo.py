@@ -1,17 +1,18 @@
-"""``lynx demo`` (lynx_compile/demo.py) and what it is built from: variant names and the
-per-block compile style (lynx_compile/variants.py), the plot's label placement, and the
-profiler's log filter (lynx_compile/memory/measure.py)."""
+"""``lynx demo`` (lynx_compile/tools/demo.py, demo_table.py, demo_plot.py) and what it is built
+from: variant names and the per-block compile style (lynx_compile/variants.py), the plot's label
+placement, and the profiler's log filter (lynx_compile/memory/measure.py)."""
 import argparse
 import os
 
 import pytest
 import torch
 
-from lynx_compile import cli
-from lynx_compile.demo import (DEMO_BATCH, DEMO_LAYERS, DEMO_MODEL, DEMO_SEQ, DEMO_VARIANTS, _centre, _crosses,
-                               _overlap, _segments_cross, cmd_demo,
-                               demo_shape, label_boxes, plot_demo, run_demo, short_result, why_not_equal)
 from lynx_compile.memory.measure import cpu_peak_bytes, without_kineto_log
+from lynx_compile.tools import cli
+from lynx_compile.tools.demo import DEMO_BATCH, DEMO_LAYERS, DEMO_MODEL, DEMO_SEQ, DEMO_VARIANTS, cmd_demo, demo_shape, \
+    run_demo, why_not_equal
+from lynx_compile.tools.demo_plot import _centre, _crosses, _overlap, _segments_cross, label_boxes, plot_demo
+from lynx_compile.tools.demo_table import short_result
 from lynx_compile.variants import describe, lynx_options, min_warmup, parse_variant, prepare
 
 # the demo's code path on a small shape: the default model (gpt-small) at 2 layers and sequence
@@ -145,7 +146,7 @@ def test_cmd_demo_reads_the_cli_arguments(monkeypatch, capsys, tmp_path):
         seen.update(kw, preset=preset)
         return _fake_result(tmp_path)
 
-    monkeypatch.setattr("lynx_compile.demo.run_demo", fake_run_demo)
+    monkeypatch.setattr("lynx_compile.tools.demo.run_demo", fake_run_demo)
     args = argparse.Namespace(model=None, batch_size=None, layers=2, seq_len=64, steps=None, compile=None,
                               device="cpu", out=str(tmp_path))
     assert cmd_demo(args) == 0
@@ -155,7 +156,7 @@ def test_cmd_demo_reads_the_cli_arguments(monkeypatch, capsys, tmp_path):
 
 
 def _fake_result(tmp_path):
-    from lynx_compile.demo import DemoResult
+    from lynx_compile.tools.demo import DemoResult
 
     rows = [{**_row("eager", 1.0, 1.0), "grads_equal_eager": True},
             {**_row("lynx-b0.1", None, None, "refused: x"), "grads_equal_eager": False}]

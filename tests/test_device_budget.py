@@ -15,10 +15,10 @@ import torch
 import lynx_compile
 from lynx_compile.dynamo_backend import find_backend_error
 from lynx_compile.budget import Budget, check_device_budget, format_bytes
-from lynx_compile.cli import main
 from lynx_compile.decisions import BudgetError
 from lynx_compile.models import build_model, example_batch
 from lynx_compile.plan import RecomputePlan
+from lynx_compile.tools.cli import main
 
 COMPILERS = ("eager", "inductor")
 
@@ -196,7 +196,7 @@ def test_cli_device_budget_flag(tmp_path, capsys):
 def test_train_parser_reads_device_budgets():
     import argparse
 
-    from lynx_compile.train import add_train_arguments
+    from lynx_compile.tools.train import add_train_arguments
 
     p = argparse.ArgumentParser(prog="lynx train")
     add_train_arguments(p)

@@ -88,7 +88,7 @@ def test_no_budget_recomputes_nothing():
 
 
 def test_plan_file_is_reused_without_solving(tmp_path):
-    from lynx_compile.cli import main
+    from lynx_compile.tools.cli import main
 
     out = tmp_path / "plan.json"
     assert main(["plan", "--model", "gpt-tiny", "--batch-size", "4", "--policy", "lynx", "--solver", "heu",
@@ -105,7 +105,7 @@ def test_plan_file_is_reused_without_solving(tmp_path):
 
 
 def test_plan_for_another_graph_is_rejected(tmp_path):
-    from lynx_compile.cli import main
+    from lynx_compile.tools.cli import main
 
     out = tmp_path / "plan.json"
     assert main(["plan", "--model", "llama-tiny", "--policy", "lynx", "--solver", "heu",

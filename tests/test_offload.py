@@ -200,7 +200,7 @@ def test_lynx_train_offload_flag_trains_like_one_process_and_reports_offload(mon
     # equal the same steps trained without lynx, and the plan line says how many units went to host
     import argparse
 
-    from lynx_compile.train import add_train_arguments, train
+    from lynx_compile.tools.train import add_train_arguments, train
 
     _fast_host_link(monkeypatch)
     p = argparse.ArgumentParser()

@@ -267,7 +267,7 @@ def test_a_stage_that_cannot_meet_its_allowance_names_it():
 def _train_cli(rank, world):
     import argparse
 
-    from lynx_compile.train import add_train_arguments, train
+    from lynx_compile.tools.train import add_train_arguments, train
 
     p = argparse.ArgumentParser()
     add_train_arguments(p)

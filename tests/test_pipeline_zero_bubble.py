@@ -43,7 +43,7 @@ def test_zero_bubble_stages_compiled_by_inductor_split_b_and_w():
 def _train_cli(rank, world, schedule):
     import argparse
 
-    from lynx_compile.train import add_train_arguments, train
+    from lynx_compile.tools.train import add_train_arguments, train
 
     p = argparse.ArgumentParser()
     add_train_arguments(p)

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from lynx_compile import plan_cache
-from lynx_compile.cli import main
 from lynx_compile.config import make_config
 from lynx_compile.decisions import DEMAND, Decisions
+from lynx_compile.tools.cli import main
 
 OPTIONS = dict(policy="lynx", compiler="eager", hardware="h100-sxm", check_plan_agreement=False)
 BUDGET = 0.9

@@ -105,7 +105,7 @@ def test_profile_round_trips_through_json():
 def test_lynx_simulate_cli_profiles_a_model_with_a_fake_tp_group(tmp_path):
     """The CLI in its own process (the fake process group must not leak into this one)."""
     out = tmp_path / "sim.json"
-    proc = subprocess.run([sys.executable, "-m", "lynx_compile.cli", "simulate", "--model", "gpt-tiny", "--tp", "2",
+    proc = subprocess.run([sys.executable, "-m", "lynx_compile.tools.cli", "simulate", "--model", "gpt-tiny", "--tp", "2",
                            "--global-batch", "8", "--json", str(out), "--trace", str(tmp_path / "t.json")],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from lynx_compile.torchtitan_train import available
+from lynx_compile.tools.torchtitan_models import available
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _MISSING = available()
@@ -120,7 +120,7 @@ def test_lynx_at_a_budget_is_within_inductors_tolerance(runs):
     ('{"memory_budget": 0.9}', "inductor", "LYNX_OPTIONS is set but --compile-backend is 'inductor'"),
 ])
 def test_launcher_refuses_bad_options_before_building(monkeypatch, capsys, value, backend, says):
-    from lynx_compile.torchtitan_train import main
+    from lynx_compile.tools.torchtitan_train import main
 
     monkeypatch.setenv("LYNX_OPTIONS", value)
     assert main(["--compile-backend", backend]) == 2

@@ -186,7 +186,7 @@ def test_plan_mismatch_stops_every_rank_with_one_error():
 def _train_until_rank1_dies(rank, world, port, path):
     import argparse
 
-    from lynx_compile.train import add_train_arguments, train
+    from lynx_compile.tools.train import add_train_arguments, train
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)

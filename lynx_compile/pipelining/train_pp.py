@@ -68,7 +68,7 @@ def train_pipeline(args: argparse.Namespace, rank: int, world: int, say: Callabl
     """The pipeline training loop; returns (losses, step seconds, plan) on every rank."""
     import lynx_compile
     from lynx_compile.models.common import lm_loss
-    from lynx_compile.train_setup import backend_options, batches_from_args, local_device, model_from_args
+    from lynx_compile.tools.train_setup import backend_options, batches_from_args, local_device, model_from_args
 
     tp = args.tp or 1
     if args.pp * tp != world:

@@ -149,7 +149,7 @@ def _build_on(spec: str, device: str, overrides: dict):
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from lynx_compile.demo import cmd_demo as demo
+    from lynx_compile.tools.demo import cmd_demo as demo
 
     return demo(args)
 
@@ -218,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_simulate)
     t = sub.add_parser("train", parents=[debug],
                        help="tensor-parallel training (run under torchrun for --tp > 1)")
-    from lynx_compile.train import add_train_arguments
+    from lynx_compile.tools.train import add_train_arguments
 
     add_train_arguments(t)
     t.set_defaults(func=cmd_train)
@@ -310,7 +310,7 @@ def hidden_fraction(iteration_s: float, none_s: float, recompute_s: float) -> fl
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from lynx_compile.train import run
+    from lynx_compile.tools.train import run
 
     return run(args)
 

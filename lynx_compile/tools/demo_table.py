@@ -1,0 +1,57 @@
+"""The table ``lynx demo`` prints (``tools/demo.py``): one row per variant, what it ran, and a
+failed row's result short enough for a cell."""
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+from lynx_compile.report import human_bytes
+from lynx_compile.variants import describe, parse_variant
+
+TABLE_COLUMNS = ["variant", "what", "step_ms", "peak", "peak_vs_compile", "peak_vs_eager", "predicted_peak",
+                 "grads_equal_eager", "grad_rel_diff", "first_step_s"]
+
+
+def table_rows(rows: Sequence[dict]) -> list[dict]:
+    """The rows as the printed table shows them. ``peak_vs_compile``: of torch.compile's own
+    step (the ``inductor`` row), what a lynx ``memory_budget`` fraction is of."""
+    eager_peak = next((r.get("peak_MiB") for r in rows if r["variant"] == "eager" and r["result"] == "ok"), None)
+    compile_peak = next((r.get("peak_MiB") for r in rows if r["variant"] == "inductor" and r["result"] == "ok"),
+                        None)
+    out = []
+    for r in rows:
+        ok = r["result"] == "ok"
+        peak = r.get("peak_MiB")
+        predicted = r.get("predicted_peak_MiB")
+        out.append({
+            "variant": r["variant"], "what": what(r),
+            "step_ms": round(r["step_ms"], 1) if ok else short_result(r),
+            "peak": human_bytes(peak * 2**20) if ok else "-",
+            "peak_vs_compile": round(peak / compile_peak, 3) if ok and compile_peak else None,
+            "peak_vs_eager": round(peak / eager_peak, 3) if ok and eager_peak else None,
+            "predicted_peak": human_bytes(predicted * 2**20) if predicted is not None and ok else "-",
+            "grads_equal_eager": "yes" if r["grads_equal_eager"] else "- (did not run)" if not ok
+            else f"no: {r['why_not_equal']}",
+            "grad_rel_diff": f"{r['grad_rel_diff']:.1e}" if r.get("grad_rel_diff") is not None and ok else "-",
+            "first_step_s": round(r["first_step_s"], 1) if r.get("first_step_s") is not None else None,
+        })
+    return out
+
+
+def what(row: dict) -> str:
+    """``describe`` of the variant, saying when it was compiled per block."""
+    text = describe(row["variant"])
+    if row.get("style") == "per-block" and parse_variant(row["variant"]).kind in ("inductor", "lynx"):
+        text = text.replace("torch.compile", "torch.compile per block", 1) if text.startswith("torch.compile") \
+            else text.replace("lynx", "lynx per block", 1)
+    return text
+
+
+def short_result(row: dict) -> str:
+    """A failed row's result, short enough for a table cell: a refusal with the smallest
+    reachable budget lynx named (``refused (reachable >= 0.188)``), an error's first 60 characters."""
+    result = row["result"]
+    if result.startswith("refused"):
+        m = re.search(r"memory_budget >= ([0-9.]+)", result)
+        return f"refused (reachable >= {m.group(1)})" if m else "refused"
+    return result if len(result) <= 60 else result[:57] + "..."
