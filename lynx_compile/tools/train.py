@@ -82,7 +82,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="profile the last N steps (the step-time median uses the untraced ones)")
     p.add_argument("--timeout", type=float, default=120.0, help="process-group timeout, seconds")
     p.add_argument("--json", default=None, metavar="PATH", help="rank 0 writes the results here")
-    from lynx_compile.pipelining.train_pp import add_pipeline_arguments
+    from lynx_compile.tools.train_pp import add_pipeline_arguments
 
     add_pipeline_arguments(p)
 
@@ -187,14 +187,14 @@ def _compile(model: torch.nn.Module, args: argparse.Namespace) -> tuple[Callable
 
 
 def _train_pipeline(args: argparse.Namespace, rank: int, world: int, say) -> TrainResult:
-    from lynx_compile.pipelining.train_pp import train_pipeline
+    from lynx_compile.tools.train_pp import train_pipeline
 
     losses, times, pl = train_pipeline(args, rank, world, say)
     result = TrainResult(rank=rank, world_size=world, losses=losses, step_s=times, peak_method="predicted",
                          timed_steps=list(range(1, len(times))) or [0])
     result.plans = [pl.plan.to_dict()]
     if args.check and rank == 0:
-        from lynx_compile.pipelining.train_pp import default_microbatches, pipeline_stages
+        from lynx_compile.tools.train_pp import default_microbatches, pipeline_stages
 
         micro = args.microbatches or default_microbatches(args.batch_size, pipeline_stages(args))
         result.reference_losses = _reference_losses(args, microbatches=micro)

@@ -1,6 +1,6 @@
 """What ``lynx train`` (``tools/train.py``) builds from its command line before the first step:
 this rank's process group and device, the model and its tensor-parallel shard, the batches, the
-backend's options. Its pipeline loop (``pipelining/train_pp.py``) builds from the same."""
+backend's options. Its pipeline loop (``tools/train_pp.py``) builds from the same."""
 from __future__ import annotations
 
 import argparse

@@ -13,8 +13,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .placement import stage_rank
-from .stage_plan import SCHEDULES
+from lynx_compile.pipelining.placement import stage_rank
+from lynx_compile.pipelining.stage_plan import SCHEDULES
 
 
 def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
