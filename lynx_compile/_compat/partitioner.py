@@ -127,16 +127,34 @@ _MIN_CUT_META = ("recompute", "ac_graph_id", "partitioner_tag")
 def _min_cut_key(graph: fx.Graph, node_info: Any, options: Any, dont_ban: Any) -> str:
     """What ``solve_min_cut`` answers depends on: the graph (structure and the recompute tags
     it honours), the node classification, the options, the nodes not to ban."""
-    h = hashlib.sha256()
-    for n in graph.nodes:
-        h.update(n.format_node().encode())
-        val = n.meta.get("val")
-        h.update(repr((tuple(getattr(val, "shape", ())), getattr(val, "dtype", None),
-                       *(str(n.meta.get(k)) for k in _MIN_CUT_META))).encode())
+    h = hashlib.sha256(_structure_digest(graph).encode())
+    h.update(repr([tuple(str(n.meta.get(k)) for k in _MIN_CUT_META) for n in graph.nodes]).encode())
     h.update(repr(([i.name for i in node_info.inputs], sorted(x.name for x in node_info.required_fw_nodes),
                    sorted(x.name for x in node_info.required_bw_nodes), repr(options),
                    sorted(x.name for x in dont_ban or ()))).encode())
     return h.hexdigest()
+
+
+_STRUCTURE = "_lynx_min_cut_structure"
+
+
+def _structure_digest(graph: fx.Graph) -> str:
+    """The graph's nodes (their code, shapes and dtypes) hashed; kept on the graph with its node
+    count and hashed again when the count changes. One joint is partitioned up to ~15 times
+    while planning and torch's partitioner only removes nodes from it (dead code); lynx's passes
+    on the joint only tag it, and the tags are hashed on every call (:func:`_min_cut_key`)."""
+    count = len(graph.nodes)
+    cached = getattr(graph, _STRUCTURE, None)
+    if cached is not None and cached[0] == count:
+        return cached[1]
+    h = hashlib.sha256()
+    for n in graph.nodes:
+        h.update(n.format_node().encode())
+        val = n.meta.get("val")
+        h.update(repr((tuple(getattr(val, "shape", ())), getattr(val, "dtype", None))).encode())
+    digest = h.hexdigest()
+    setattr(graph, _STRUCTURE, (count, digest))
+    return digest
 
 
 @contextlib.contextmanager
