@@ -272,7 +272,7 @@ def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, 
     ``keep_placement``: the settings of ``INDUCTOR_KEEP_PLACEMENT``. ``post_grad(graph)``: run
     on every post-grad graph after Inductor's own passes and the user's
     ``post_grad_custom_post_pass``, if any (``CustomGraphPass``, 2.11 and 2.13; its cache key is
-    the hash of the file defining it). ``post_fusion``: called
+    the hash of the file defining it, and its ``uuid()`` if it has one). ``post_fusion``: called
     with the scheduler's fused nodes of every graph this compile schedules (forward, backward),
     in run order (``config._post_fusion_custom_pass``, 2.11 and 2.13); it must return them.
     Inductor's FX-graph cache stays on, keyed on the pass by the hash of the file defining
@@ -439,7 +439,8 @@ def _unpickled_scheduled_pass(uuid: Any) -> Any:
 
 
 def _chained_post_grad_pass(user_pass: Any, fn: Callable[[fx.Graph], None]) -> Any:
-    """A ``CustomGraphPass`` running the user's own post-grad pass(es), if any, then ``fn``."""
+    """A ``CustomGraphPass`` running the user's own post-grad pass(es), if any, then ``fn`` (a
+    function, or an object whose ``uuid()`` says what else decides its rewrite)."""
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
     users = [p for p in (user_pass if isinstance(user_pass, (list, tuple)) else [user_pass]) if p is not None]
@@ -453,8 +454,10 @@ def _chained_post_grad_pass(user_pass: Any, fn: Callable[[fx.Graph], None]) -> A
         def uuid(self) -> Any:
             # fn's file and lynx's sources: fn calls helpers in other lynx modules, and a changed
             # helper must not reuse Inductor's FX-graph cache entries compiled with the old one
-            own = get_hash_for_files((inspect.getfile(fn),), getattr(fn, "__qualname__", ""))
-            return (own, _lynx_source_digest(), *(p.uuid() if hasattr(p, "uuid") else repr(p) for p in users))
+            src = fn if inspect.isfunction(fn) else type(fn)
+            own = get_hash_for_files((inspect.getfile(src),), getattr(src, "__qualname__", ""))
+            extra = (fn.uuid(),) if hasattr(fn, "uuid") else ()
+            return (own, _lynx_source_digest(), *extra, *(p.uuid() if hasattr(p, "uuid") else repr(p) for p in users))
 
     return Chained()
 
