@@ -177,7 +177,7 @@ class LynxBackend:
         estimate of the compiled step's peak goes on the plan once the backward is compiled.
         ``config``: this graph's (``self.config`` with its resident bytes)."""
         from lynx_compile.distributed.agreement import planning_group
-        from lynx_compile.inductor import CompiledPeak, LynxPartitioner, WeightSplitCompile, lynx_post_grad
+        from lynx_compile.inductor import CompiledPeak, LynxPartitioner, LynxPostGrad, WeightSplitCompile
 
         # policy lynx with no budget (and no plan file) keeps torch.compile's own partition: no
         # placement of lynx's to keep, so Inductor runs as in torch.compile (bit for bit: its
@@ -202,8 +202,8 @@ class LynxBackend:
                 hits = _compat.dynamo_counters()["aot_autograd"]["autograd_cache_hit"]
                 compiled = _compat.inductor_compile_with_partitioner(
                     gm, example_inputs, partitioner, keep_placement=own_placement,
-                    post_grad=lynx_post_grad if own_placement else None, post_fusion=peak, inner_compile=split,
-                    autograd_cache=cached)
+                    post_grad=LynxPostGrad(config, record) if own_placement else None, post_fusion=peak,
+                    inner_compile=split, autograd_cache=cached)
                 served = _compat.dynamo_counters()["aot_autograd"]["autograd_cache_hit"] > hits
                 # served by AOTAutograd's cache, not partitioned: the plan is the one kept
                 if not served or partitioner.ran or autograd_cache.restore(record, key):

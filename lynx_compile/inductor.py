@@ -9,8 +9,9 @@
 
 ``torch._inductor.config.custom_partitioner_fn`` replaces only the partition step: everything
 ``torch.compile`` does before and after it runs unchanged, so lynx's graphs are compiled exactly
-as torch.compile's own, with three post-grad passes added (:func:`lynx_post_grad`: the tied
-weights, shared pointwise values and the windows below). What follows:
+as torch.compile's own, with three post-grad passes added (:class:`LynxPostGrad` runs
+``passes.POST_GRAD_PIPELINE``: the tied weights, shared pointwise values and the windows below;
+each can be disabled by name). What follows:
 
 * **RNG.** Inductor's ``replace_random`` joint pass has already rewritten every dropout into
   ``inductor_random(shape, inductor_lookup_seed(inductor_seeds(n), i))``. lynx never recomputes
@@ -20,19 +21,19 @@ weights, shared pointwise values and the windows below). What follows:
   also matches the accumulation of a tied weight's two gradients (GPT-2's embedding and LM
   head), which moves the LM head's weight-gradient matmul from the start of the backward to its
   end, so the logits' gradient (batch x sequence x vocabulary) stays alive through the whole
-  backward. :func:`split_late_addmm` (a post-grad pass after Inductor's) puts the matmul back
+  backward. ``split_late_addmm_pass`` (a post-grad pass after Inductor's) puts the matmul back
   where its operands are ready. gpt-small (tied, batch 2, CPU) under ``full``: measured peak
   4.40 MB without it, 3.75 MB with it (lynx's prediction 3.75 MB). Only for lynx's own
   placements (not policies none and torch, which are torch.compile's partition as is).
 * **Recompute held for a later matmul.** Inductor fuses a pointwise node with all of its
   pointwise consumers; when one consumer feeds an early matmul and another waits for a later
   one, the early one waits too (Llama's recomputed ``silu(gate) * up`` waited for ``dh``).
-  :func:`split_shared_pointwise` gives the late consumer its own copy of the pointwise chain.
+  ``split_shared_pointwise_pass`` gives the late consumer its own copy of the pointwise chain.
   With Inductor's wrapper buffer reuse off for lynx's placements (``_compat``), HF Llama
   (4 layers, seq 64, batch 2, CPU) under ``full`` measured 1077768 B before, 921608 B after
   (lynx's prediction, with its fused model in ``memory.simulate``, 921600 B).
 * **Windows.** lynx's FX passes put window recomputes between a collective's issue and its
-  wait; :func:`pin_windows` turns that into ordering edges (torch's ``control_deps``) so that
+  wait; ``pin_windows_pass`` turns that into ordering edges (torch's ``control_deps``) so that
   Inductor's scheduler keeps them there whatever it reorders: on a TP=2
   GPT (gloo, CPU) every recomputed matmul of a window is an extern-kernel call between the
   ``all_reduce_`` and its ``wait_tensor`` in the generated backward (``tests/test_tp_lynx.py``).
@@ -61,14 +62,13 @@ import dataclasses
 import logging
 from typing import Any, Callable
 
-import torch
 import torch.fx as fx
 
 from lynx_compile import _compat, autograd_cache, plan_cache
 from lynx_compile.config import LynxConfig
-from lynx_compile.memory.inductor_model import splits_late_addmm
-from lynx_compile.memory.storage import aliased_input
-from lynx_compile.passes import GraphRecord
+from lynx_compile.memory.storage import storage_nbytes
+from lynx_compile.passes import POST_GRAD_PIPELINE, GraphRecord, PassContext, run_passes
+from lynx_compile.passes.runner import pass_name
 
 log = logging.getLogger("lynx_compile")
 
@@ -95,8 +95,8 @@ class LynxPartitioner(_compat.inductor_partitioner_base()):
         from lynx_compile.recompute.partition import lynx_partition
 
         if self.peak is not None:
-            self.peak.tangent_bytes = {p.name: _nbytes(p.meta.get("val")) for p in gm.graph.find_nodes(op="placeholder")
-                                       if p.name.startswith("tangents")}
+            self.peak.tangent_bytes = {p.name: storage_nbytes(p.meta.get("val"))
+                                       for p in gm.graph.find_nodes(op="placeholder") if p.name.startswith("tangents")}
         self.ran = True
         fw, bw = lynx_partition(gm, joint_inputs, config=self.config, record=self.record, **kwargs)
         if self.plan_only:
@@ -111,142 +111,6 @@ class LynxPartitioner(_compat.inductor_partitioner_base()):
         """Part of AOTAutograd's and Inductor's FX-graph cache keys: None while AOTAutograd's
         cache is off for this graph (``autograd_cache``)."""
         return self.cache_key
-
-
-def _nbytes(v: Any) -> int:
-    if not isinstance(v, torch.Tensor):
-        return 0
-    return v.untyped_storage().nbytes() if v.device.type != "meta" else v.numel() * v.element_size()
-
-
-def split_late_addmm(graph: fx.Graph) -> None:
-    """Undo ``addmm(inp, a, b)`` fusions whose ``inp`` is computed after both ``a`` and ``b``:
-    ``mm(a, b)`` goes right after the later of ``a`` / ``b``, the ``add`` stays where the addmm
-    was. Inductor's pattern fuses ``mm + add`` at the add's position, so when ``inp`` comes late
-    (the second gradient of a tied weight) the matmul waits for it and keeps ``a`` and ``b``
-    alive until then. A bias addmm (``inp`` a parameter or an earlier value) is left alone, as is
-    one whose matmul output would be larger than the operands it frees (not a saving)."""
-    aten = torch.ops.aten
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    for n in list(graph.find_nodes(op="call_function", target=aten.addmm.default)):
-        if n.kwargs or len(n.args) != 3 or not all(isinstance(x, fx.Node) for x in n.args):
-            continue
-        inp, a, b = n.args
-        if not splits_late_addmm(order, inp, a, b, _nbytes(n.meta.get("val")), order[n]):
-            continue
-        later = max(a, b, key=order.get)
-        with graph.inserting_after(later):
-            mm = graph.call_function(aten.mm.default, (a, b))
-        with graph.inserting_before(n):
-            add = graph.call_function(aten.add.Tensor, (inp, mm))
-        mm.meta = {k: v for k, v in n.meta.items() if k != "val"}
-        add.meta = dict(n.meta)
-        if isinstance(n.meta.get("val"), torch.Tensor):
-            mm.meta["val"] = n.meta["val"]
-        n.replace_all_uses_with(add)
-        graph.erase_node(n)
-
-
-def _fusible(n: fx.Node) -> bool:
-    """A node Inductor computes inside a fused kernel: a pointwise op, or a view."""
-    if n.op != "call_function":
-        return False
-    return torch.Tag.pointwise in getattr(n.target, "tags", ()) or aliased_input(n) is not None
-
-
-def _kernel_bounds(nodes: list[fx.Node]) -> tuple[dict[fx.Node, int], dict[fx.Node, int]]:
-    """Per node, through chains of fusible nodes: ``ready``, the position of the latest
-    non-fusible node (a matmul, a reduction) it depends on, -1 for none; ``needed``, the
-    position of the earliest non-fusible node (or the output) that reads it."""
-    order = {n: i for i, n in enumerate(nodes)}
-    ready: dict[fx.Node, int] = {}
-    for n in nodes:
-        if n.op != "call_function":
-            ready[n] = -1
-        elif _fusible(n):
-            ready[n] = max((ready[i] for i in n.all_input_nodes), default=-1)
-        else:
-            ready[n] = order[n]
-    needed: dict[fx.Node, int] = {}
-    for n in reversed(nodes):
-        if _fusible(n):
-            needed[n] = min((needed[u] for u in n.users), default=len(nodes))
-        else:
-            needed[n] = order[n]
-    return ready, needed
-
-
-def _pointwise_cone(n: fx.Node, max_nodes: int) -> set[fx.Node] | None:
-    """``n`` and the fusible nodes that feed only it (what a copy of ``n`` recomputes); None
-    when that is more than ``max_nodes`` nodes."""
-    cone, grew = {n}, True
-    while grew:
-        grew = False
-        for m in {i for c in cone for i in c.all_input_nodes} - cone:
-            if _fusible(m) and all(u in cone for u in m.users):
-                cone.add(m)
-                grew = True
-        if len(cone) > max_nodes:
-            return None
-    return cone
-
-
-def split_shared_pointwise(graph: fx.Graph, max_nodes: int = 16) -> None:
-    """Give a pointwise value read by an early and a late consumer a copy for the late one.
-
-    Inductor fuses a pointwise node with all of its pointwise consumers into one kernel, which
-    can only run once every consumer's inputs are ready. In Llama's recomputed MLP::
-
-        g = x @ Wg; u = x @ Wu; s = silu(g)
-        h = s * u  -> dWd = dy^T @ h                  (early: needs g, u)
-        dh = dy @ Wd; dhs = dh * s                    (late: needs the matmul dh)
-
-    ``s``, ``h`` and ``dhs`` became one kernel after ``dh``, so ``h`` waited for ``dh`` and g, u,
-    dh, h, dhs were alive at once (HF Llama, 4 layers, batch 2, seq 64, policy full: +88 KB per
-    layer above lynx's prediction, which computes ``h`` and frees it before ``dh``). After::
-
-        h = silu(g) * u -> dWd = dy^T @ h; dh = dy @ Wd; dhs = dh * silu(g)   (silu recomputed)
-
-    A copy of ``n``'s cone (``n`` and the pointwise nodes feeding only it, at most ``max_nodes``)
-    is made for the consumers that wait for a later matmul, only where an earlier consumer's
-    result is read by a matmul before then (so the fusion would delay it) and the cone's inputs
-    are alive there anyway (the copy extends no lifetime). The cost is the cone's pointwise ops
-    once more, inside a kernel that runs anyway."""
-    from lynx_compile.passes import meta
-
-    nodes = list(graph.nodes)
-    order = {n: i for i, n in enumerate(nodes)}
-    ready, needed = _kernel_bounds(nodes)
-    rewrites = []
-    for n in nodes:
-        if n.op != "call_function" or torch.Tag.pointwise not in getattr(n.target, "tags", ()) \
-                or len(n.users) < 2 or not all(_fusible(u) for u in n.users):
-            continue
-        groups: dict[int, list[fx.Node]] = {}
-        for u in n.users:  # consumers by the latest matmul each waits for, besides n
-            groups.setdefault(max((ready[i] for i in u.all_input_nodes if i is not n), default=-1), []).append(u)
-        if len(groups) < 2:
-            continue
-        first, *later = sorted(groups)
-        early_read = min(needed[u] for u in groups[first])
-        later = [b for b in later if early_read < b]  # the fusion would delay an earlier matmul
-        cone = _pointwise_cone(n, max_nodes) if later else None
-        if cone is None:
-            continue
-        leaves = {i for c in cone for i in c.all_input_nodes if i not in cone}
-        for b in later:
-            start = min(order[u] for u in groups[b])
-            if all(leaf.op == "get_attr" or max((order[u] for u in leaf.users if u not in cone), default=-1) >= start
-                   for leaf in leaves):
-                rewrites.append((n, sorted(cone, key=order.get), sorted(groups[b], key=order.get)))
-    for n, cone, users in rewrites:
-        copies: dict[fx.Node, fx.Node] = {}
-        with graph.inserting_before(users[0]):
-            for c in cone:
-                copies[c] = graph.node_copy(c, lambda x: copies.get(x, x))
-                copies[c].meta.pop(meta.DECISION, None)  # runs with its consumer, in no window
-        for u in users:
-            u.replace_input_with(n, copies[n])
 
 
 @dataclasses.dataclass
@@ -297,54 +161,43 @@ class CompiledPeak:
         return max(self.forward_bytes, self.backward_bytes)
 
 
-def pin_windows(graph: fx.Graph) -> None:
-    """Ordering edges that keep lynx's window recomputes between their collective's issue and
-    its wait in Inductor's schedule (``passes/insert_recompute.py`` placed them there in the FX
-    graph). With peak-memory reordering off for lynx's placements
-    (``_compat.INDUCTOR_KEEP_PLACEMENT``) Inductor mostly keeps the FX order, but nothing in its
-    scheduler promises to: these edges make the order a dependency.
+class LynxPostGrad:
+    """Inductor's post-grad hook for lynx's own placements: ``passes.POST_GRAD_PIPELINE``
+    (``split_late_addmm_pass``, ``split_shared_pointwise_pass``, then ``pin_windows_pass``, last:
+    it orders what the others placed) on every graph Inductor compiles (the forward, the
+    backward, their subgraphs), after Inductor's own post-grad passes, through the one pass
+    runner: ``options={"disable_passes": (...)}`` skips them by name, their timings go into
+    the graph's record (stage ``"post_grad"``) and ``dump_dir`` gets their graphs. (Offload
+    copies need no pass: their ops carry the order in their arguments, ``passes/offload.py``.)
 
-    Per window: the wait runs after the window's results (its nodes read after the window, so
-    they are realized buffers anyway), and each window node that reads nothing else in the
-    window runs after the issue. A pointwise node Inductor fuses into a later kernel has no
-    operation of its own to order; its kernel then runs wherever its consumer does."""
-    from lynx_compile.costs import is_collective_node
-    from lynx_compile.costs.comm import is_wait_node
-    from lynx_compile.decisions import Window
-    from lynx_compile.passes import meta
+    Installed with ``_compat.inductor_compile_with_partitioner(post_grad=...)``, whose
+    ``CustomGraphPass`` keys Inductor's FX-graph cache on lynx's sources and on :meth:`uuid`:
+    a graph compiled with a pass disabled is not served the code of one compiled with it."""
 
-    issued = {n.name: n for n in graph.nodes if is_collective_node(n)}
-    windows: dict[str, list[fx.Node]] = {}
-    for n in graph.nodes:
-        decision = n.meta.get(meta.DECISION)
-        if isinstance(decision, Window) and n.meta.get(meta.RECOMPUTED) and decision.collective in issued:
-            windows.setdefault(decision.collective, []).append(n)
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    deps: dict[fx.Node, list[fx.Node]] = {}
-    for name, members in windows.items():
-        issue = issued[name]
-        # a node shared with an earlier window sits there (insert_recompute moves it once): it
-        # is not ordered after this window's issue, which would close a cycle through that wait
-        members = [m for m in members if order[m] > order[issue]]
-        inside = set(members)
-        results = [m for m in members if isinstance(m.meta.get("val"), torch.Tensor)
-                   and any(u not in inside for u in m.users)]
-        for wait in (u for u in issue.users if is_wait_node(u)):
-            deps[wait] = results
-        for m in members:
-            if m.op == "call_function" and not any(a in inside for a in m.all_input_nodes):
-                deps[m] = [issue]
-    _compat.inductor_preserve_node_ordering(graph, deps)
+    def __init__(self, config: LynxConfig, record: GraphRecord):
+        self.config = config
+        self.record = record
+        self.graphs = 0
+        """Graphs run so far: the k-th one's dumps are ``post_grad<k>_*`` (Inductor compiles the
+        forward first, then the backward, or B and W with ``weight_split``; a higher-order op's
+        subgraphs before their graph)."""
 
+    def __call__(self, graph: fx.Graph) -> None:
+        gm = graph.owning_module
+        if gm is None:  # Inductor hands its post-grad passes a GraphModule's graph (post_grad_passes)
+            raise RuntimeError("lynx's post-grad passes got a graph no GraphModule owns; they rewrite "
+                               "(and torch's control_deps register subgraphs on) the owning module")
+        # a partitioned graph (forward or backward): no joint outputs to count
+        ctx = PassContext(config=self.config, record=self.record, num_fwd_outputs=0)
+        k, self.graphs = self.graphs, self.graphs + 1
+        run_passes(gm, ctx, POST_GRAD_PIPELINE, "post_grad", recompile=False, dump_prefix=f"post_grad{k}")
 
-def lynx_post_grad(graph: fx.Graph) -> None:
-    """The post-grad passes lynx adds for its own placements: :func:`split_late_addmm`,
-    :func:`split_shared_pointwise`, then :func:`pin_windows` (last: it orders what the others
-    placed). (Offload copies need no pass: their ops carry the order in their arguments,
-    ``passes/offload.py``.)"""
-    split_late_addmm(graph)
-    split_shared_pointwise(graph)
-    pin_windows(graph)
+    def uuid(self) -> tuple[str, ...]:
+        """What decides the rewrite besides lynx's sources (``_compat`` keys on those): the names
+        of the passes that run. They read nothing else of ``config``; a pass that does must add
+        it here."""
+        names = map(pass_name, POST_GRAD_PIPELINE)
+        return tuple(name for name in names if name not in self.config.disable_passes)
 
 
 class WeightSplitCompile:

@@ -1,7 +1,8 @@
-"""What Inductor compiles, as lynx shapes and reports it (``lynx_compile.inductor``):
-``split_late_addmm`` (Inductor's ``mm + add -> addmm`` fusion moved a tied weight's gradient
-matmul to the end of the backward), ``split_shared_pointwise`` and no wrapper buffer reuse
-(Llama's recomputed MLP held past its matmuls), and ``CompiledPeak`` (Inductor's own memory
+"""What Inductor compiles, as lynx shapes and reports it (``lynx_compile.inductor``): the
+post-grad passes ``split_late_addmm_pass`` (Inductor's ``mm + add -> addmm`` fusion moved a tied
+weight's gradient matmul to the end of the backward), ``split_shared_pointwise_pass`` and no
+wrapper buffer reuse (Llama's recomputed MLP held past its matmuls), run by the pass runner
+(``disable_passes``, timings in the record), and ``CompiledPeak`` (Inductor's own memory
 estimate of the fused schedule, recorded on the plan).
 
 References: the CPU allocator's measured peak of the step (``measure_step``), eager PyTorch for
@@ -18,11 +19,19 @@ import lynx_compile
 from lynx_compile import _compat
 from lynx_compile.dynamo_backend import find_backend_error
 from lynx_compile.decisions import BudgetError
-from lynx_compile.inductor import split_late_addmm, split_shared_pointwise
+from lynx_compile.config import make_config
 from lynx_compile.memory import measure_step
 from lynx_compile.models import build_model, example_batch
+from lynx_compile.passes import GraphRecord, PassContext, split_late_addmm_pass, split_shared_pointwise_pass
 
 aten = torch.ops.aten
+
+
+def _run(post_grad_pass, g: fx.Graph) -> None:
+    """``post_grad_pass`` on ``g`` in place, as Inductor's post-grad hook runs it (the graph's
+    module, a context)."""
+    ctx = PassContext(config=make_config({}), record=GraphRecord(graph_id=0, policy="full"), num_fwd_outputs=0)
+    assert post_grad_pass(fx.GraphModule({}, g), ctx).graph is g
 
 
 def _graph(late_inp: bool, rows: int = 64):
@@ -50,7 +59,7 @@ def _graph(late_inp: bool, rows: int = 64):
 def test_split_late_addmm_moves_the_matmul_to_its_operands():
     g, vals = _graph(late_inp=True)
     want = fx.GraphModule({}, copy.deepcopy(g))(**vals)
-    split_late_addmm(g)
+    _run(split_late_addmm_pass, g)
     nodes = [n for n in g.nodes if n.op == "call_function"]
     assert [n.target for n in nodes] == [aten.relu.default, aten.neg.default, aten.mm.default,
                                          aten.sin.default, aten.cos.default, aten.add.Tensor]
@@ -63,7 +72,7 @@ def test_split_late_addmm_leaves_other_addmms(case):
     than the operands it would free (rows=2: 8x4 out vs 8x2 + 2x4), stay fused."""
     g, _ = _graph(late_inp=case == "output_larger", rows=2 if case == "output_larger" else 64)
     before = [n.target for n in g.nodes]
-    split_late_addmm(g)
+    _run(split_late_addmm_pass, g)
     assert [n.target for n in g.nodes] == before
 
 
@@ -97,7 +106,7 @@ def test_split_shared_pointwise_gives_the_late_consumer_its_own_silu():
     after the pass ``h``'s kernel can run before ``dwd``, and ``dhs`` recomputes the silu."""
     g, vals = _mlp_graph(g_read_later=True)
     want = fx.GraphModule({}, copy.deepcopy(g))(**vals)
-    split_shared_pointwise(g)
+    _run(split_shared_pointwise_pass, g)
     silus = [n for n in g.nodes if n.target is aten.silu.default]
     assert len(silus) == 2 and all(len(s.users) == 1 for s in silus)
     order = {n: i for i, n in enumerate(g.nodes)}
@@ -112,34 +121,94 @@ def test_split_shared_pointwise_keeps_one_silu_when_a_copy_would_hold_its_input(
     """A copy for ``dhs`` would keep g alive until ``dh``, where it is otherwise freed: no copy."""
     g, _ = _mlp_graph(g_read_later=False)
     before = [n.target for n in g.nodes]
-    split_shared_pointwise(g)
+    _run(split_shared_pointwise_pass, g)
     assert [n.target for n in g.nodes] == before
+
+
+class _TiedLM(torch.nn.Module):
+    """An embedding tied to the LM head: the weight's gradient is the head's matmul plus the
+    embedding's scatter, which Inductor fuses into one ``addmm`` at the scatter, at the end of
+    the backward (what ``split_late_addmm_pass`` undoes)."""
+
+    def __init__(self, vocab: int = 128, dim: int = 16):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.mix = torch.nn.Linear(dim, dim)
+
+    def forward(self, ids):
+        logits = torch.relu(self.mix(self.emb(ids))) @ self.emb.weight.t()
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
+
+
+def _tied_backward_code(disabled: tuple[str, ...]):
+    """(Inductor's generated backward, the graph's record) of ``_TiedLM`` under ``full``."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = _TiedLM()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    backend = lynx_compile.backend(policy="full", plan_cache=False, disable_passes=disabled)
+    compiled = torch.compile(model, backend=backend)
+    with _no_fx_cache():  # a hit would skip the post-grad passes (and their timings)
+        _, codes = run_and_get_code(lambda: compiled(ids).backward())
+    return codes[-1], backend.records[-1]
+
+
+def test_disable_passes_turns_a_post_grad_pass_off_and_times_the_others():
+    """The post-grad passes run in the pass runner: ``disable_passes`` turns
+    ``split_late_addmm_pass`` off (Inductor's generated backward keeps its ``addmm`` of the tied
+    weight's gradient; with the pass that is an ``mm`` and an add), and every post-grad pass of
+    the forward and the backward has a timing in the record, stage ``"post_grad"``, the
+    disabled one marked skipped."""
+    names = ["split_late_addmm_pass", "split_shared_pointwise_pass", "pin_windows_pass"]
+    on, on_record = _tied_backward_code(())
+    off, off_record = _tied_backward_code(("split_late_addmm_pass",))
+    assert off.count("extern_kernels.addmm(") == on.count("extern_kernels.addmm(") + 1, (on, off)
+    assert off.count("extern_kernels.mm(") == on.count("extern_kernels.mm(") - 1, (on, off)
+    ran = [(t.name, t.skipped) for t in on_record.timings if t.stage == "post_grad"]
+    assert ran == [(n, False) for n in names] * 2, ran  # the forward's, then the backward's
+    skipped = [(t.name, t.skipped) for t in off_record.timings if t.stage == "post_grad"]
+    assert skipped == [(n, n == "split_late_addmm_pass") for n in names] * 2, skipped
+
+
+def test_post_grad_hook_cache_key_names_the_passes_that_run():
+    """Inductor's FX-graph cache keys the post-grad hook by its uuid: the same in every compile
+    of one configuration, different when a pass is disabled (a graph compiled without the pass
+    is not served the code of one compiled with it)."""
+    from lynx_compile.inductor import LynxPostGrad
+
+    def uuid(**options):
+        record = GraphRecord(graph_id=0, policy="full")
+        return _compat._chained_post_grad_pass(None, LynxPostGrad(make_config(options), record)).uuid()
+
+    assert uuid() == uuid()
+    assert uuid(disable_passes=("pin_windows_pass",)) != uuid()
+    assert uuid(disable_passes=("pin_windows_pass",)) == uuid(disable_passes=("pin_windows_pass",))
 
 
 def _llama_full_peak(lynx_settings: bool) -> tuple[int, int]:
     """HF Llama (2 layers, hidden 64, seq 64, batch 2, eager attention) under ``full``:
     (measured step peak, lynx's predicted peak). ``lynx_settings=False``: as before the fix,
-    Inductor's wrapper buffer reuse on and no ``split_shared_pointwise``."""
+    Inductor's wrapper buffer reuse on and ``split_shared_pointwise_pass`` disabled."""
     from foreign_models import hf_llama
-
-    from lynx_compile import inductor
 
     torch.compiler.reset()
     torch.manual_seed(0)
     model = hf_llama(vocab_size=128, seq_len=64, n_layers=2, hidden=64, n_heads=4, n_kv_heads=1,
                              attn="eager")
     idx = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(1))
-    backend = lynx_compile.backend(policy="full", plan_cache=False)
+    disabled = () if lynx_settings else ("split_shared_pointwise_pass",)
+    backend = lynx_compile.backend(policy="full", plan_cache=False, disable_passes=disabled)
     compiled = torch.compile(model, backend=backend)
-    saved = _compat.INDUCTOR_KEEP_PLACEMENT["allow_buffer_reuse"], inductor.split_shared_pointwise
+    saved = _compat.INDUCTOR_KEEP_PLACEMENT["allow_buffer_reuse"]
     if not lynx_settings:
         _compat.INDUCTOR_KEEP_PLACEMENT["allow_buffer_reuse"] = True
-        inductor.split_shared_pointwise = lambda graph: None
     try:
         with _no_fx_cache():
             compiled(input_ids=idx, labels=idx).loss.backward()
     finally:
-        _compat.INDUCTOR_KEEP_PLACEMENT["allow_buffer_reuse"], inductor.split_shared_pointwise = saved
+        _compat.INDUCTOR_KEEP_PLACEMENT["allow_buffer_reuse"] = saved
     m = measure_step(lambda: compiled(input_ids=idx, labels=idx).loss.backward(), repeats=1, warmup=0,
                      params=list(model.parameters()))
     _LLAMA_PARAMS[:] = list(model.parameters())
@@ -154,7 +223,7 @@ def test_hf_llama_full_measured_peak_near_the_prediction(monkeypatch):
     with both its consumers, so ``h = silu(gate) * up`` waited for the matmul ``dh`` and gate,
     up, dh, h and ``dh * silu(gate)`` were alive at once (lynx frees h first); and its wrapper
     kept freed buffers (a block's attention scores) alive to reuse their storage later. Before:
-    1.21x the prediction (4 layers: 1.20x); with ``split_shared_pointwise`` and no buffer reuse
+    1.21x the prediction (4 layers: 1.20x); with ``split_shared_pointwise_pass`` and no buffer reuse
     1.02x; since lynx's fused model reads ``dh * up`` where the silu-backward kernel computes it
     (after the input-gradient matmuls, so dh and up live until then), computes constants inline
     and writes kernels in place (``memory.simulate``), within 0.5% (4 layers: 921600 B
@@ -209,23 +278,11 @@ def _full_step_peak(batch: int, split: bool) -> tuple[int, object]:
     torch.manual_seed(0)
     model = build_model("gpt-tiny", dropout=0.0)
     x = example_batch(model, batch)
-    backend = lynx_compile.backend(policy="full", plan_cache=False)
-    original = _compat.inductor_compile_with_partitioner
-
-    def without_split(*args, **kwargs):
-        kwargs["post_grad"] = None
-        return original(*args, **kwargs)
-
+    disabled = () if split else ("split_late_addmm_pass",)
+    backend = lynx_compile.backend(policy="full", plan_cache=False, disable_passes=disabled)
     compiled = torch.compile(model, backend=backend)
-    if split:
-        with _no_fx_cache():
-            compiled(x).loss.backward()
-    else:
-        _compat.inductor_compile_with_partitioner = without_split
-        try:
-            compiled(x).loss.backward()
-        finally:
-            _compat.inductor_compile_with_partitioner = original
+    with _no_fx_cache():
+        compiled(x).loss.backward()
     m = measure_step(lambda: compiled(x).loss.backward(), repeats=1, warmup=0, params=list(model.parameters()))
     return m.peak_bytes, backend.plans[-1]
 

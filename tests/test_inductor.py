@@ -120,7 +120,7 @@ def test_none_under_inductor_is_torch_compiles_partition():
 @pytest.mark.slow
 def test_measured_peak_under_inductor_within_budget_and_monotone():
     """CPU allocator peak of the Inductor-compiled step: within the budget and falling with it.
-    Before ``inductor.split_late_addmm`` the budget held only on the unfused graphs' prediction:
+    Before ``split_late_addmm_pass`` the budget held only on the unfused graphs' prediction:
     0.508 measured at 0.5 (gpt-small ties its LM head to its embedding, and Inductor's addmm
     fusion kept the logits' gradient alive through the backward)."""
     torch.manual_seed(0)

@@ -164,7 +164,7 @@ def test_fused_kernel_writes_a_dying_input_in_place():
 
 def test_matmul_fused_into_a_late_add_runs_there():
     """``g = mm(a, b) + c`` returned (a gradient), c a matmul after the product: Inductor's
-    ``mm + add -> addmm`` computes the product at the add, and lynx's ``split_late_addmm`` leaves
+    ``mm + add -> addmm`` computes the product at the add, and lynx's ``split_late_addmm_pass`` leaves
     it there (its 256 B output is more than a and b, 64 B each, free). So no product buffer:
     a, b and c at once, 64 + 64 + 256 B; op by op the product (256 B) and c: 512 B."""
     aten = torch.ops.aten

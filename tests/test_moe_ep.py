@@ -186,7 +186,7 @@ def _ep_rank(rank: int, world: int):
 
 def _kernels_inside_all_to_alls(code: str) -> int:
     """Kernel calls Inductor's generated code makes between an ``all_to_all_single``'s issue and
-    its ``wait_tensor`` (lynx's ``pin_windows`` orders a window's recompute there)."""
+    its ``wait_tensor`` (lynx's ``pin_windows_pass`` orders a window's recompute there)."""
     inside, count = False, 0
     for line in code.splitlines():
         line = line.strip()

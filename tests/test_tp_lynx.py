@@ -8,6 +8,7 @@ configurations in turn (compilation dominates the runtime). The Inductor tests s
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import time
 
@@ -301,16 +302,18 @@ def _inductor_window_code(rank, world, windows, pin=True):
     from lynx_compile.passes import meta
 
     window_matmuls = []
-    real_pin = lynx_inductor.pin_windows
+    pipeline = lynx_inductor.POST_GRAD_PIPELINE
+    *before, real_pin = pipeline
+    assert real_pin.__name__ == "pin_windows_pass", pipeline
 
-    def counting_pin(graph):  # count the recomputed matmuls the plan put in windows, then pin
-        window_matmuls.extend(n.name for n in graph.nodes if isinstance(n.meta.get(meta.DECISION), Window)
+    @functools.wraps(real_pin)
+    def counting_pin(gm, ctx):  # count the recomputed matmuls the plan put in windows, then pin
+        window_matmuls.extend(n.name for n in gm.graph.nodes if isinstance(n.meta.get(meta.DECISION), Window)
                               and n.meta.get(meta.RECOMPUTED)  # (the forward's originals carry it too)
                               and getattr(n.target, "__name__", "").split(".")[0] in MATMULS)
-        if pin:
-            real_pin(graph)
+        return real_pin(gm, ctx) if pin else gm
 
-    lynx_inductor.pin_windows = counting_pin
+    lynx_inductor.POST_GRAD_PIPELINE = (*before, counting_pin)
     try:
         cfg = CONFIGS["gpt"]
         torch.manual_seed(0)
@@ -332,7 +335,7 @@ def _inductor_window_code(rank, world, windows, pin=True):
         with torch._inductor.config.patch(fx_graph_cache=False):
             _, codes = run_and_get_code(step)
     finally:
-        lynx_inductor.pin_windows = real_pin
+        lynx_inductor.POST_GRAD_PIPELINE = pipeline
     _assert_matches_one_process(f"gpt under Inductor, windows={windows}", cfg, False, model, losses[0])
     plan = backend.plans[-1]
     counts = plan.decisions.counts()
@@ -345,7 +348,7 @@ def _inductor_window_code(rank, world, windows, pin=True):
 
 @pytest.mark.timeout(1200)
 def test_inductor_keeps_recompute_inside_the_windows(inductor_runs):
-    """Under Inductor, lynx's ``pin_windows`` post-grad pass adds ordering edges (torch's
+    """Under Inductor, lynx's ``pin_windows_pass`` post-grad pass adds ordering edges (torch's
     ``control_deps``): the wait runs after the window's recomputes, which run after the issue.
     Checked on the generated backward: every recomputed matmul the plan put in a window is an
     extern-kernel call between a collective's issue and its wait, and more kernels run inside

@@ -37,7 +37,7 @@ def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, 
     ``keep_placement``: the settings of ``INDUCTOR_KEEP_PLACEMENT``. ``post_grad(graph)``: run
     on every post-grad graph after Inductor's own passes and the user's
     ``post_grad_custom_post_pass``, if any (``CustomGraphPass``, 2.11 and 2.13; its cache key is
-    the hash of the file defining it). ``post_fusion``: called
+    the hash of the file defining it, and its ``uuid()`` if it has one). ``post_fusion``: called
     with the scheduler's fused nodes of every graph this compile schedules (forward, backward),
     in run order (``config._post_fusion_custom_pass``, 2.11 and 2.13); it must return them.
     Inductor's FX-graph cache stays on, keyed on the pass by the hash of the file defining

@@ -93,7 +93,8 @@ def _unpickled_scheduled_pass(uuid: Any) -> Any:
 
 
 def _chained_post_grad_pass(user_pass: Any, fn: Callable[[fx.Graph], None]) -> Any:
-    """A ``CustomGraphPass`` running the user's own post-grad pass(es), if any, then ``fn``."""
+    """A ``CustomGraphPass`` running the user's own post-grad pass(es), if any, then ``fn`` (a
+    function, or an object whose ``uuid()`` says what else decides its rewrite)."""
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
     users = [p for p in (user_pass if isinstance(user_pass, (list, tuple)) else [user_pass]) if p is not None]
@@ -107,7 +108,9 @@ def _chained_post_grad_pass(user_pass: Any, fn: Callable[[fx.Graph], None]) -> A
         def uuid(self) -> Any:
             # fn's file and lynx's sources: fn calls helpers in other lynx modules, and a changed
             # helper must not reuse Inductor's FX-graph cache entries compiled with the old one
-            own = get_hash_for_files((inspect.getfile(fn),), getattr(fn, "__qualname__", ""))
-            return (own, _lynx_source_digest(), *(p.uuid() if hasattr(p, "uuid") else repr(p) for p in users))
+            src = fn if inspect.isfunction(fn) else type(fn)
+            own = get_hash_for_files((inspect.getfile(src),), getattr(src, "__qualname__", ""))
+            extra = (fn.uuid(),) if hasattr(fn, "uuid") else ()
+            return (own, _lynx_source_digest(), *extra, *(p.uuid() if hasattr(p, "uuid") else repr(p) for p in users))
 
     return Chained()

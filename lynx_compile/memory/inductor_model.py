@@ -18,7 +18,7 @@ A first-order model of the code Inductor generates for a graph (lynx's Inductor 
   when that output is a gradient, the buffer was one from the start (a tied weight's LM-head
   gradient matmul, to which the embedding's gradient is added in place);
 * a matmul that Inductor's ``mm + add -> addmm`` moves to its add, and lynx's
-  ``split_late_addmm`` leaves there, runs at the add (``late_addmms``);
+  ``split_late_addmm_pass`` leaves there, runs at the add (``late_addmms``);
 * a pointwise kernel that shares at least 1 MiB of reads with an earlier one of the same size,
   at most 64 kernels before it, runs with it, its other dependencies moved ahead (``fused_order``:
   the scheduler's fusion of independent kernels, a SwiGLU backward's products of the output
@@ -150,7 +150,7 @@ def _expands_to(t: torch.Tensor, out: torch.Tensor) -> bool:
 
 def splits_late_addmm(pos: dict[fx.Node, int], inp: fx.Node, a: fx.Node, b: fx.Node, out_bytes: int,
                       at: int) -> bool:
-    """Whether ``inductor.split_late_addmm`` moves the matmul ``a @ b``, added to ``inp`` at
+    """Whether ``split_late_addmm_pass`` moves the matmul ``a @ b``, added to ``inp`` at
     position ``at``, back to where its operands are ready: ``inp`` comes after both, and the
     matmul's output (``out_bytes``) is smaller than the operands it frees (those read nowhere after
     ``at``). The one rule for the pass and for this model of it (``late_addmms``)."""
@@ -163,7 +163,7 @@ def late_addmms(nodes: list[fx.Node]) -> set[fx.Node]:
     """The matmuls Inductor computes at the ``add`` that reads them: its post-grad pattern turns
     ``add(mm(a, b), inp)`` into ``addmm(inp, a, b)`` at the add (mm read only there, one dtype,
     ``inp`` broadcastable; on a GPU only when the add has a non-pointwise reader), and lynx's
-    ``inductor.split_late_addmm`` moves the matmul back to its operands only when ``inp`` comes
+    ``split_late_addmm_pass`` moves the matmul back to its operands only when ``inp`` comes
     after both and the matmul's output is smaller than the operands it frees. A tied weight's
     gradient (gpt-tiny's LM head) is such an add: held, its operands live to the add. (lynx
     splits only its own placements; for policies none and torch this assumes it does too.)"""

@@ -23,6 +23,15 @@ def _nbytes(val) -> int:
     return 0
 
 
+def storage_nbytes(val) -> int:
+    """Bytes of the storage behind a tensor value (a view's whole storage; numel x element size
+    on the meta device, which has none); 0 for anything else. What lynx reads of a value Inductor
+    allocates: the partitioner's tangents, ``split_late_addmm_pass``'s matmul output."""
+    if not isinstance(val, torch.Tensor):
+        return 0
+    return val.untyped_storage().nbytes() if val.device.type != "meta" else val.numel() * val.element_size()
+
+
 def _hint(d) -> int:
     if isinstance(d, int):
         return d
