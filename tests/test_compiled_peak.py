@@ -176,11 +176,12 @@ def test_post_grad_hook_cache_key_names_the_passes_that_run():
     """Inductor's FX-graph cache keys the post-grad hook by its uuid: the same in every compile
     of one configuration, different when a pass is disabled (a graph compiled without the pass
     is not served the code of one compiled with it)."""
+    from lynx_compile._compat.keyed_passes import _chained_post_grad_pass
     from lynx_compile.inductor import LynxPostGrad
 
     def uuid(**options):
         record = GraphRecord(graph_id=0, policy="full")
-        return _compat._chained_post_grad_pass(None, LynxPostGrad(make_config(options), record)).uuid()
+        return _chained_post_grad_pass(None, LynxPostGrad(make_config(options), record)).uuid()
 
     assert uuid() == uuid()
     assert uuid(disable_passes=("pin_windows_pass",)) != uuid()
