@@ -24,7 +24,7 @@ import os
 import re
 import sys
 
-from lynx_compile.sim import LayerSim, StageSim, StepSim, simulate_step
+from lynx_compile.sim import LayerSim, StageSim, StepSim, simulate_iteration
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 LAYERS = 4  # gpt-small
@@ -45,14 +45,14 @@ def tp_rows() -> list[dict]:
                          tp_forward_comm_s=(c, c), tp_backward_comm_s=(c, c),
                          recompute_on_demand_s=exposed / LAYERS,
                          recompute_in_window_s=(window / 2, window / 2) if window else ())
-        sim = simulate_step(StepSim(stages=(StageSim(layers=(layer,) * LAYERS),), num_microbatches=1))
+        sim = simulate_iteration(StepSim(stages=(StageSim(layers=(layer,) * LAYERS),), num_microbatches=1))
         rows.append(_row("C: TP=2 gpt-small, emulated link, collectives blocking", r["config"],
                          sim.iteration_s * 1e3, float(r["step_ms"])))
         # the same with the collectives hidden behind independent compute (what gloo's async
         # collectives under the emulated link allow): only recompute adds to T0
         free = dataclasses.replace(layer, tp_forward_comm_s=(), tp_backward_comm_s=(),
                                    recompute_in_window_s=())
-        sim = simulate_step(StepSim(stages=(StageSim(layers=(free,) * LAYERS),), num_microbatches=1))
+        sim = simulate_iteration(StepSim(stages=(StageSim(layers=(free,) * LAYERS),), num_microbatches=1))
         rows.append(_row("C: same, collectives overlapped", r["config"], sim.iteration_s * 1e3,
                          float(r["step_ms"])))
     return rows

@@ -5,7 +5,7 @@ import time
 import numpy as np
 import pytest
 
-from lynx_compile.remat import RematProblem, RematSolution, Unit, Window
+from lynx_compile.remat import CommWindow, RematProblem, RematSolution, Unit
 from lynx_compile.remat.evaluate import evaluate, problem_arrays
 from lynx_compile.remat.synthetic import synthetic_problem
 
@@ -22,8 +22,8 @@ def small() -> RematProblem:
     c = Unit(id=2, name="c", nbytes=8, compute_s=3 * MS, inputs=(1,), fw_pos=2, fw_last=2,
              first_use=1, need_start=1, need_end=1)
     return RematProblem(units=(a, b, c), num_fw_events=3, num_bw_events=4, fw_base=(1, 1, 1),
-                        bw_base=(5, 0, 0, 0), windows=(Window(id=7, start=0, end=1, duration_s=1 * MS),
-                                                      Window(id=8, start=2, end=3, duration_s=1 * MS)),
+                        bw_base=(5, 0, 0, 0), windows=(CommWindow(id=7, start=0, end=1, duration_s=1 * MS),
+                                                      CommWindow(id=8, start=2, end=3, duration_s=1 * MS)),
                         kappa=2.0, reference_peak=19)
 
 

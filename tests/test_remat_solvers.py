@@ -9,7 +9,7 @@ import shutil
 import pyomo.environ as pyo
 import pytest
 
-from lynx_compile.remat import InfeasibleBudget, RematProblem, Unit, Window
+from lynx_compile.remat import CommWindow, InfeasibleBudget, RematProblem, Unit
 from lynx_compile.remat import milp, milp_solvers
 from lynx_compile.remat.evaluate import evaluate, problem_arrays
 from lynx_compile.remat.heuristic import heuristic_bound, solve_heu
@@ -58,7 +58,7 @@ def window_choice():
     # x in the window + y on demand: 1 ms; y in the window + x on demand: 1.5 ms; neither: 2.5.
     x, y = U(0, 1, 1.5, 3), U(1, 1, 1, 4)
     return RematProblem(units=(x, y), num_fw_events=2, num_bw_events=5, fw_base=(0, 0),
-                        bw_base=(10, 9, 9, 0, 0), windows=(Window(id=0, start=1, end=2, duration_s=2 * MS),),
+                        bw_base=(10, 9, 9, 0, 0), windows=(CommWindow(id=0, start=1, end=2, duration_s=2 * MS),),
                         kappa=1.2, reference_peak=12)
 
 
@@ -234,7 +234,7 @@ def test_tie_break_prefers_less_memory():
     # instead of 6 B. Among equal-time plans the tie-break takes the one keeping fewer bytes.
     a, b = U(0, 4, 1, 3), U(1, 2, 1, 4)
     p = RematProblem(units=(a, b), num_fw_events=2, num_bw_events=5, fw_base=(0, 0),
-                     bw_base=(10, 0, 0, 0, 0), windows=(Window(id=0, start=1, end=2, duration_s=1 * MS),),
+                     bw_base=(10, 0, 0, 0, 0), windows=(CommWindow(id=0, start=1, end=2, duration_s=1 * MS),),
                      reference_peak=16)
     for solver in ("highs", "glpk"):
         sol = solve_milp(p, 16, solver=solver)

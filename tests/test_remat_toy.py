@@ -6,7 +6,7 @@ event 0 carries a large `bw_base`, so the budget binds there: what is kept is li
 what is recomputed on demand is live only from its first use."""
 import pytest
 
-from lynx_compile.remat import InfeasibleBudget, RematProblem, Unit, Window
+from lynx_compile.remat import CommWindow, InfeasibleBudget, RematProblem, Unit
 from lynx_compile.remat.evaluate import evaluate
 from lynx_compile.remat.heuristic import solve_heu
 from lynx_compile.remat.milp import smallest_peak, solve_milp
@@ -48,7 +48,7 @@ def window():
     # (1.5 ms); {x} alone leaves y + z exposed (2 ms). Optimum: 1.5 ms.
     units = (_unit(0, 1, 1.5, 3), _unit(1, 1, 1, 4), _unit(2, 1, 1, 5))
     return RematProblem(units=units, num_fw_events=3, num_bw_events=6, fw_base=(0, 0, 0),
-                        bw_base=(10, 0, 0, 0, 0, 0), windows=(Window(id=0, start=1, end=2, duration_s=2 * MS),),
+                        bw_base=(10, 0, 0, 0, 0, 0), windows=(CommWindow(id=0, start=1, end=2, duration_s=2 * MS),),
                         reference_peak=13)
 
 

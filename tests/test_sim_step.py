@@ -1,4 +1,4 @@
-"""simulate_step against closed forms, hand-drawn timelines and simulate_pipeline (times in ms)."""
+"""simulate_iteration against closed forms, hand-drawn timelines and simulate_pipeline (times in ms)."""
 import json
 import random
 import types
@@ -7,7 +7,7 @@ import pytest
 
 from lynx_compile.pipelining.schedule_sim import simulate_pipeline
 from lynx_compile.sim.step import (LayerSim, StageSim, StepResult, StepSim, interleaved_order, rank_orders,
-                                   simulate_step)
+                                   simulate_iteration)
 from lynx_compile.sim.timeline import plot_gantt, to_chrome_trace
 
 
@@ -19,7 +19,7 @@ def stage(F, B, R=0.0, kept=0, transient=0, static=0, send=0, **layer_kw):
 
 def run(p, m, F, B, schedule="1F1B", **kw):
     layer_kw = {k: kw.pop(k) for k in list(kw) if k in ("R", "kept", "transient", "static", "send")}
-    return simulate_step(StepSim(stages=(stage(F, B, **layer_kw),) * p, num_microbatches=m, schedule=schedule, **kw))
+    return simulate_iteration(StepSim(stages=(stage(F, B, **layer_kw),) * p, num_microbatches=m, schedule=schedule, **kw))
 
 
 # ---- time: closed forms -------------------------------------------------------------------
@@ -60,7 +60,7 @@ def test_tp_collectives_block_forward_and_backward():
     # one stage, two micro-batches: each F = 1 + 0.2 + 0.3, each B = 2 + 0.4 + 0.1 (no recompute)
     s = StageSim(layers=(LayerSim(forward_s=1.0, backward_s=2.0, tp_forward_comm_s=(0.2, 0.3),
                                   tp_backward_comm_s=(0.4, 0.1)),))
-    res = simulate_step(StepSim(stages=(s,), num_microbatches=2))
+    res = simulate_iteration(StepSim(stages=(s,), num_microbatches=2))
     assert res.iteration_s == pytest.approx(2 * (1.5 + 2.5))
     assert sum(e.kind == "TP" for e in res.events) == 2 * 4
 
@@ -74,7 +74,7 @@ def test_tp_collectives_block_forward_and_backward():
 def test_window_recompute_hidden_up_to_the_collective(r, kappa, expect_window):
     s = StageSim(layers=(LayerSim(forward_s=1.0, backward_s=2.0, tp_backward_comm_s=(1.0,),
                                   recompute_in_window_s=(r,)),))
-    res = simulate_step(StepSim(stages=(s,), num_microbatches=3, overlap_slowdown=kappa))
+    res = simulate_iteration(StepSim(stages=(s,), num_microbatches=3, overlap_slowdown=kappa))
     assert res.iteration_s == pytest.approx(3 * (1.0 + 2.0 + expect_window))
     # the recompute bar starts with the collective on the other lane (a Gantt chart shows both)
     for rec in [e for e in res.events if e.kind == "R"]:
@@ -109,7 +109,7 @@ def test_agrees_with_simulate_pipeline_on_random_cases():
         nbytes = [rng.randint(0, 1000) for _ in range(p)]
         lat, bw = rng.uniform(0, 0.3), 4000.0
         stages = tuple(stage(F[i], B[i], R=R[i], send=nbytes[i]) for i in range(p))
-        ours = simulate_step(StepSim(stages=stages, num_microbatches=m, schedule=schedule, p2p_latency_s=lat,
+        ours = simulate_iteration(StepSim(stages=stages, num_microbatches=m, schedule=schedule, p2p_latency_s=lat,
                                      p2p_bytes_per_s=bw, recompute_in_wait=wait)).iteration_s
         sends = [lat + n / bw for n in nbytes]
         theirs = simulate_pipeline(F, B, R, sends, schedule, m, recompute_in_wait=wait)
@@ -128,8 +128,8 @@ def two_layer_stage(static):
 @pytest.mark.parametrize("p,m", [(4, 8), (4, 2), (3, 3), (1, 4)])
 def test_peak_memory_closed_forms(p, m):
     stages = tuple(two_layer_stage(static=100 * (i + 1)) for i in range(p))
-    one_f1b = simulate_step(StepSim(stages=stages, num_microbatches=m))
-    gpipe = simulate_step(StepSim(stages=stages, num_microbatches=m, schedule="GPipe"))
+    one_f1b = simulate_iteration(StepSim(stages=stages, num_microbatches=m))
+    gpipe = simulate_iteration(StepSim(stages=stages, num_microbatches=m, schedule="GPipe"))
     for i in range(p):
         # 1F1B stage i holds its min(p-i, m) warm-up micro-batches during its first backward
         assert one_f1b.peak_bytes[i] == 100 * (i + 1) + min(p - i, m) * 8 + 7
@@ -143,8 +143,8 @@ def test_recompute_in_wait_holds_transients_from_the_early_recompute():
     layers = tuple(LayerSim(forward_s=0.5, backward_s=1.0, recompute_on_demand_s=0.5, kept_bytes=4,
                             backward_transient_bytes=t) for t in (7, 2))
     stages = (StageSim(layers=layers),) * 2
-    on_demand = simulate_step(StepSim(stages=stages, num_microbatches=2))
-    in_wait = simulate_step(StepSim(stages=stages, num_microbatches=2, recompute_in_wait=True))
+    on_demand = simulate_iteration(StepSim(stages=stages, num_microbatches=2))
+    in_wait = simulate_iteration(StepSim(stages=stages, num_microbatches=2, recompute_in_wait=True))
     assert on_demand.peak_bytes == (2 * 8 + 7, 8 + 7)
     assert in_wait.peak_bytes == (2 * 8 + 7 + 2, 8 + 7 + 2)
 
@@ -152,9 +152,9 @@ def test_recompute_in_wait_holds_transients_from_the_early_recompute():
 def test_oom_names_the_ranks_over_capacity():
     stages = tuple(two_layer_stage(static=0) for _ in range(4))
     peaks = (4 * 8 + 7, 3 * 8 + 7, 2 * 8 + 7, 8 + 7)  # 39, 31, 23, 15
-    res = simulate_step(StepSim(stages=stages, num_microbatches=8, device_memory_bytes=30))
+    res = simulate_iteration(StepSim(stages=stages, num_microbatches=8, device_memory_bytes=30))
     assert res.peak_bytes == peaks and res.oom == (0, 1) and not res.fits
-    assert simulate_step(StepSim(stages=stages, num_microbatches=8, device_memory_bytes=39)).fits  # peak == cap
+    assert simulate_iteration(StepSim(stages=stages, num_microbatches=8, device_memory_bytes=39)).fits  # peak == cap
 
 
 # ---- interleaved 1F1B ---------------------------------------------------------------------
@@ -186,7 +186,7 @@ def test_interleaved_memory_and_placement():
     # R=2, v=2, m=2: rank 0 runs all four forwards (stages 0, 2 x mb 0, 1) before its first backward;
     # rank 1 holds F1.0 F1.1 F3.0 during B3.0. static: rank 0 = s0 + s2 = 1 + 3, rank 1 = 2 + 4.
     stages = tuple(stage(1.0, 2.0, kept=10, transient=5, static=i + 1) for i in range(4))
-    res = simulate_step(StepSim(stages=stages, num_microbatches=2, schedule="Interleaved1F1B", num_ranks=2))
+    res = simulate_iteration(StepSim(stages=stages, num_microbatches=2, schedule="Interleaved1F1B", num_ranks=2))
     assert res.peak_bytes == (4 + 4 * 10 + 5, 6 + 3 * 10 + 5)
     assert {(e.rank, e.stage % 2) for e in res.events} == {(0, 0), (1, 1)}
 
@@ -225,7 +225,7 @@ def rich_step(schedule="1F1B", num_ranks=None, p=4, wait=True):
 
 @pytest.mark.parametrize("step", [rich_step(), rich_step("GPipe", wait=False), rich_step("Interleaved1F1B", 2)])
 def test_lanes_never_overlap_and_work_is_conserved(step):
-    res = simulate_step(step)
+    res = simulate_iteration(step)
     for r in range(step.ranks):
         for lane in ("compute", "comm"):
             spans = sorted((e.start_s, e.end_s) for e in res.events if e.rank == r and e.lane == lane)
@@ -241,12 +241,12 @@ def test_serialization_round_trips_through_strict_json():
     assert StepSim.from_dict(json.loads(json.dumps(step.to_dict(), allow_nan=False))) == step
     free_link = StepSim(stages=(stage(1.0, 2.0),), num_microbatches=1)
     assert StepSim.from_dict(json.loads(json.dumps(free_link.to_dict(), allow_nan=False))) == free_link
-    res = simulate_step(step)
+    res = simulate_iteration(step)
     assert StepResult.from_dict(json.loads(json.dumps(res.to_dict(), allow_nan=False))) == res
 
 
 def test_chrome_trace_has_one_complete_event_per_event(tmp_path):
-    res = simulate_step(rich_step("Interleaved1F1B", 2))
+    res = simulate_iteration(rich_step("Interleaved1F1B", 2))
     to_chrome_trace(res, tmp_path / "trace.json")
     doc = json.loads((tmp_path / "trace.json").read_text())
     xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
@@ -258,7 +258,7 @@ def test_chrome_trace_has_one_complete_event_per_event(tmp_path):
 
 def test_plot_gantt_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
-    plot_gantt(simulate_step(rich_step()), tmp_path / "gantt.png", title="rich step")
+    plot_gantt(simulate_iteration(rich_step()), tmp_path / "gantt.png", title="rich step")
     data = (tmp_path / "gantt.png").read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
 
@@ -298,7 +298,7 @@ def test_fsdp_communication_hides_recompute_up_to_its_length():
     B = 2 with R = 0.5 on demand beside 3 of all-gather + reduce-scatter ends 3 later: the
     recompute is hidden. With R = 1.5 the compute (3.5) outlasts the communication."""
     for r, end in ((0.5, 1.5 + 3.0), (1.5, 1.5 + 3.5)):
-        res = simulate_step(StepSim(stages=(stage(1.0, 2.0, R=r, fsdp_forward_comm_s=1.5, fsdp_backward_comm_s=3.0),),
+        res = simulate_iteration(StepSim(stages=(stage(1.0, 2.0, R=r, fsdp_forward_comm_s=1.5, fsdp_backward_comm_s=3.0),),
                                     num_microbatches=1))
         assert res.iteration_s == pytest.approx(end)
         fsdp = [e for e in res.events if e.kind == "FSDP"]

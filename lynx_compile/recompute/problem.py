@@ -25,7 +25,7 @@ from lynx_compile.decisions import DEMAND, KEEP, OFFLOAD, Decisions
 from lynx_compile.decisions import Window as DecisionWindow
 from lynx_compile.memory.simulate import backward_inputs, held_tangents, simulate_graph
 from lynx_compile.memory.storage import allocations, storage_keys
-from lynx_compile.remat.problem import RematProblem, Unit, Window
+from lynx_compile.remat.problem import CommWindow, RematProblem, Unit
 
 from lynx_compile.passes import meta
 from lynx_compile.passes.context import PassContext
@@ -267,7 +267,7 @@ def _base(timeline: list[tuple[str, int]], intervals: list[tuple[int, int, int]]
     return tuple(out)
 
 
-def _windows(bw_nodes: list[fx.Node], joint_by_name: dict, fsdp_s: float = 0.0) -> tuple[Window, ...]:
+def _windows(bw_nodes: list[fx.Node], joint_by_name: dict, fsdp_s: float = 0.0) -> tuple[CommWindow, ...]:
     """The backward's collectives, issue to wait; with ``fsdp_s`` > 0 first FSDP2's window at
     the backward's start (``distributed/fsdp.py``: the collectives outside the graph that
     outlast its compute by ``fsdp_s``)."""
@@ -277,14 +277,14 @@ def _windows(bw_nodes: list[fx.Node], joint_by_name: dict, fsdp_s: float = 0.0) 
         from lynx_compile.distributed.fsdp import WINDOW
 
         start = next((i for i, n in enumerate(bw_nodes) if n.op != "placeholder"), 0)
-        windows.append(Window(id=0, start=start, end=start, duration_s=fsdp_s, kind="fsdp", name=WINDOW))
+        windows.append(CommWindow(id=0, start=start, end=start, duration_s=fsdp_s, kind="fsdp", name=WINDOW))
     for n in bw_nodes:
         if not is_collective_node(n):
             continue
         waits = [u for u in n.users if is_wait_node(u)]
         if not waits:
             continue
-        windows.append(Window(id=len(windows), start=pos[n], end=min(pos[w] for w in waits),
+        windows.append(CommWindow(id=len(windows), start=pos[n], end=min(pos[w] for w in waits),
                               duration_s=_cost(joint_by_name.get(n.name) or n), kind=str(n.target),
                               name=n.name))
     return tuple(windows)

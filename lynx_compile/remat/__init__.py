@@ -10,7 +10,7 @@ use of their names.
 from importlib import import_module
 from typing import Any
 
-from .problem import InfeasibleBudget, RematProblem, RematSolution, Unit, Window
+from .problem import CommWindow, InfeasibleBudget, RematProblem, RematSolution, Unit
 
 _LAZY = {
     "Evaluation": "evaluate", "evaluate": "evaluate",
@@ -21,7 +21,7 @@ _LAZY = {
     "synthetic_problem": "synthetic",
 }
 
-__all__ = ["InfeasibleBudget", "RematProblem", "RematSolution", "Unit", "Window", *_LAZY]
+__all__ = ["CommWindow", "InfeasibleBudget", "RematProblem", "RematSolution", "Unit", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

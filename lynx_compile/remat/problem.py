@@ -118,8 +118,9 @@ class Unit:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Window:
-    """A communication window of the backward: a collective in flight."""
+class CommWindow:
+    """A communication window of the backward: a collective in flight (the optimizer's view of
+    it; the decision to recompute inside one is ``lynx_compile.decisions.Window``)."""
 
     id: int
     start: int
@@ -139,7 +140,7 @@ class RematProblem:
     num_bw_events: int
     fw_base: tuple[int, ...]
     bw_base: tuple[int, ...]
-    windows: tuple[Window, ...] = ()
+    windows: tuple[CommWindow, ...] = ()
     block_groups: tuple[tuple[int, ...], ...] = ()
     """Blocks (indices) that are structurally identical, one tuple per group."""
     kappa: float = 1.0
@@ -157,7 +158,7 @@ class RematProblem:
     def from_dict(cls, d: dict[str, Any]) -> "RematProblem":
         d = dict(d)
         d["units"] = tuple(Unit(**{**u, "inputs": tuple(u["inputs"])}) for u in d["units"])
-        d["windows"] = tuple(Window(**w) for w in d.get("windows", ()))
+        d["windows"] = tuple(CommWindow(**w) for w in d.get("windows", ()))
         d["block_groups"] = tuple(tuple(g) for g in d.get("block_groups", ()))
         d["fw_base"], d["bw_base"] = tuple(d["fw_base"]), tuple(d["bw_base"])
         return cls(**d)

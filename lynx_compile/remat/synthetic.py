@@ -30,7 +30,7 @@ from typing import Callable
 import numpy as np
 
 from .evaluate import evaluate
-from .problem import RematProblem, RematSolution, Unit, Window
+from .problem import CommWindow, RematProblem, RematSolution, Unit
 
 # unit records: [name, bytes, secs, input ids, block, bw reads, pinned (must_keep)]
 # (name, bytes kind, time kind, inputs relative to the sub-layer (index or "res"), what the op's
@@ -123,18 +123,18 @@ def _assemble(recs, n_blocks, upb, n_win, rng, kappa, hidden) -> RematProblem:
         i = n - 1 - ev
         done = sum(1 for j in range(n_blocks) if i <= 1 + j * upb)   # blocks whose grads exist
         bw_base.append(int(n_blocks * param + done * param + grad_t + rng.integers(0, 2**20)))
-    windows: list[Window] = []
+    windows: list[CommWindow] = []
     block_s = sum(units[1 + k].compute_s for k in range(upb))
     offs = sorted(rng.choice(max(upb - 3, 1), size=min(n_win, max(upb - 3, 1)), replace=False))
     lens = rng.integers(2, 4, len(offs))
     durs = rng.uniform(0.02, 0.08, len(offs)) * block_s
     if n_win and n > 4:                                 # the LM head's grads are reduced first
-        windows.append(Window(id=0, start=1, end=3, duration_s=float(durs.mean()), kind="reduce_scatter"))
+        windows.append(CommWindow(id=0, start=1, end=3, duration_s=float(durs.mean()), kind="reduce_scatter"))
     for j in reversed(range(n_blocks)):                 # backward order: last block first
         bw_first = n - 1 - (1 + j * upb + upb - 1)       # bw event of the block's last unit
         for o, ln, d in zip(offs, lens, durs):
             start = bw_first + int(o)
-            windows.append(Window(id=len(windows), start=start, end=min(start + int(ln), n - 1),
+            windows.append(CommWindow(id=len(windows), start=start, end=min(start + int(ln), n - 1),
                                   duration_s=float(d), kind="reduce_scatter"))
     problem = RematProblem(units=units, num_fw_events=n, num_bw_events=n, fw_base=fw_base,
                            bw_base=tuple(bw_base), windows=tuple(windows),

@@ -37,7 +37,7 @@ from typing import Any
 from lynx_compile.costs.comm import LINKS, collective_time
 
 from .profile import LayerPoint, LayerProfile
-from .step import LayerSim, StageSim, StepResult, StepSim, simulate_step
+from .step import LayerSim, StageSim, StepResult, StepSim, simulate_iteration
 
 STRATEGIES = ("none", "full", "selective", "uniform", "torch", "checkmate", "lynx-heu", "lynx-opt",
               "lynx-no-partition")
@@ -133,7 +133,7 @@ def evaluate(profile: LayerProfile, strategy: str, cluster: Cluster, layout: Lay
                    p2p_latency_s=p2p.alpha_s, p2p_bytes_per_s=p2p.bandwidth_bytes_per_s,
                    dp_allreduce_s=0.0 if layout.fsdp else collective_time("all_reduce", grad_bytes, layout.dp, dp_link),
                    overlap_slowdown=cluster.kappa, device_memory_bytes=cluster.memory_bytes)
-    res = simulate_step(step)
+    res = simulate_iteration(step)
     tokens = layout.global_batch * profile.seq_len
     out = Outcome(strategy=strategy, layers_per_stage=tuple(cuts), choices=tuple(choices),
                   iteration_s=res.iteration_s, tokens_per_s=tokens / res.iteration_s,

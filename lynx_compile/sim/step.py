@@ -1,6 +1,6 @@
 """Replay one training iteration (pipeline x tensor parallel x recompute) as a timeline.
 
-``simulate_step(StepSim) -> StepResult``: plain numbers in, events and per-rank peaks out; no
+``simulate_iteration(StepSim) -> StepResult``: plain numbers in, events and per-rank peaks out; no
 torch. Richer than ``pipelining.schedule_sim.simulate_pipeline`` (same dependency rules, same
 ``schedule_order``): each stage is a list of layers whose forward and backward are split into
 compute segments and blocking tensor-parallel collectives, and recompute is either on demand
@@ -408,7 +408,7 @@ def _peak(held: list[tuple[float, float, int]]) -> int:
     return peak
 
 
-def simulate_step(step: StepSim) -> StepResult:
+def simulate_iteration(step: StepSim) -> StepResult:
     """Replay ``step``; see the module docstring for the time and memory model.
 
     Iteration = max over ranks of (end of its last backward + dp_allreduce_s)."""
