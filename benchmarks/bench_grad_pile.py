@@ -105,7 +105,7 @@ def run_row(model: str, variant: str, budget: str | None) -> dict:
             row["pred_MiB"] = plan.peak_bytes / MIB
             row["recomputed"] = len(plan.recomputed)
             row["exposed_ms"] = plan.exposed_s * 1e3
-            row["moved"] = backend.records[-1].decisions.get("grads_in_graph")
+            row["moved"] = backend.records[-1].stats.get("grads_in_graph")
     except Exception as exc:  # noqa: BLE001 - a refusal is a result
         refusal = find_backend_error(exc, BudgetError)
         text = " ".join(str(refusal if refusal is not None else exc).split())

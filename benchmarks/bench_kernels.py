@@ -462,7 +462,7 @@ def run_backward(model: str, layers: int, batch: int, dtype: torch.dtype, timer:
             torch.cuda.reset_peak_memory_stats(timer.device)
             row["ms_step"] = t = timer(step)
             row["peak_GiB"] = torch.cuda.max_memory_allocated(timer.device) / 2**30
-            decided = backend.records[0].decisions.get("side_stream", {})
+            decided = backend.records[0].stats.get("side_stream", {})
             row["segments"] = decided.get("segments", 0)
             row["launched_early"] = decided.get("segments", 0) - decided.get("not_launched_early", 0)
             base = t if not side else base

@@ -38,12 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     compiled = torch.compile(model, backend="lynx", options=options)
     compiled(x).loss.backward()
     record = lynx_compile.backend(**options).records[-1]
-    predicted = record.decisions["forward_s"] + record.decisions["backward_s"]
+    predicted = record.stats["forward_s"] + record.stats["backward_s"]
     step = measure_step(lambda: compiled(x).loss.backward(), repeats=9, warmup=2).step_s
     err = (predicted - step) / step
     print(f"{args.model} batch {args.batch} (torch {torch.__version__}): predicted "
-          f"{predicted * 1e3:.2f} ms (fw {record.decisions['forward_s'] * 1e3:.2f}, "
-          f"bw {record.decisions['backward_s'] * 1e3:.2f}), measured step {step * 1e3:.2f} ms, "
+          f"{predicted * 1e3:.2f} ms (fw {record.stats['forward_s'] * 1e3:.2f}, "
+          f"bw {record.stats['backward_s'] * 1e3:.2f}), measured step {step * 1e3:.2f} ms, "
           f"error {err:+.1%} (tolerance {args.tolerance:.0%})")
     return 0 if abs(err) <= args.tolerance else 1
 

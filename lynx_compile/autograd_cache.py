@@ -80,7 +80,7 @@ def graph_digest(gm: fx.GraphModule, example_inputs: list) -> str:
 def keep(record: GraphRecord, key: str) -> None:
     """Store ``record`` under ``key`` for a later process served by AOTAutograd's cache (after
     the partition, and again once Inductor's compiled peak is on its plan)."""
-    record.decisions["autograd_cache_key"] = key
+    record.stats["autograd_cache_key"] = key
     plan_cache.store_record(key, record.to_dict())
 
 
@@ -102,8 +102,8 @@ def restore(record: GraphRecord, key: str) -> bool:
         return False
     for f in dataclasses.fields(GraphRecord):
         setattr(record, f.name, getattr(kept, f.name))
-    record.decisions["plan_cache"] = "hit"
-    record.decisions["served_by"] = "autograd_cache"
+    record.stats["plan_cache"] = "hit"
+    record.stats["served_by"] = "autograd_cache"
     log.info("lynx plan cache: hit for graph %d (torch's AOTAutograd cache served its compile; the plan "
              "restored from %s)", record.graph_id, plan_cache.entry_path(key))
     return True

@@ -146,8 +146,8 @@ class CompiledPeak:
         if self.step_bytes is not None and plan is not None:
             self.record.plan = dataclasses.replace(plan, compiled_peak_bytes=self.step_bytes)
             plan_cache.keep_compiled_peak(self.record, self.step_bytes)
-            if self.record.decisions.get("autograd_cache_key"):
-                autograd_cache.keep(self.record, self.record.decisions["autograd_cache_key"])
+            if self.record.stats.get("autograd_cache_key"):
+                autograd_cache.keep(self.record, self.record.stats["autograd_cache_key"])
             log.info("lynx graph %d: Inductor's estimate of the compiled step's peak %d B (lynx's "
                      "prediction for the unfused graphs %d B)", self.record.graph_id, self.step_bytes,
                      plan.peak_bytes)

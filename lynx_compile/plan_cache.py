@@ -71,7 +71,7 @@ class CachedPlan:
     plan_time_s: float = 0.0
     """Seconds the plan took when it was made (a hit reports its own, shorter, time)."""
     candidates: dict = field(default_factory=dict)
-    """``record.decisions["candidates"]``: each candidate's exposed seconds and peak."""
+    """``record.stats["candidates"]``: each candidate's exposed seconds and peak."""
     notes: tuple[str, ...] = ()
     """Notes planning wrote into the record (the seed that won and why, solver notes)."""
     torch_budget: float | None = None
@@ -259,15 +259,15 @@ def restore_compiled_peak(record: Any) -> None:
     FX-graph cache serves the graphs of a plan compiled before, and a hit there skips the
     scheduler, where ``inductor.CompiledPeak`` reads the estimate (a compile whose scheduler
     runs replaces it with its own)."""
-    peak = record.decisions.get("cached_compiled_peak_bytes")
+    peak = record.stats.get("cached_compiled_peak_bytes")
     if peak is not None and record.plan is not None:
         record.plan = dataclasses.replace(record.plan, compiled_peak_bytes=peak)
 
 
 def keep_compiled_peak(record: Any, peak: int) -> None:
     """Add Inductor's estimate ``peak`` to the entry of ``record``'s plan (found or stored under
-    ``record.decisions["plan_cache_key"]``), for later processes whose compile it serves."""
-    key = record.decisions.get("plan_cache_key")
+    ``record.stats["plan_cache_key"]``), for later processes whose compile it serves."""
+    key = record.stats.get("plan_cache_key")
     entry = load(key) if key else None
     if entry is None or entry.compiled_peak_bytes == peak:
         return

@@ -156,7 +156,7 @@ class StepRecorder:
     def _step_key(self) -> str | None:
         """The plan cache's key of this step's plan (``plan_cache.step_key``), from the piece
         calls of the step that just ended; None when a piece has no plan-cache key."""
-        keys = [p.record.decisions.get("plan_cache_key") for p in self.calls]
+        keys = [p.record.stats.get("plan_cache_key") for p in self.calls]
         if not keys or not all(keys) or not self.backend.config.plan_cache:
             return None
         from lynx_compile import plan_cache

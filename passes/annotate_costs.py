@@ -31,14 +31,14 @@ def annotate_costs_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for node in gm.graph.nodes:
         node.meta[meta.COST] = costs[node.name]
     fwd = ctx.forward_names
-    ctx.record.decisions["cost_source"] = cfg.cost_source
-    ctx.record.decisions["hardware"] = profile.name
-    ctx.record.decisions["link"] = link.name
-    ctx.record.decisions["forward_s"] = sum(c.runtime_s for n, c in costs.items() if n in fwd)
-    ctx.record.decisions["backward_s"] = sum(c.runtime_s for n, c in costs.items() if n not in fwd)
+    ctx.record.stats["cost_source"] = cfg.cost_source
+    ctx.record.stats["hardware"] = profile.name
+    ctx.record.stats["link"] = link.name
+    ctx.record.stats["forward_s"] = sum(c.runtime_s for n, c in costs.items() if n in fwd)
+    ctx.record.stats["backward_s"] = sum(c.runtime_s for n, c in costs.items() if n not in fwd)
     if cfg._fsdp is not None:  # FSDP2's collectives overlap this backward (distributed/fsdp.py)
         from lynx_compile.distributed.fsdp import FsdpComm, free_seconds
 
-        ctx.record.decisions["fsdp_comm_s"] = FsdpComm(*cfg._fsdp).seconds(link)
-        ctx.record.decisions["fsdp_window_s"] = free_seconds(cfg._fsdp, link, ctx.record.decisions["backward_s"])
+        ctx.record.stats["fsdp_comm_s"] = FsdpComm(*cfg._fsdp).seconds(link)
+        ctx.record.stats["fsdp_window_s"] = free_seconds(cfg._fsdp, link, ctx.record.stats["backward_s"])
     return gm

@@ -31,7 +31,10 @@ class GraphRecord:
     policy: str
     blocks: list[str] = field(default_factory=list)
     block_hashes: list[str] = field(default_factory=list)
-    decisions: dict[str, Any] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
+    """What the passes and the planner counted and read: the costs' source and hardware, the
+    candidates weighed, the plan cache's answer, offload and window counts (the decisions
+    themselves are ``plan.decisions``)."""
     plan: Any = None  # lynx_compile.plan.RecomputePlan once partitioned
     reference_peak_bytes: int | None = None  # no-recompute peak (the budget's 100%)
     timings: list[PassTiming] = field(default_factory=list)
@@ -72,6 +75,8 @@ class GraphRecord:
         fields (e.g. this process's ``graph_id``) replace the written ones. Raises ``TypeError``
         / ``KeyError`` / ``ValueError`` on anything but ``to_dict``'s form."""
         names = {f.name for f in dataclasses.fields(cls)}
+        if isinstance(data, dict) and "decisions" in data and "stats" not in data:
+            data = {("stats" if k == "decisions" else k): v for k, v in data.items()}  # written before the rename
         if not isinstance(data, dict) or not set(data) <= names:
             raise ValueError(f"expected an object with the fields {sorted(names)}")
         data = {k: v for k, v in data.items() if k not in ("problem", "unit_index")}

@@ -45,7 +45,7 @@ def fuse_recompute_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         elif node.target is aten.gelu.default and hasattr(torch.ops.lynx, "bias_gelu") and _fuse_gelu(gm, node):
             fused["gelu"] += 1
     gm.graph.eliminate_dead_code()
-    ctx.record.decisions["fused_recompute"] = fused
+    ctx.record.stats["fused_recompute"] = fused
     return gm
 
 

@@ -84,5 +84,5 @@ def insert_recompute_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
         gm.graph.lint()
     except Exception as e:  # a window unit read something produced after its collective
         raise RuntimeError(f"lynx planner bug: window placement broke the graph order: {e}") from e
-    ctx.record.decisions["recompute_nodes_in_windows"] = moved
+    ctx.record.stats["recompute_nodes_in_windows"] = moved
     return gm

@@ -3,7 +3,7 @@
 Runs on the partitioned graphs (the partitioner saved those tensors: an offloaded unit is not
 tagged for recompute). Reads ``ctx.decisions`` (its ``offloaded()`` units and their member
 nodes), ``meta.COST``, the host link of ``config.hardware``. Writes ``meta.OFFLOAD`` on the
-inserted nodes, and ``record.decisions["offload"]`` (units, bytes sent to host per step, copy
+inserted nodes, and ``record.stats["offload"]`` (units, bytes sent to host per step, copy
 seconds one way, exposed seconds by the model below).
 
 ``offload_forward_pass``, for each saved output ``x`` of an offloaded unit::
@@ -122,7 +122,7 @@ def offload_forward_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
         summary["copy_s"] += copy_s
         summary["exposed_fw_s"] += exposed
     out.args = (tuple(outs), *out.args[1:])
-    ctx.record.decisions["offload"] = {**ctx.record.decisions.get("offload", {}), **summary}
+    ctx.record.stats["offload"] = {**ctx.record.stats.get("offload", {}), **summary}
     return gm
 
 
@@ -163,6 +163,6 @@ def offload_backward_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
         wait.meta[meta.OFFLOAD] = "reload_wait"
         for u in users:
             u.replace_input_with(host, reloaded)
-    rec = ctx.record.decisions.setdefault("offload", {})
+    rec = ctx.record.stats.setdefault("offload", {})
     rec["exposed_bw_s"] = exposed_total
     return gm

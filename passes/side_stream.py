@@ -2,7 +2,7 @@
 
 Reads ``meta.RECOMPUTED`` and ``meta.COST``, ``config.side_stream`` and ``config.side_stream_extra_bytes``. Writes
 ``meta.SIDE_STREAM = k`` on the nodes of segment k and on its markers, and
-``record.decisions["side_stream"]``.
+``record.stats["side_stream"]``.
 
 A *segment* is a maximal run of consecutive recomputed nodes (collectives excluded: they stay on
 the main stream with their wait). torch's partitioner places recompute on demand, right before
@@ -70,7 +70,7 @@ def side_stream_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         gm.graph.lint()
     except Exception as e:  # a segment moved above one of its inputs
         raise RuntimeError(f"lynx bug: side-stream placement broke the graph order: {e}") from e
-    ctx.record.decisions["side_stream"] = {
+    ctx.record.stats["side_stream"] = {
         "segments": len(segments),
         "nodes": sum(len(s.nodes) for s in segments),
         "recompute_s": sum(_seconds(n) for s in segments for n in s.nodes),

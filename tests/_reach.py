@@ -66,7 +66,7 @@ def plan_reach(model, example_inputs: tuple, baselines=BASELINES, **common) -> l
     for (policy, options), base, records in zip(baselines, bases, lynx_records):
         name = f"torch@{options['memory_budget']}" if policy == "torch" else policy
         lynx = _one(records)
-        candidates = tuple(records[0].decisions.get("candidates", {}))
+        candidates = tuple(records[0].stats.get("candidates", {}))
         rows.append(Reach(name, base.peak_bytes, base.exposed_s, lynx.peak_bytes, lynx.exposed_s, lynx.solver,
                           candidates))
     return rows

@@ -101,7 +101,7 @@ def _train(rank: int, world: int, mode: str, options: dict) -> dict:
                        "budget": plan.budget_bytes, "step_peak": plan.step_peak_bytes,
                        "recomputed": len(plan.recomputed),
                        "demand": counts["demand"] + counts["window"],
-                       "fingerprint": r.decisions.get("plan_fingerprint")})
+                       "fingerprint": r.stats.get("plan_fingerprint")})
     params = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
     return {"losses": losses, "params": params if rank == 0 else None, "graphs": graphs}
 

@@ -75,8 +75,8 @@ def _train(rank: int, world: int, options: dict, trace: bool) -> dict:
     record = backend.records[-1]
     windows = [d.collective for _, d in record.plan.decisions.units if hasattr(d, "collective")]
     return {"losses": losses, "block_bytes": block_bytes, "fsdp": record.fsdp,
-            "window_s": record.decisions.get("fsdp_window_s"), "windows": windows,
-            "moved": record.decisions.get("recompute_nodes_in_windows"), "ranges": ranges,
+            "window_s": record.stats.get("fsdp_window_s"), "windows": windows,
+            "moved": record.stats.get("recompute_nodes_in_windows"), "ranges": ranges,
             "choice": record.step.current if record.step is not None else None}
 
 

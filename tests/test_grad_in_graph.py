@@ -56,7 +56,7 @@ def test_lowers_measured_peak_same_gradients(compiler):
         m = measure_step(lambda: run(x).loss.backward(), repeats=1, warmup=1, params=list(model.parameters()))
         peaks[acc], preds[acc] = m.peak_bytes, backend.plans[-1].peak_bytes
         if acc:
-            moved = backend.records[-1].decisions["grads_in_graph"]
+            moved = backend.records[-1].stats["grads_in_graph"]
             assert moved == sum(1 for p in model.parameters() if p.requires_grad)
     grad_bytes = sum(p.numel() * p.element_size() for p in _model()[0].parameters())
     # full recompute: the pile sets the peak; in the graph most of it goes

@@ -45,4 +45,4 @@ def test_a_node_two_windows_read_runs_in_the_earlier_one():
     # amax and the where it reads run in all_reduce_1's window; sub in all_reduce_2's
     assert pos["all_reduce_1"] < pos["where_recomputed"] < pos["amax_recomputed"] < pos["wait_1"], order
     assert pos["all_reduce_2"] < pos["sub_recomputed"] < pos["wait_2"], order
-    assert ctx.record.decisions["recompute_nodes_in_windows"] == 3
+    assert ctx.record.stats["recompute_nodes_in_windows"] == 3

@@ -178,8 +178,8 @@ def _ep_rank(rank: int, world: int):
             "report": describe(windows),
             "scopes": [r.plan.budget_scope for r in backend.records if r.plan is not None],
             # recompute nodes the rewrite put between a window's issue and its wait (all graphs)
-            "moved": sum(r.decisions.get("recompute_nodes_in_windows", 0) for r in backend.records),
-            "fingerprints": [r.decisions.get("plan_fingerprint") for r in backend.records],
+            "moved": sum(r.stats.get("recompute_nodes_in_windows", 0) for r in backend.records),
+            "fingerprints": [r.stats.get("plan_fingerprint") for r in backend.records],
             "choices": [(r.graph_id, r.step_choice) for r in backend.records],
             "kernels_in_all_to_alls": sum(_kernels_inside_all_to_alls(c) for c in codes)}
 

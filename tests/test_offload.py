@@ -106,8 +106,8 @@ def test_gpt_tiny_offload_trains_like_eager(monkeypatch, solver):
     record = backend.records[-1]
     plan = record.plan
     assert plan.decisions.counts()["offload"] > 0 and plan.peak_bytes <= plan.budget_bytes
-    assert record.decisions["offload"]["bytes"] > 0
-    assert plan.offload_bytes == record.decisions["offload"]["bytes"]
+    assert record.stats["offload"]["bytes"] > 0
+    assert plan.offload_bytes == record.stats["offload"]["bytes"]
     assert plan.offload_copy_s > 0 and plan.offload_exposed_s >= 0
 
 
@@ -192,7 +192,7 @@ def test_offload_under_inductor_trains_like_eager_and_waits_before_each_use(monk
                    and not other.startswith(("assert_", "del ", "#")) and j != i]
         assert all(j > i for j in readers), (buf, lines[min(readers)])
         assert readers, f"{buf} is never read"
-    assert 0 < waits <= backend.records[-1].decisions["offload"]["tensors"]
+    assert 0 < waits <= backend.records[-1].stats["offload"]["tensors"]
 
 
 def test_lynx_train_offload_flag_trains_like_one_process_and_reports_offload(monkeypatch):

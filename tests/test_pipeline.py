@@ -312,7 +312,7 @@ def _offload_pipeline(rank, world, memory):
                                schedule="1F1B", options={"solver": "heu", "offload": True},
                                memory_per_device=memory, recompute_in_wait=False)
     compared = _steps_against_reference(pl, ref, idx)
-    offloaded = sum(r.decisions.get("offload", {}).get("tensors", 0) for b in pl.backends.values() for r in b.records)
+    offloaded = sum(r.stats.get("offload", {}).get("tensors", 0) for b in pl.backends.values() for r in b.records)
     return {**compared, "stages": sorted(pl.modules), "layers": pl.plan.layers_per_stage, "offloaded": offloaded,
             "recomputed": sum(len(r.plan.recomputed) for b in pl.backends.values() for r in b.records if r.plan)}
 

@@ -80,9 +80,9 @@ def _step(budget: float, compiler: str = "eager") -> dict:
     return {"units": plan.decisions.to_dict()["units"], "members": plan.decisions.to_dict()["members"],
             "source": plan.decisions.source, "peak_bytes": plan.peak_bytes, "saved_bytes": plan.saved_bytes,
             "solver": plan.solver, "status": plan.solver_status, "exposed_s": plan.exposed_s,
-            "notes": list(plan.notes), "candidates": record.decisions.get("candidates"),
-            "cache": record.decisions.get("plan_cache"), "grads": grads.tolist(),
-            "compiled_peak": plan.compiled_peak_bytes, "served_by": record.decisions.get("served_by"),
+            "notes": list(plan.notes), "candidates": record.stats.get("candidates"),
+            "cache": record.stats.get("plan_cache"), "grads": grads.tolist(),
+            "compiled_peak": plan.compiled_peak_bytes, "served_by": record.stats.get("served_by"),
             "fx": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")},
             "aot": {k: v for k, v in counters["aot_autograd"].items() if k.startswith("autograd_cache")}}
 
@@ -170,9 +170,9 @@ def test_torch_seed_is_partitioned_again_at_its_setting(cache_dir, monkeypatch):
     monkeypatch.setattr(optimize, "plan_lynx", no_plan)
     monkeypatch.setattr(seeds, "BASELINES", ())
     miss = _plan([{"memory_budget": BUDGET}])[0]
-    assert miss.decisions["plan_cache"] == "miss" and miss.plan.solver.startswith("baseline:torch")
+    assert miss.stats["plan_cache"] == "miss" and miss.plan.solver.startswith("baseline:torch")
     hit = _plan([{"memory_budget": BUDGET}])[0]
-    assert hit.decisions["plan_cache"] == "hit" and hit.plan.solver == miss.plan.solver
+    assert hit.stats["plan_cache"] == "hit" and hit.plan.solver == miss.plan.solver
     assert hit.plan.decisions.units == miss.plan.decisions.units
     assert hit.plan.peak_bytes == miss.plan.peak_bytes
     assert [d.name for d in hit.plan.saved] == [d.name for d in miss.plan.saved]
@@ -183,17 +183,17 @@ def test_torch_seed_is_partitioned_again_at_its_setting(cache_dir, monkeypatch):
 
 def test_other_budget_option_or_graph_misses(cache_dir, lynx_log):
     first = _plan([{"memory_budget": BUDGET}])[0]
-    assert first.decisions["plan_cache"] == "miss"
+    assert first.stats["plan_cache"] == "miss"
     again, budget, option = _plan([{"memory_budget": BUDGET}, {"memory_budget": 0.95},
                                    {"memory_budget": BUDGET, "windows": False}])
-    assert again.decisions["plan_cache"] == "hit"
+    assert again.stats["plan_cache"] == "hit"
     assert again.plan.decisions.units == first.plan.decisions.units
-    assert budget.decisions["plan_cache"] == "miss" and option.decisions["plan_cache"] == "miss"
+    assert budget.stats["plan_cache"] == "miss" and option.stats["plan_cache"] == "miss"
     from lynx_compile.models import example_batch
 
     model, _ = _gpt_tiny()
     graph = _plan([{"memory_budget": 0.95}], model, example_batch(model, 3))[0]  # another graph (batch 3)
-    assert graph.decisions["plan_cache"] == "miss"
+    assert graph.stats["plan_cache"] == "miss"
     assert len(_entries(cache_dir)) == 4
     assert sum("lynx plan cache: hit" in r.message for r in lynx_log.records) == 1
 
@@ -217,7 +217,7 @@ def test_options_that_do_not_plan_share_the_key():
 
 def test_plan_cache_false_writes_nothing(cache_dir):
     record = _plan([{"memory_budget": BUDGET, "plan_cache": False}])[0]
-    assert "plan_cache" not in record.decisions and not _entries(cache_dir)
+    assert "plan_cache" not in record.stats and not _entries(cache_dir)
 
 
 # --- entries never trusted -------------------------------------------------------------------
@@ -239,7 +239,7 @@ def test_damaged_entry_is_ignored_with_a_warning_and_replaced(cache_dir, caplog,
     caplog.set_level(logging.INFO, logger="lynx_compile")
     again = _plan([{"memory_budget": BUDGET}])[0]
     assert any(r.levelno == logging.WARNING and "lynx plan cache" in r.message for r in caplog.records)
-    assert again.decisions["plan_cache"] == "miss"
+    assert again.stats["plan_cache"] == "miss"
     assert again.plan.decisions.units == first.plan.decisions.units
     replaced = plan_cache.load(path.stem)  # by the new plan
     assert replaced is not None and replaced.decisions.units == first.plan.decisions.units
@@ -252,7 +252,7 @@ def test_entry_above_the_budget_is_not_used(cache_dir, caplog):
     keep_all = Decisions.make("lynx", {}).to_dict()  # recomputes nothing: the no-recompute peak
     path.write_text(json.dumps({**good, "plan": {**good["plan"], "decisions": keep_all}}))
     again = _plan([{"memory_budget": BUDGET}])[0]
-    assert again.decisions["plan_cache"] == "miss"
+    assert again.stats["plan_cache"] == "miss"
     assert any("above the budget" in r.message for r in caplog.records if r.levelno == logging.WARNING)
     assert again.plan.peak_bytes <= again.plan.budget_bytes
 

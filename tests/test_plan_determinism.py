@@ -57,7 +57,7 @@ def _records(records) -> list[dict]:
     for r in records:
         plan = {k: v for k, v in json.loads(r.plan.to_json()).items() if k not in TIMINGS}
         out.append({"plan": plan, "decisions": r.plan.decisions.to_dict(), "counts": r.plan.decisions.counts(),
-                    "candidates": r.decisions.get("candidates")})
+                    "candidates": r.stats.get("candidates")})
     return out
 
 

@@ -41,7 +41,7 @@ def test_side_stream_keeps_loss_and_gradients_equal_to_eager(policy, options):
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5, msg=name)
     runner = backend.side_stream_runners[0]
-    decided = backend.records[0].decisions["side_stream"]
+    decided = backend.records[0].stats["side_stream"]
     assert runner.num_segments == decided["segments"] > 0
     if policy == "full":  # one recompute segment per block
         assert decided["segments"] == model.config.n_layers
@@ -60,7 +60,7 @@ def test_side_pieces_hold_only_recompute_and_launch_one_segment_ahead():
             ops = [n for n in step.piece.graph.nodes if n.op == "call_function"]
             assert ops and all(n.name.endswith("_recomputed") or "rng" in str(n.target)
                                or n.target is operator.getitem for n in ops)
-    decided = backend.records[0].decisions["side_stream"]
+    decided = backend.records[0].stats["side_stream"]
     assert decided["not_launched_early"] == 0 and decided["main_nodes_overlapped"] > 0
     kinds = [s.kind for s in runner.steps]
     # with room to spare, main-stream work sits between each segment's end and its wait
@@ -131,7 +131,7 @@ def test_pass_brackets_a_hand_built_segment_and_launches_it_first():
     runner = SideStreamRunner(gm, lambda piece: lambda args: piece(*args), InlineStreams())
     torch.testing.assert_close(runner(list(inputs)), want)
     assert runner.streams.log == [("begin", 0), ("end", 0), ("wait", 0)]
-    assert ctx.record.decisions["side_stream"]["main_nodes_overlapped"] == 2
+    assert ctx.record.stats["side_stream"]["main_nodes_overlapped"] == 2
 
 
 def test_runner_drops_values_after_their_last_piece():

@@ -198,5 +198,5 @@ def test_a_rerun_takes_the_pieces_and_the_step_plan_from_the_plan_cache(tmp_path
     assert [r.step_choice for r in again.records] == [r.step_choice for r in first.records]
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_again))
     if compiler == "inductor":
-        assert [r.decisions.get("served_by") for r in again.records] == ["autograd_cache"] * len(again.records)
+        assert [r.stats.get("served_by") for r in again.records] == ["autograd_cache"] * len(again.records)
         assert [r.plan.peak_bytes for r in again.records] == [r.plan.peak_bytes for r in first.records]

@@ -91,8 +91,8 @@ def _lynx_tp_matches(rank, world, configs, compiler="eager"):
         out.append({"name": name, "sp": sp, "budget": budget, "peak_fraction": plan.peak_fraction,
                     "recomputed": counts["demand"] + counts["window"],
                     "windowed": counts["window"],
-                    "moved": backend.records[-1].decisions.get("recompute_nodes_in_windows", 0),
-                    "fingerprint": backend.records[-1].decisions["plan_fingerprint"]})
+                    "moved": backend.records[-1].stats.get("recompute_nodes_in_windows", 0),
+                    "fingerprint": backend.records[-1].stats["plan_fingerprint"]})
     return out
 
 
@@ -339,7 +339,7 @@ def _inductor_window_code(rank, world, windows, pin=True):
     _assert_matches_one_process(f"gpt under Inductor, windows={windows}", cfg, False, model, losses[0])
     plan = backend.plans[-1]
     counts = plan.decisions.counts()
-    moved = backend.records[-1].decisions.get("recompute_nodes_in_windows", 0)
+    moved = backend.records[-1].stats.get("recompute_nodes_in_windows", 0)
     return {"inside": _kernels_inside_windows(codes[-1]), "moved": moved, "window_matmuls": window_matmuls,
             "matmuls_inside": _kernels_inside_windows(codes[-1], ("extern_kernels.",)),
             "ordered": codes[-1].count("Unsorted Source Nodes"),

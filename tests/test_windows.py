@@ -89,7 +89,7 @@ def test_recompute_runs_inside_windows_and_matches_eager(group, monkeypatch, tmp
     windowed = [n for n, d in plan.decisions if isinstance(d, Window)]
     assert windowed, plan.decisions
     record = backend.records[-1]
-    assert record.decisions["recompute_nodes_in_windows"] > 0
+    assert record.stats["recompute_nodes_in_windows"] > 0
     # in the final backward, recomputation sits between an all_reduce and its wait_tensor
     code = (tmp_path / f"graph_{record.graph_id}" / "backward_01_insert_recompute_pass_after.txt").read_text()
     lines = [ln.strip() for ln in code.splitlines() if "=" in ln]

@@ -162,7 +162,7 @@ def pin_random_outputs(gm: fx.GraphModule, ctx: PassContext) -> None:
             for out in outs:
                 out.meta["recompute"] = CheckpointPolicy.MUST_SAVE
                 pinned += 1
-    ctx.record.decisions["torch_rng_outputs_pinned"] = pinned
+    ctx.record.stats["torch_rng_outputs_pinned"] = pinned
 
 
 BASELINE_POLICIES = ("none", "full", "selective")
@@ -189,7 +189,7 @@ def baseline_decisions(gm: fx.GraphModule, ctx: PassContext, policy: str) -> Dec
         region = full_region(nodes, ctx) if policy == "full" else attention_core(nodes, ctx)
         units.update(dict.fromkeys((n.name for n in region), DEMAND))
         counts[ctx.record.blocks[block] if block < len(ctx.record.blocks) else str(block)] = len(region)
-    ctx.record.decisions["recompute_nodes_per_block"] = counts
+    ctx.record.stats["recompute_nodes_per_block"] = counts
     if policy == "selective" and not any(counts.values()):
         ctx.record.notes.append(
             "selective: no attention core (softmax between matmuls) found; with fused attention "

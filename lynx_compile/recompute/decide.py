@@ -75,7 +75,7 @@ def _plan_and_seed(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: in
         # the plan time a user sees covers the baselines tried as seeds (and a failed solve)
         outcome.plan_time_s = time.perf_counter() - start
     if outcome.applied.record is not ctx.record:  # a seed won: its passes' counts are the plan's
-        ctx.record.decisions.update(outcome.applied.record.decisions)
+        ctx.record.stats.update(outcome.applied.record.stats)
     realize_tags(joint, ctx, outcome.decisions)
     return outcome
 
@@ -142,7 +142,7 @@ def _plan_piece(joint, ctx: PassContext, kw: dict, budget: int | None, reference
         if same not in seen:  # min-cut gives the same partition at many settings
             seen.add(same)
             scored.append((name, cost, applied))
-    ctx.record.decisions["candidates"] = {n: {"exposed_s": e, "saved_bytes": a.mem.saved_bytes} for n, e, a in scored}
+    ctx.record.stats["candidates"] = {n: {"exposed_s": e, "saved_bytes": a.mem.saved_bytes} for n, e, a in scored}
     choices = tuple(step_candidate(n, e, a.mem) for n, e, a in scored)
     fitting = [c for c in scored if budget is None or c[2].mem.saved_bytes <= budget]
     if fitting:
@@ -166,7 +166,7 @@ def _plan_piece(joint, ctx: PassContext, kw: dict, budget: int | None, reference
 def _piece_outcome(joint, ctx: PassContext, name: str, cost: float, applied: Applied, own, note: str):
     from lynx_compile.recompute.optimize import LynxOutcome
 
-    ctx.record.decisions.update(applied.record.decisions)
+    ctx.record.stats.update(applied.record.stats)
     realize_tags(joint, ctx, applied.decisions)
     ctx.record.notes.append(note)
     if name == "lynx":

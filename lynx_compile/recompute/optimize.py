@@ -152,7 +152,7 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, base_fw: fx.GraphModule, 
     source = decisions.source
     if source == "solver" and cfg.plan_cache:
         _CACHE[key] = (decisions, solver, status, exposed)
-    ctx.record.decisions["plan_source"] = source
+    ctx.record.stats["plan_source"] = source
     return LynxOutcome(applied=applied, problem=problem, solver=solver or source, status=status or source,
                        exposed_s=exposed, plan_time_s=time.perf_counter() - start if source == "solver" else 0.0,
                        solve_s=solve_s)
@@ -184,22 +184,22 @@ def with_plan_cache(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: i
     hit = _apply_cached(joint, ctx, kw, budget, entry, key) if entry is not None else None
     if _every_rank_hit(hit):
         log.info("lynx plan cache: hit %s", key[:12])
-        ctx.record.decisions["plan_cache"] = "hit"
-        ctx.record.decisions["plan_source"] = "cache"
-        ctx.record.decisions["candidates"] = entry.candidates
+        ctx.record.stats["plan_cache"] = "hit"
+        ctx.record.stats["plan_source"] = "cache"
+        ctx.record.stats["candidates"] = entry.candidates
         ctx.record.notes.extend(n for n in entry.notes if n not in ctx.record.notes)
         if entry.compiled_peak_bytes is not None:  # plan_cache.restore_compiled_peak puts it on the plan
-            ctx.record.decisions["cached_compiled_peak_bytes"] = entry.compiled_peak_bytes
+            ctx.record.stats["cached_compiled_peak_bytes"] = entry.compiled_peak_bytes
         return LynxOutcome(applied=hit, problem=None, solver=entry.solver, status=entry.status,
                            exposed_s=entry.exposed_s, plan_time_s=time.perf_counter() - start)
     log.info("lynx plan cache: miss %s", key[:12])
     notes_before = len(ctx.record.notes)
     outcome = plan()
-    ctx.record.decisions["plan_cache"] = "miss"
+    ctx.record.stats["plan_cache"] = "miss"
     plan_cache.store(key, plan_cache.CachedPlan(
         decisions=outcome.decisions, solver=outcome.solver, status=outcome.status, exposed_s=outcome.exposed_s,
         solve_s=outcome.solve_s, plan_time_s=outcome.plan_time_s, torch_budget=outcome.applied.torch_budget,
-        candidates=ctx.record.decisions.get("candidates", {}), notes=tuple(ctx.record.notes[notes_before:])),
+        candidates=ctx.record.stats.get("candidates", {}), notes=tuple(ctx.record.notes[notes_before:])),
         fields)
     return outcome
 
@@ -214,13 +214,13 @@ def _cache_key(joint: fx.GraphModule, ctx: PassContext, reference: int, budget: 
 
     cfg = ctx.config
     fields = plan_cache.key_fields(
-        cfg, graph_hash=ctx.record.decisions.get("graph_hash", ""), graph_digest=graph_digest(joint),
+        cfg, graph_hash=ctx.record.stats.get("graph_hash", ""), graph_digest=graph_digest(joint),
         reference_peak=reference, budget=budget, world_size=planning_world_size(),
-        profile={"hardware": get_profile(cfg.hardware).to_dict(), "link": ctx.record.decisions.get("link")})
+        profile={"hardware": get_profile(cfg.hardware).to_dict(), "link": ctx.record.stats.get("link")})
     if scope is not None:
         fields["scope"] = scope
     key = plan_cache.plan_key(fields)
-    ctx.record.decisions["plan_cache_key"] = key
+    ctx.record.stats["plan_cache_key"] = key
     return key, fields
 
 
@@ -254,7 +254,7 @@ def with_piece_cache(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: 
     if _every_rank_hit(hit[0] if hit is not None else None):
         applied, choices = hit
         log.info("lynx plan cache: hit %s", key[:12])
-        ctx.record.decisions.update(plan_cache="hit", plan_source="cache", candidates=entry.candidates)
+        ctx.record.stats.update(plan_cache="hit", plan_source="cache", candidates=entry.candidates)
         ctx.record.notes.extend(n for n in entry.notes if n not in ctx.record.notes)
         ctx.record.step = choices
         return applied, LynxOutcome(applied=applied, problem=None, solver=entry.solver, status=entry.status,
@@ -262,11 +262,11 @@ def with_piece_cache(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: 
     log.info("lynx plan cache: miss %s", key[:12])
     notes_before = len(ctx.record.notes)
     applied, outcome = plan()
-    ctx.record.decisions["plan_cache"] = "miss"
+    ctx.record.stats["plan_cache"] = "miss"
     plan_cache.store(key, plan_cache.CachedPlan(
         decisions=applied.decisions, solver=outcome.solver, status=outcome.status, exposed_s=outcome.exposed_s,
         plan_time_s=time.perf_counter() - start, torch_budget=applied.torch_budget,
-        candidates=ctx.record.decisions.get("candidates", {}), notes=tuple(ctx.record.notes[notes_before:]),
+        candidates=ctx.record.stats.get("candidates", {}), notes=tuple(ctx.record.notes[notes_before:]),
         step=ctx.record.step.to_dict() if ctx.record.step is not None else None), fields)
     return applied, outcome
 

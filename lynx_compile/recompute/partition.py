@@ -71,7 +71,7 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
         from lynx_compile.grad_in_graph import param_indices, rewrite_joint
 
         *_, reference = untagged_partition(joint, joint_inputs, kw, inductor=inductor)
-        record.decisions["grads_in_graph"] = rewrite_joint(
+        record.stats["grads_in_graph"] = rewrite_joint(
             joint, num_fwd_outputs, param_indices(joint, num_fwd_outputs, static_lifetime_input_indices))
     ctx = PassContext(config=config, record=record, num_fwd_outputs=num_fwd_outputs,
                       joint_inputs=joint_inputs,
@@ -82,7 +82,7 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
         ctx.untagged = TakeOnce((base_fw, base_bw))
     record.reference_peak_bytes = reference.peak_bytes
     # Hashed before any tagged partition: replaying RNG adds nodes to the joint graph in place.
-    ctx.record.decisions["graph_hash"] = structural_hash(list(joint.graph.nodes))
+    ctx.record.stats["graph_hash"] = structural_hash(list(joint.graph.nodes))
     piece = record.blocks == [WHOLE_GRAPH] or record.takes_activations
     if piece:  # one block or a piece of a model: what adds up across graphs is what each saves
         budget = _budget_bytes(config, reference.saved_bytes)
@@ -104,7 +104,7 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
     record.segment_costs = segment_costs(joint, ctx.forward_names)
     if config.check_plan_agreement:
         with _compat.eager_dispatch():  # real tensors for the all-gather, not the compile's fakes
-            record.decisions["plan_fingerprint"] = check_plan_agreement(record.plan, record.graph_id)
+            record.stats["plan_fingerprint"] = check_plan_agreement(record.plan, record.graph_id)
 
     if budget is not None and piece and mem.saved_bytes > budget and config.policy != "lynx":
         raise refuse(config.budget, reference.saved_bytes, None,
@@ -211,9 +211,9 @@ def build_plan(policy: str, joint: fx.GraphModule, applied: Applied, ctx: PassCo
                                    saved=tuple(d.name for d in s), recomputed=tuple(d.name for d in r),
                                    recompute_s=sum(d.recompute_s for d in r)))
     recompute_s = sum(d.recompute_s for d in recomputed)
-    offload = applied.record.decisions.get("offload", {})
+    offload = applied.record.stats.get("offload", {})
     return RecomputePlan(
-        policy=policy, graph_hash=ctx.record.decisions.get("graph_hash") or structural_hash(list(joint.graph.nodes)),
+        policy=policy, graph_hash=ctx.record.stats.get("graph_hash") or structural_hash(list(joint.graph.nodes)),
         saved=tuple(saved), recomputed=tuple(recomputed), blocks=tuple(blocks),
         saved_bytes=mem.saved_bytes, peak_bytes=mem.peak_bytes,
         forward_peak_bytes=mem.forward_peak_bytes, backward_peak_bytes=mem.backward_peak_bytes,

@@ -136,7 +136,7 @@ def extract_remat_problem(joint: fx.GraphModule, fw_ref: fx.GraphModule, bw_ref:
     problem = RematProblem(
         units=tuple(units), num_fw_events=len(fw_nodes), num_bw_events=len(bw_nodes),
         fw_base=fw_base, bw_base=bw_base,
-        windows=_windows(bw_nodes, joint_by_name, ctx.record.decisions.get("fsdp_window_s", 0.0))
+        windows=_windows(bw_nodes, joint_by_name, ctx.record.stats.get("fsdp_window_s", 0.0))
         if ctx.config.windows else (),
         block_groups=_block_groups(ctx.record.block_hashes), reference_peak=ctx.record.reference_peak_bytes or 0,
         graph_hash=structural_hash(list(joint.graph.nodes)))

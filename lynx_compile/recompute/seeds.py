@@ -47,7 +47,7 @@ _SETTING_NAMES = frozenset(f"torch@{s:g}" for s in TORCH_SETTINGS)
 def exposed(applied: Applied, joint: fx.GraphModule) -> float:
     """Exposed seconds of a candidate: on-demand recompute (``exposed_s``) plus the part of its
     host copies compute does not hide (offload plans): the one measure candidates compete on."""
-    off = applied.record.decisions.get("offload", {})
+    off = applied.record.stats.get("offload", {})
     return exposed_s(applied.bw, joint) + off.get("exposed_fw_s", 0.0) + off.get("exposed_bw_s", 0.0)
 
 
@@ -142,7 +142,7 @@ def seed_with_baselines(joint, ctx: PassContext, kw: dict, budget: int, referenc
                 solver=f"baseline:{name}", status="seeded", exposed_s=cost,
                 plan_time_s=outcome.plan_time_s if outcome else 0.0,
                 solve_s=outcome.solve_s if outcome else 0.0))
-    ctx.record.decisions["candidates"] = {
+    ctx.record.stats["candidates"] = {
         k: {"exposed_s": e, "peak_bytes": b} if b is not None else
         {"exposed_at_least_s": e, "skipped": "exposes at least as much as lynx's plan"} for k, (e, b) in scores.items()}
     if best is None:

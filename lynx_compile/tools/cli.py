@@ -106,7 +106,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if plan is None:
             continue
         print(f"\ngraph {record.graph_id}: policy={plan.policy}  blocks={len(plan.blocks)}  "
-              f"hardware={record.decisions.get('hardware')}  costs={record.decisions.get('cost_source')}")
+              f"hardware={record.stats.get('hardware')}  costs={record.stats.get('cost_source')}")
         rows = [{"block": b.path, "saved": human_bytes(b.saved_bytes), "saved_tensors": len(b.saved),
                  "recomputed_nodes": len(b.recomputed), "recompute_ms": round(b.recompute_s * 1e3, 4)}
                 for b in plan.blocks]

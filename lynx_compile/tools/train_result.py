@@ -76,7 +76,7 @@ def record_plans(result: TrainResult, backend) -> None:
     if plans:
         result.predicted_peak_bytes = max(p.peak_bytes for p in plans)
         result.exposed_s = sum(p.exposed_s for p in plans)
-    links = {r.decisions.get("link") for r in backend.records if r.decisions.get("link")}
+    links = {r.stats.get("link") for r in backend.records if r.stats.get("link")}
     result.link = ",".join(sorted(links))
 
 

@@ -23,7 +23,7 @@ def test_fused_recompute_keeps_gradients_equal_to_eager(policy):
     torch.testing.assert_close(loss, want)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, atol=2e-5, rtol=1e-4, msg=name)
-    fused = backend.records[0].decisions["fused_recompute"]
+    fused = backend.records[0].stats["fused_recompute"]
     assert fused["causal_softmax"] == model.config.n_layers  # one attention softmax per block
     if policy == "full" and hasattr(torch.ops.lynx, "layer_norm"):
         assert fused["layer_norm"] >= 2 * model.config.n_layers
@@ -34,7 +34,7 @@ def test_fusion_off_leaves_the_graph_alone():
     idx = example_batch(model, 2)
     backend = lynx_compile.LynxBackend(lynx_compile.make_config({"policy": "full", "fuse_kernels": False, "compiler": "eager"}))
     torch.compile(model, backend=backend)(idx).loss.backward()
-    assert "fused_recompute" not in backend.records[0].decisions
+    assert "fused_recompute" not in backend.records[0].stats
 
 
 def test_fused_recompute_on_the_side_stream_keeps_gradients_equal_to_eager():
