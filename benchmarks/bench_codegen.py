@@ -1,30 +1,35 @@
 """Is lynx's generated code heavier than torch.compile's? (issue P item 4)
 
-    python benchmarks/bench_codegen.py                          # gpt-tiny, hf-llama, hf-gpt2 (~21 min)
-    python benchmarks/bench_codegen.py --models gpt-tiny,hf-llama   # results/codegen.md (~14 min)
+    python benchmarks/bench_codegen.py                          # gpt-tiny, hf-llama, hf-gpt2 (~25 min)
+    python benchmarks/bench_codegen.py --models gpt-tiny,hf-llama   # results/codegen.md (~18 min)
     python benchmarks/bench_codegen.py --models gpt-tiny --out /tmp/cg
 
-lynx compiles its graphs with three Inductor settings changed (``_compat.INDUCTOR_KEEP_PLACEMENT``:
-``reorder_for_peak_memory=False``, ``score_fusion_memory_threshold=1 MiB`` (no horizontal fusion
-of unrelated kernels sharing less than 1 MiB of reads), ``allow_buffer_reuse=False``), but only
-for its own placements: policies ``none`` and ``torch`` keep Inductor's defaults
-(``backend._compile_inductor``, ``own_placement``). This script counts what each setting costs in
-the code Inductor generates for one training step (forward + loss + backward, fp32, CPU, one
-thread), with Inductor's own counters (``torch._inductor.metrics``, reset before the compile).
+lynx compiles its own placements with two Inductor settings changed
+(``_compat.INDUCTOR_KEEP_PLACEMENT``: ``reorder_for_peak_memory=False``,
+``allow_buffer_reuse=False``) and one fusion rule (``_compat.refusing_recompute_fusion``: no
+horizontal fusion of a kernel lynx recomputes with an independent kernel sharing less than 1 MiB
+of reads). Until 2026-11-27 the rule was a third setting, ``score_fusion_memory_threshold=1 MiB``:
+no horizontal fusion of any unrelated kernels sharing less than 1 MiB. Policies ``none`` and
+``torch`` keep Inductor's defaults (``backend._compile_inductor``, ``own_placement``). This script
+counts what each costs in the code Inductor generates for one training step (forward + loss +
+backward, fp32, CPU, one thread), with Inductor's own counters (``torch._inductor.metrics``,
+reset before the compile).
 
 Rows (``variant``), each in its own process with a cold ``TORCHINDUCTOR_CACHE_DIR``:
 
 - ``inductor``: ``torch.compile(model)``, torch.compile's own.
 - ``none``: ``backend="lynx"``, ``policy="none"`` as the library runs it (torch.compile's
   partition and Inductor's settings): any difference from ``inductor`` is lynx's plumbing.
-- ``none+keep``: ``none`` with all three settings forced on, as lynx's own policies get them
-  (benchmark-only monkeypatch of ``_compat.inductor_compile_with_partitioner``): the settings'
-  cost at torch.compile's partition. ``none+keep-reorder`` / ``-horizontal`` / ``-reuse``: the
-  same with one setting given back to Inductor's default (its key removed from
-  ``_compat.INDUCTOR_KEEP_PLACEMENT`` in this process).
+- ``none+keep``: ``none`` with both settings and the rule forced on, as lynx's own policies get
+  them (benchmark-only monkeypatch of ``_compat.inductor_compile_with_partitioner``): their cost
+  at torch.compile's partition. ``none+keep threshold``: the same with the 1 MiB threshold in
+  place of the rule (lynx's settings before 2026-11-27). ``none+keep-reorder`` / ``-reuse`` (not
+  in the default run): one setting given back to Inductor's default.
 - ``lynx@0.7`` / ``lynx@0.5``: the default policy at ``memory_budget`` 0.7 / 0.5 (its recompute
-  partition, the three settings, lynx's post-grad passes). ``lynx@0.7 inductor-settings``: the
-  same with ``INDUCTOR_KEEP_PLACEMENT`` emptied: the settings' cost at lynx's own partition.
+  partition, the settings and the rule, lynx's post-grad passes). ``lynx@0.7 threshold``: with
+  the threshold in place of the rule (as before 2026-11-27); ``lynx@0.7 no-fusion-rule``: with
+  neither; ``lynx@0.7 inductor-settings``: no setting and no rule: their cost at lynx's own
+  partition.
 
 Columns (summed over every graph Inductor compiled in the step, forward and backward):
 
@@ -69,19 +74,25 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 MODELS = ("gpt-tiny", "hf-llama", "hf-gpt2")
-SETTINGS = {"reorder": "reorder_for_peak_memory", "horizontal": "score_fusion_memory_threshold",
-            "reuse": "allow_buffer_reuse"}
+SETTINGS = {"reorder": "reorder_for_peak_memory", "reuse": "allow_buffer_reuse"}
+THRESHOLD = {"score_fusion_memory_threshold": 1 << 20}  # lynx's horizontal-fusion setting until 2026-11-27
 # variant -> (lynx options or None for backend="inductor", keep: None = library behaviour,
-#             else the settings (short names) forced on for every lynx graph)
-VARIANTS: dict[str, tuple[Optional[dict], Optional[tuple[str, ...]]]] = {
-    "inductor": (None, None),
-    "none": ({"policy": "none"}, None),
-    "none+keep": ({"policy": "none"}, tuple(SETTINGS)),
-    **{f"none+keep-{s}": ({"policy": "none"}, tuple(k for k in SETTINGS if k != s)) for s in SETTINGS},
-    "lynx@0.7": ({"memory_budget": 0.7}, None),
-    "lynx@0.5": ({"memory_budget": 0.5}, None),
-    "lynx@0.7 inductor-settings": ({"memory_budget": 0.7}, ()),
+#             else the settings (short names) forced on for every lynx graph, fusion: with keep,
+#             "rule" = lynx's fusion rule, "threshold" = THRESHOLD instead, None = neither)
+VARIANTS: dict[str, tuple[Optional[dict], Optional[tuple[str, ...]], Optional[str]]] = {
+    "inductor": (None, None, None),
+    "none": ({"policy": "none"}, None, None),
+    "none+keep": ({"policy": "none"}, tuple(SETTINGS), "rule"),
+    **{f"none+keep-{s}": ({"policy": "none"}, tuple(k for k in SETTINGS if k != s), "rule") for s in SETTINGS},
+    "none+keep threshold": ({"policy": "none"}, tuple(SETTINGS), "threshold"),
+    "lynx@0.7": ({"memory_budget": 0.7}, None, None),
+    "lynx@0.7 threshold": ({"memory_budget": 0.7}, tuple(SETTINGS), "threshold"),
+    "lynx@0.7 no-fusion-rule": ({"memory_budget": 0.7}, tuple(SETTINGS), None),
+    "lynx@0.5": ({"memory_budget": 0.5}, None, None),
+    "lynx@0.7 inductor-settings": ({"memory_budget": 0.7}, (), None),
 }
+DEFAULT_VARIANTS = ("inductor", "none", "none+keep", "none+keep threshold", "lynx@0.7", "lynx@0.7 threshold",
+                    "lynx@0.7 no-fusion-rule", "lynx@0.5", "lynx@0.7 inductor-settings")
 COLUMNS = ["model", "variant", "result", "graphs", "kernels", "fw_kernels", "extern", "allocs", "code_kB",
            "kernel_objs", "bytes", "ir_nodes", "kernels_x", "kernel_objs_x", "bytes_x", "allocs_x", "peak_MiB", "peak_x",
            "first_step_s", "wall_s"]
@@ -107,16 +118,22 @@ def build(model: str) -> tuple[Any, Callable[[Callable], Any]]:
     return budget_build(model, "whole", "default")
 
 
-def keep_only(names: tuple[str, ...]) -> None:
+def keep_only(names: tuple[str, ...], fusion: Optional[str]) -> None:
     """Benchmark-only: every lynx graph compiles with ``INDUCTOR_KEEP_PLACEMENT`` reduced to
-    ``names`` (policy none included), the other settings left at Inductor's defaults."""
+    ``names`` (policy none included), the other settings left at Inductor's defaults; with
+    lynx's horizontal-fusion rule (``fusion="rule"``), the 1 MiB threshold lynx used before it
+    (``"threshold"``) or neither."""
     from lynx_compile import _compat
 
     _compat.INDUCTOR_KEEP_PLACEMENT = {SETTINGS[n]: v for n, v in (
         (n, _compat.INDUCTOR_KEEP_PLACEMENT[SETTINGS[n]]) for n in names)}
+    if fusion == "threshold":
+        _compat.INDUCTOR_KEEP_PLACEMENT.update(THRESHOLD)
+    if fusion != "rule":
+        _compat.refusing_recompute_fusion = lambda inner_compile: inner_compile
     compile_ = _compat.inductor_compile_with_partitioner
     _compat.inductor_compile_with_partitioner = lambda *a, keep_placement=True, **kw: compile_(
-        *a, keep_placement=bool(names), **kw)
+        *a, keep_placement=bool(names) or fusion is not None, **kw)
 
 
 def run_row(model: str, variant: str) -> dict:
@@ -129,9 +146,9 @@ def run_row(model: str, variant: str) -> dict:
     from lynx_compile.variants import describe_failure
 
     torch.set_num_threads(1)
-    options, keep = VARIANTS[variant]
+    options, keep, fusion = VARIANTS[variant]
     if keep is not None:
-        keep_only(keep)
+        keep_only(keep, fusion)
     row: dict[str, Any] = {"result": "ok"}
     try:
         module, loss_of = build(model)
@@ -227,7 +244,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated row names (see the docstring)")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help=f"comma-separated row names (see the docstring), of {', '.join(VARIANTS)}")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per row")
     p.add_argument("--one", help=argparse.SUPPRESS)

@@ -15,6 +15,8 @@ Modules, each re-exported here (import from the package, not from a module of it
   checkpoint tags both honour.
 - ``inductor``: compiling with Inductor with lynx's partitioner (``INDUCTOR_KEEP_PLACEMENT``),
   one partitioned graph, or at an activation-memory budget.
+- ``inductor_fusion``: the horizontal fusions refused in lynx's placements (a recomputed kernel
+  with an independent one sharing under 1 MiB of reads), through Inductor's choices handler.
 - ``keyed_passes``: lynx's partitioner and passes as Inductor config entries, pickled in its
   cache keys as their uuid.
 - ``inductor_schedule``: from inside Inductor's compile: ordering edges, graph inputs, its
@@ -30,7 +32,7 @@ Modules, each re-exported here (import from the package, not from a module of it
 Tests and benchmarks patch names on this package (``monkeypatch.setattr(_compat, ...)``); lynx
 calls them as ``_compat.name``, so a patch is seen. ``INDUCTOR_KEEP_PLACEMENT`` is one dict,
 mutated in place by tests and rebound here by a benchmark: ``inductor_compile_with_partitioner``
-reads the package's binding.
+reads the package's binding of it and of ``refusing_recompute_fusion`` (also rebound there).
 """
 from __future__ import annotations
 
@@ -75,6 +77,11 @@ from lynx_compile._compat.inductor import (
     inductor_compile_with_partitioner,
     inductor_donated_inputs,
     inductor_partitioner_base,
+)
+from lynx_compile._compat.inductor_fusion import (
+    RECOMPUTE_FUSION_SHARED_BYTES,
+    refuses_horizontal_fusion,
+    refusing_recompute_fusion,
 )
 from lynx_compile._compat.inductor_schedule import (
     inductor_atomic_add_falls_back,
@@ -127,6 +134,8 @@ __all__ = [
     # inductor
     "INDUCTOR_KEEP_PLACEMENT", "inductor_at_activation_budget", "inductor_compile_graph",
     "inductor_compile_with_partitioner", "inductor_donated_inputs", "inductor_partitioner_base",
+    # inductor_fusion
+    "RECOMPUTE_FUSION_SHARED_BYTES", "refuses_horizontal_fusion", "refusing_recompute_fusion",
     # inductor_schedule
     "inductor_atomic_add_falls_back", "inductor_graph_input_names", "inductor_preserve_node_ordering",
     "inductor_schedule_memory",

@@ -34,7 +34,9 @@ def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, 
     passes, then ``partitioner`` instead of min-cut, post-grad passes, fused codegen) —
     ``torch.compile``'s own pipeline with only the partition replaced.
 
-    ``keep_placement``: the settings of ``INDUCTOR_KEEP_PLACEMENT``. ``post_grad(graph)``: run
+    ``keep_placement``: the settings of ``INDUCTOR_KEEP_PLACEMENT``, and no horizontal fusion
+    of a recomputed kernel sharing under 1 MiB of reads (``refusing_recompute_fusion``, read
+    through the package, where a benchmark rebinds it). ``post_grad(graph)``: run
     on every post-grad graph after Inductor's own passes and the user's
     ``post_grad_custom_post_pass``, if any (``CustomGraphPass``, 2.11 and 2.13; its cache key is
     the hash of the file defining it, and its ``uuid()`` if it has one). ``post_fusion``: called
@@ -46,12 +48,16 @@ def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, 
     partitioned graph in place of ``compile_fx_inner`` (it gets the same arguments, the
     backward's with ``is_backward=True``; see :func:`inductor_compile_graph`)."""
     from torch._inductor import config as inductor_config
-    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     adopt_unbacked_symbols(gm)
     patches: dict[str, Any] = {}
     if keep_placement:
         patches.update(_keep_placement())
+        # around each graph's inner compile: AOTAutograd compiles the backward lazily, at the
+        # first backward, after this call has returned
+        inner_compile = sys.modules[__package__].refusing_recompute_fusion(
+            inner_compile or compile_fx_inner)
     if post_grad is not None:
         patches["post_grad_custom_post_pass"] = _chained_post_grad_pass(inductor_config.post_grad_custom_post_pass,
                                                                         post_grad)
@@ -86,12 +92,14 @@ INDUCTOR_KEEP_PLACEMENT = {
     # block 0's recomputed softmax with block 1's. Either keeps both blocks' activations alive at
     # once: measured on gpt-tiny (batch 1, CPU), policy full peaked at 403 KB, above no
     # recompute (380 KB), predicted 214 KB; with both off it peaks at the predicted 214 KB.
-    # Vertical (producer-consumer) fusion is untouched; only fusions of unrelated nodes sharing
-    # less than this many bytes are refused. Not for policies none and torch, whose partition is
-    # torch.compile's own (there Inductor's defaults hold less: gpt-tiny batch 2, torch at 0.5
-    # measured 438 KiB with them, 502 KiB without).
+    # Not for policies none and torch, whose partition is torch.compile's own (there Inductor's
+    # defaults hold less: gpt-tiny batch 2, torch at 0.5 measured 438 KiB with them, 502 KiB
+    # without). Horizontal fusion is not a setting here: only a recomputed kernel's fusions with
+    # independent kernels sharing under 1 MiB of reads are refused (``_compat.inductor_fusion``);
+    # until 2026-11-27 every horizontal fusion sharing under 1 MiB was
+    # (``score_fusion_memory_threshold``), +9% of Inductor's kernel objects and +1-4% bytes
+    # accessed at torch.compile's own partition (benchmarks/results/codegen.md).
     "reorder_for_peak_memory": False,
-    "score_fusion_memory_threshold": 1 << 20,
     # Inductor's wrapper keeps a freed buffer (no `del`) to hand its storage to a later buffer of
     # the same size, whenever that keeps the graph under its own peak estimate, which counts the
     # gradients and is loose: HF Llama (4 layers, batch 2, seq 64, CPU) under full held a block's

@@ -222,12 +222,12 @@ def kernel_positions(nodes: list[fx.Node], interior: set[fx.Node]) -> dict[fx.No
     return at
 
 
-FUSION_SHARED_BYTES = 1 << 20
+FUSION_SHARED_BYTES = _compat.RECOMPUTE_FUSION_SHARED_BYTES
 """Bytes two independent kernels must read in common for :func:`fused_order` to fuse them:
-lynx's ``score_fusion_memory_threshold`` (``_compat.INDUCTOR_KEEP_PLACEMENT``). torch.compile's
-own partitions compile with Inductor's default (any shared byte); smaller shared reads than
-this are not modelled there (a kernel left at its own position holds what it reads longer,
-never less)."""
+below it, lynx's placements refuse a horizontal fusion with a recomputed kernel
+(``_compat.refuses_horizontal_fusion``). Inductor fuses other kernels (and all of them in
+torch.compile's own partitions) on any shared byte; smaller shared reads than this are not
+modelled (a kernel left at its own position holds what it reads longer, never less)."""
 
 
 FUSION_MAX_DISTANCE = 64
