@@ -28,9 +28,9 @@ answers as the handler in place before (Inductor's own, or a user's)::
                                    = False if shared < 1 MiB and n1 or n2 lowers a recomputed FX node
                                      else the previous handler's answer
 
-Torch APIs used, in 2.13 and (reasoned from the 2.13 code: ``InductorChoices`` has held the
-scheduler's fusion heuristics, ``can_fuse_horizontal`` among them, since well before 2.11) in
-2.11: ``torch._inductor.virtualized.V.choices`` and ``V.set_choices_handler`` (a context manager
+Torch APIs used, in 2.13 and 2.11 (checked in 2.11.0: the same ``can_fuse_horizontal``
+signature, ``V.set_choices_handler`` present; ``.ci/smoke_torch211.sh`` compiles lynx's
+placements there): ``torch._inductor.virtualized.V.choices`` and ``V.set_choices_handler`` (a context manager
 restoring the previous handler), the scheduler's ``V.choices.can_fuse_horizontal(scheduler,
 node1, node2, shared_data_score)``, a scheduler node's ``get_nodes()`` and each one's
 ``node.origins`` (the FX nodes it was lowered from, carrying lynx's ``node.meta``).
