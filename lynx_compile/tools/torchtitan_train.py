@@ -360,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     if dist.is_initialized():
+        # every rank done with its collectives before any tears the group down (seen once under
+        # load: a rank aborted in gloo's teardown, "terminate called without an active exception")
+        dist.barrier()
         dist.destroy_process_group()
     return 0
 
