@@ -9,9 +9,9 @@ imports on its own, without torch.compile's machinery.
 """
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from lynx_compile._lazy import lazy_names
 from lynx_compile._version import __version__
 
 #: public name -> the module that defines it
@@ -33,13 +33,4 @@ if TYPE_CHECKING:
     from lynx_compile.plan import RecomputePlan
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'lynx_compile' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, globals())

@@ -149,9 +149,6 @@ def test_subpackages_import_on_their_own():
     """``import lynx_compile.kernels`` (reused by other projects), ``.remat`` (the optimizer, free
     of torch.fx) or ``.models`` loads neither lynx's backend nor torch.compile's machinery: the
     package ``__init__`` loads its names on first use. The names still resolve to the functions."""
-    import subprocess
-    import sys
-
     code = (
         "import sys, lynx_compile.kernels, lynx_compile.remat, lynx_compile.models\n"
         "loaded = [m for m in ('lynx_compile.dynamo_backend', 'lynx_compile.config', 'lynx_compile.passes',"
@@ -162,17 +159,13 @@ def test_subpackages_import_on_their_own():
         "assert lynx_compile.backend is lynx_compile.dynamo_backend.backend\n"
         "assert lynx_compile.pipeline is lynx_compile.pipelining.pipeline\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
+    _runs_in_a_fresh_interpreter(code)
 
 
 def test_the_stage_planner_and_sim_import_without_torch():
     """``lynx_compile.sim`` builds on the pipeline schedule simulator and the stage planner of
     ``lynx_compile.pipelining`` (plain data in and out), so importing them loads no torch: the
     package loads ``pipeline(...)`` and its torch.distributed machinery on first use."""
-    import subprocess
-    import sys
-
     code = (
         "import sys, lynx_compile.sim, lynx_compile.pipelining\n"
         "import lynx_compile.pipelining.plan_stages, lynx_compile.pipelining.stage_variants\n"
@@ -180,5 +173,13 @@ def test_the_stage_planner_and_sim_import_without_torch():
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('lynx_compile'))\n"
         "assert callable(lynx_compile.pipelining.plan_stages)\n"
     )
+    _runs_in_a_fresh_interpreter(code)
+
+
+def _runs_in_a_fresh_interpreter(code: str) -> None:
+    """``code`` run by a new Python process (what it imports is not already loaded here) exits 0."""
+    import subprocess
+    import sys
+
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -24,8 +24,9 @@ names.
 """
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from lynx_compile._lazy import lazy_names
 
 from .pipeline_costs import PipelineCosts
 from .plan_stages import plan_stages
@@ -47,13 +48,4 @@ if TYPE_CHECKING:
     from .profile import profile_pipeline
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'lynx_compile.pipelining' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, globals())

@@ -7,26 +7,20 @@
 Only the plain-data classes load eagerly; the solvers (Pyomo, ~0.3 s to import) load on first
 use of their names.
 """
-from importlib import import_module
-from typing import Any
+from lynx_compile._lazy import lazy_names
 
 from .problem import CommWindow, InfeasibleBudget, RematProblem, RematSolution, Unit
 
 _LAZY = {
-    "Evaluation": "evaluate", "evaluate": "evaluate",
-    "solve_milp": "milp", "smallest_peak": "milp", "build_model": "milp",
-    "available_solvers": "milp_solvers", "pick_solver": "milp_solvers", "SolverChoice": "milp_solvers",
-    "solve_heu": "heuristic", "heuristic_bound": "heuristic",
-    "solve_remat": "solve",
-    "synthetic_problem": "synthetic",
+    "Evaluation": ".evaluate", "evaluate": ".evaluate",
+    "solve_milp": ".milp", "smallest_peak": ".milp", "build_model": ".milp",
+    "available_solvers": ".milp_solvers", "pick_solver": ".milp_solvers", "SolverChoice": ".milp_solvers",
+    "solve_heu": ".heuristic", "heuristic_bound": ".heuristic",
+    "solve_remat": ".solve",
+    "synthetic_problem": ".synthetic",
 }
 
 __all__ = ["CommWindow", "InfeasibleBudget", "RematProblem", "RematSolution", "Unit", *_LAZY]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, globals())
