@@ -2,7 +2,7 @@
 # The GPU numbers issue G owes, in one or two calls of the device tool (one NVIDIA H100/H200,
 # torch 2.11.0+cu130, triton 3.6, Python 3.12, no network):
 #
-#   bash benchmarks/gpu_session.sh [step|checks|all]        (default: step)
+#   bash benchmarks/gpu_session.sh [step|checks|compile|all]   (default: step)
 #
 #   step    One training step of gpt-1.3b cut to 4 layers, batch 2 x 2048, bf16, dropout 0, with
 #           explicit attention and with SDPA; variants eager, checkpoint, inductor,
@@ -16,6 +16,12 @@
 #           inductor-b0.5 and lynx-b0.5 (gradients against inductor's), then
 #           benchmarks/bench_kernels.py alone on the GPU. Writes $OUT/env.txt, checks.log,
 #           step_cuda_dropout.md, kernels_cuda.md, checks_raw.tgz (CSV, PNG).
+#   compile First-step time cold and warm (issue P) on the GPU, one process at a time, nothing
+#           beside it: per variant (inductor, lynx-b0.7, inductor-b0.7, lynx-none, lynx-b0.6 on the
+#           step's shape, SDPA) a fresh Inductor/Triton cache directory, the first step cold, then
+#           the same process again on that directory (warm: torch's caches and lynx's plan cache).
+#           Writes $OUT/compile.log, compile_cuda.md (first_step_s cold / warm, ratios to
+#           inductor's, lynx's plan-cache log lines). About 3 minutes on an H100/H200.
 #   all     step, then checks: about 13-14 minutes, more than one device call may run (10 min);
 #           for a machine without that limit.
 #
@@ -71,9 +77,9 @@ set -euo pipefail
 
 PART=${1:-step}
 case "$PART" in
-    step | checks | all) ;;
-    -h | --help) sed -n '2,20p' "$0"; exit 0 ;;
-    *) echo "usage: bash benchmarks/gpu_session.sh [step|checks|all]" >&2; exit 2 ;;
+    step | checks | compile | all) ;;
+    -h | --help) sed -n '2,26p' "$0"; exit 0 ;;
+    *) echo "usage: bash benchmarks/gpu_session.sh [step|checks|compile|all]" >&2; exit 2 ;;
 esac
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -107,6 +113,9 @@ if [ "$DEVICE" = cuda ]; then
     INDUCTOR_TESTS=(tests/test_inductor.py)
     KERNELS_RESERVE_S=${KERNELS_RESERVE_S:-210} # kept for bench_kernels after the concurrent checks
     KERNELS_MIN_S=60      # bench_kernels is skipped with less than this left
+    COMPILE_VARIANTS=${LYNX_GPU_SESSION_COMPILE_VARIANTS:-inductor,lynx-b0.7,inductor-b0.7,lynx-none,lynx-b0.6}
+    COMPILE_ARGS="--device cuda --model gpt-1.3b --layers 4 --batch 2 --seq 2048 --dtype bf16 --dropout 0 --attn sdpa --warmup 2 --steps 3"
+    COMPILE_BUDGET_S=${COMPILE_BUDGET_S:-240}
 elif [ "$DEVICE" = cpu ]; then
     VARIANTS=${LYNX_GPU_SESSION_VARIANTS:-eager,lynx-b0.5}
     DROPOUT_VARIANTS=$VARIANTS
@@ -125,6 +134,9 @@ elif [ "$DEVICE" = cpu ]; then
     INDUCTOR_TESTS=(tests/test_inductor.py -k cuda)  # the CUDA cases: collected, then skipped
     KERNELS_RESERVE_S=${KERNELS_RESERVE_S:-40}
     KERNELS_MIN_S=10      # (it exits at once here: no CUDA)
+    COMPILE_VARIANTS=${LYNX_GPU_SESSION_COMPILE_VARIANTS:-inductor,lynx-b0.7}
+    COMPILE_ARGS="--device cpu --quick --attn sdpa --warmup 1 --steps 1"
+    COMPILE_BUDGET_S=${COMPILE_BUDGET_S:-150}
 else
     echo "LYNX_GPU_SESSION_DEVICE must be cuda or cpu, not $DEVICE" >&2
     exit 2
@@ -494,6 +506,107 @@ PYEOF
     say "checks: done in $((SECONDS - t0)) s; files: $(cd "$OUT" && ls | tr '\n' ' ')"
 }
 
+# ------------------------------------------------------------------------------------ compile
+# First step cold and warm, one process at a time: bench_step.py --one per run (its JSON line on
+# stdout, first_step_s measured in the child), stderr kept for lynx's plan-cache lines (LYNX_DEBUG=1
+# in every run, inductor's too, so the two sides pay the same logging).
+COMPILE_PY=$(cat <<'PYEOF'
+import json, os, re, shlex, subprocess, sys, time
+out, work, log_path, deadline, device = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]), sys.argv[5]
+variants, args = sys.argv[6].split(","), shlex.split(sys.argv[7])
+sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
+import bench_step as b  # noqa: E402
+
+parsed = b.parse_args(args)
+one_argv = b.settings_from(parsed, parsed.model or b.QUICK_SHAPE["model"]).argv()  # what run_in_subprocess passes
+t0 = time.time()
+
+
+def say(msg):
+    line = f"[compile +{time.time() - t0:4.0f}s] {msg}"
+    print(line, flush=True)
+    with open(log_path, "a") as f:
+        f.write(line + "\n")
+
+
+rows = []
+for v in variants:
+    cache = os.path.join(work, "cache_" + v)
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
+               TRITON_CACHE_DIR=os.path.join(cache, "triton"), LYNX_DEBUG="1", PYTHONHASHSEED="0")
+    row = {"variant": v}
+    for phase in ("cold", "warm"):
+        left = deadline - time.time()
+        if left < 30:
+            row[phase] = "not run: out of time"
+            say(f"{v} {phase}: not run, {left:.0f} s left")
+            continue
+        cmd = [sys.executable, "benchmarks/bench_step.py", "--one", v, *one_argv]
+        t = time.time()
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=min(left, 300), env=env)
+            res = next((json.loads(ln) for ln in reversed(p.stdout.splitlines()) if ln.startswith("{")), None)
+            err = p.stderr
+        except subprocess.TimeoutExpired as e:
+            res, err = None, (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        wall = time.time() - t
+        hits = len(re.findall(r"lynx plan cache: hit", err))
+        misses = len(re.findall(r"lynx plan cache: miss", err))
+        with open(os.path.join(work, f"compile_{v}_{phase}.err"), "w") as f:
+            f.write(err)
+        if res is None or res.get("result") != "ok":
+            row[phase] = (res or {}).get("result", "error: no result (see compile_raw.tgz)")[:60].replace("|", "/")
+        else:
+            row[phase] = res["first_step_s"]
+            row[phase + "_peak"] = res.get("peak_MiB")
+        row[phase + "_wall"], row[phase + "_hits"], row[phase + "_misses"] = wall, hits, misses
+        say(f"{v} {phase}: first step {row[phase] if isinstance(row[phase], str) else f'{row[phase]:.2f} s'}, "
+            f"process {wall:.1f} s, plan cache hit/miss lines {hits}/{misses}")
+    rows.append(row)
+
+base = next((r for r in rows if r["variant"] == "inductor"), {})
+
+
+def cell(r, k, ratio=False):
+    x = r.get(k)
+    if not isinstance(x, (int, float)):
+        return "-" if x is None else str(x)
+    if ratio:
+        b = base.get(k)
+        return f"{x / b:.2f}" if isinstance(b, (int, float)) and b > 0 else "-"
+    return f"{x:.2f}"
+
+
+lines = [f"# First training step, cold and warm caches ({device}), written by `benchmarks/gpu_session.sh compile`", "",
+         f"`bench_step.py --one <variant> {' '.join(one_argv)}`, one process at a time, nothing else running. "
+         "cold: a fresh TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR; warm: the same process command again on "
+         "that directory (torch's FX-graph/AOTAutograd caches and lynx's plan cache). first_step_s: the child's "
+         "clock around the first training step (trace + plan + compile + run); process_s: the whole process "
+         "(imports, CUDA context, model). Plan-cache lines: lynx's log (LYNX_DEBUG=1) lines saying hit / miss.", "",
+         "| variant | cold first_step_s | vs inductor | warm first_step_s | vs inductor | cold process_s | "
+         "warm process_s | warm plan-cache hit/miss | peak_MiB |",
+         "|---|---|---|---|---|---|---|---|---|"]
+for r in rows:
+    lines.append(f"| {r['variant']} | {cell(r, 'cold')} | {cell(r, 'cold', True)} | {cell(r, 'warm')} | "
+                 f"{cell(r, 'warm', True)} | {cell(r, 'cold_wall')} | {cell(r, 'warm_wall')} | "
+                 f"{r.get('warm_hits', '-')}/{r.get('warm_misses', '-')} | {cell(r, 'cold_peak')} |")
+with open(os.path.join(out, f"compile_{device}.md"), "w") as f:
+    f.write("\n".join(lines) + "\n")
+print("\n".join(lines[6:]), flush=True)
+PYEOF
+)
+
+part_compile() {
+    local t0=$SECONDS
+    rm -f "$OUT/compile.log" "$OUT/compile_${DEVICE}.md" "$OUT/compile_raw.tgz"
+    say "compile: ${COMPILE_VARIANTS} cold then warm, one at a time, budget ${COMPILE_BUDGET_S} s"
+    local rc=0
+    "$PY" - "$OUT" "$WORK" "$OUT/compile.log" "$(($(date +%s) + COMPILE_BUDGET_S))" "$DEVICE" \
+        "$COMPILE_VARIANTS" "$COMPILE_ARGS" <<<"$COMPILE_PY" || rc=$?
+    (cd "$WORK" && ls compile_*.err 2>/dev/null | tar -czf "$OUT/compile_raw.tgz" -T -) || true
+    say "compile: done in $((SECONDS - t0)) s (exit $rc)"
+}
+
 # --------------------------------------------------------------------------------------- main
 PART_START=$(date +%s)  # each part's budget counts from here: the script's start, or checks' own in all
 say "part $PART on $DEVICE, OUT=$OUT"
@@ -506,6 +619,7 @@ fi
 case "$PART" in
     step) part_step ;;
     checks) part_checks ;;
+    compile) part_compile ;;
     all) part_step; PART_START=$(date +%s); part_checks ;;
 esac
 say "finished in ${SECONDS} s; $(ls "$OUT" | wc -l) files in $OUT"
