@@ -21,7 +21,8 @@
 #           step's shape, SDPA) a fresh Inductor/Triton cache directory, the first step cold, then
 #           the same process again on that directory (warm: torch's caches and lynx's plan cache).
 #           Writes $OUT/compile.log, compile_cuda.md (first_step_s cold / warm, ratios to
-#           inductor's, lynx's plan-cache log lines). About 3 minutes on an H100/H200.
+#           inductor's, lynx's plan-cache log lines), after tests/test_plan_cache.py's CUDA test
+#           (AOTAutograd's cache serves a plan that replays SDPA's dropout). About 4-5 minutes.
 #   all     step, then checks: about 13-14 minutes, more than one device call may run (10 min);
 #           for a machine without that limit.
 #
@@ -599,8 +600,18 @@ PYEOF
 part_compile() {
     local t0=$SECONDS
     rm -f "$OUT/compile.log" "$OUT/compile_${DEVICE}.md" "$OUT/compile_raw.tgz"
-    say "compile: ${COMPILE_VARIANTS} cold then warm, one at a time, budget ${COMPILE_BUDGET_S} s"
     local rc=0
+    if [ "$DEVICE" = cuda ]; then  # the CUDA case of the caches (RNG replay), then the timings
+        say "compile: tests/test_plan_cache.py's CUDA test ..."
+        timeout --kill-after=15 240 "$PY" -m pytest -p no:cacheprovider -q -rfEs \
+            tests/test_plan_cache.py::test_cuda_autograd_cache_serves_a_plan_that_replays_dropout \
+            >"$WORK/compile_test.log" 2>&1 || rc=$?
+        say "compile: test exit $rc: $(grep -E '(passed|failed|skipped|error)' "$WORK/compile_test.log" | tail -n 1)"
+        grep -E '^(E |FAILED|ERROR)' "$WORK/compile_test.log" | head -n 20 || true
+        cat "$WORK/compile_test.log" >>"$OUT/compile.log"
+        rc=0
+    fi
+    say "compile: ${COMPILE_VARIANTS} cold then warm, one at a time, budget ${COMPILE_BUDGET_S} s"
     "$PY" - "$OUT" "$WORK" "$OUT/compile.log" "$(($(date +%s) + COMPILE_BUDGET_S))" "$DEVICE" \
         "$COMPILE_VARIANTS" "$COMPILE_ARGS" <<<"$COMPILE_PY" || rc=$?
     (cd "$WORK" && ls compile_*.err 2>/dev/null | tar -czf "$OUT/compile_raw.tgz" -T -) || true

@@ -37,12 +37,12 @@ def cache_dir(tmp_path, monkeypatch):
     return path
 
 
-def _gpt_tiny():
+def _gpt_tiny(device: str = "cpu", attn: str = "manual"):
     from lynx_compile.models import build_model, example_batch
 
     torch.manual_seed(0)
-    model = build_model("gpt-tiny", dropout=0.1)
-    return model, example_batch(model, 2, generator=torch.Generator().manual_seed(1))
+    model = build_model("gpt-tiny", dropout=0.1, attn_impl=attn).to(device)
+    return model, example_batch(model, 2, generator=torch.Generator().manual_seed(1)).to(device)
 
 
 def _plan(variants: list[dict], model=None, x=None):
@@ -61,14 +61,15 @@ def _entries(cache_dir) -> list:
 
 # --- one compile and train step per process --------------------------------------------------
 
-def _step(budget: float, compiler: str = "eager") -> dict:
+def _step(budget: float | None, compiler: str = "eager", policy: str = "lynx", device: str = "cpu") -> dict:
     """One compiled training step of gpt-tiny: the plan, the gradients, Inductor's FX-graph
     cache counters."""
     import lynx_compile
     from torch._dynamo.utils import counters
 
-    model, x = _gpt_tiny()
-    backend = lynx_compile.backend(memory_budget=budget, **{**OPTIONS, "compiler": compiler})
+    model, x = _gpt_tiny(device, "sdpa" if device == "cuda" else "manual")
+    budget_kw = {} if budget is None else {"memory_budget": budget}
+    backend = lynx_compile.backend(**budget_kw, **{**OPTIONS, "compiler": compiler, "policy": policy})
     compiled = torch.compile(model, backend=backend)
     compiled(x).loss.backward()  # compiles (planning may draw random numbers or not)
     model.zero_grad(set_to_none=True)
@@ -76,7 +77,7 @@ def _step(budget: float, compiler: str = "eager") -> dict:
     compiled(x).loss.backward()
     record = backend.records[0]
     plan = record.plan
-    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).cpu()
     return {"units": plan.decisions.to_dict()["units"], "members": plan.decisions.to_dict()["members"],
             "source": plan.decisions.source, "peak_bytes": plan.peak_bytes, "saved_bytes": plan.saved_bytes,
             "solver": plan.solver, "status": plan.solver_status, "exposed_s": plan.exposed_s,
@@ -87,12 +88,13 @@ def _step(budget: float, compiler: str = "eager") -> dict:
             "aot": {k: v for k, v in counters["aot_autograd"].items() if k.startswith("autograd_cache")}}
 
 
-def _step_in_subprocess(cache_dir, budget: float, compiler: str = "eager", env: dict | None = None) -> dict:
+def _step_in_subprocess(cache_dir, budget: float | None, compiler: str = "eager", env: dict | None = None,
+                        policy: str = "lynx", device: str = "cpu") -> dict:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "OMP_NUM_THREADS": "1", **(env or {})}
-    out = subprocess.run([sys.executable, __file__, "step", str(budget), compiler], env=env, capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run([sys.executable, __file__, "step", str(budget), compiler, policy, device], env=env,
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
-    assert "lynx plan cache: " in out.stderr, "no hit / miss log line"
+    assert policy != "lynx" or "lynx plan cache: " in out.stderr, "no hit / miss log line"
     return {**json.loads(out.stdout.strip().splitlines()[-1]), "stderr": out.stderr}
 
 
@@ -291,10 +293,37 @@ def test_concurrent_writers_leave_a_valid_entry(cache_dir):
     assert [p.name for p in (cache_dir / "lynx" / "plans").iterdir()] == [f"{key}.json"]  # no temporaries left
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (benchmarks/gpu_session.sh compile runs it)")
+def test_cuda_autograd_cache_serves_a_plan_that_replays_dropout(cache_dir):
+    """On CUDA a recomputed SDPA with dropout (gpt-tiny with ``attn_impl="sdpa"`` there) is
+    replayed in the backward with the forward's generator state (``graphsafe_run_with_rng_state``),
+    which torch 2.11 does not mark cacheable, so
+    Inductor's FX-graph cache, and with it AOTAutograd's, bypassed every such graph and a warm
+    run compiled again. lynx marks it around its own compiles (``_compat``); a fresh process is
+    then served by AOTAutograd's cache, with the gradients of the compile that missed."""
+    from torch._prims.rng_prims import graphsafe_run_with_rng_state
+
+    if not graphsafe_run_with_rng_state.cacheable():  # torch 2.11: the graph replays random numbers
+        unmarked = _step_in_subprocess(cache_dir / "unmarked", None, "inductor", policy="full", device="cuda",
+                                       env={"LYNX_TEST_UNMARKED_RNG_REPLAY": "1"})
+        assert unmarked["fx"].get("fxgraph_cache_bypass"), unmarked["fx"]
+    miss = _step_in_subprocess(cache_dir, None, "inductor", policy="full", device="cuda")
+    assert not miss["fx"].get("fxgraph_cache_bypass") and not miss["aot"].get("autograd_cache_hit"), \
+        (miss["fx"], miss["aot"])
+    hit = _step_in_subprocess(cache_dir, None, "inductor", policy="full", device="cuda")
+    assert hit["served_by"] == "autograd_cache"
+    assert hit["aot"].get("autograd_cache_hit") == 1 and not hit["aot"].get("autograd_cache_miss"), hit["aot"]
+    assert hit["units"] == miss["units"]
+    assert hit["grads"] == miss["grads"]  # the same dropout masks, replayed by the cached code
+
+
 if __name__ == "__main__":  # the subprocesses of the tests above
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("torch").setLevel(logging.ERROR)
     if sys.argv[1] == "step":
-        print(json.dumps(_step(float(sys.argv[2]), sys.argv[3])))
+        if os.environ.get("LYNX_TEST_UNMARKED_RNG_REPLAY"):  # torch's own caching rule for the RNG replay
+            from lynx_compile._compat import inductor as _inductor_compat
+            _inductor_compat._cacheable_rng_replay = dict
+        print(json.dumps(_step(None if sys.argv[2] == "None" else float(sys.argv[2]), *sys.argv[3:6])))
     else:
         _write_many(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))

@@ -51,7 +51,7 @@ def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, 
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     adopt_unbacked_symbols(gm)
-    patches: dict[str, Any] = {}
+    patches: dict[str, Any] = dict(_cacheable_rng_replay())
     if keep_placement:
         patches.update(_keep_placement())
         # around each graph's inner compile: AOTAutograd compiles the backward lazily, at the
@@ -75,6 +75,29 @@ def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, 
         if inner_compile is None:
             return compile_fx(gm, example_inputs, config_patches=patches or None)
         return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches or None)
+
+
+def _cacheable_rng_replay() -> dict:
+    """Inductor settings under which its FX-graph cache, and so AOTAutograd's, keeps a graph
+    that replays CUDA random numbers: empty where torch already marks the replay cacheable.
+
+    On CUDA a recomputed random op (SDPA, dropout) is replayed in the backward by
+    ``graphsafe_run_with_rng_state`` with the forward's generator state, a graph input. torch 2.13
+    marks that operator cacheable (pytorch/pytorch#185562: the state is a runtime input, so the
+    compiled code does not depend on it); 2.11 does not, so every graph in which lynx recomputes a
+    random op bypassed both caches and a warm run compiled it again: on an H200 (torch 2.11,
+    GPT-1.3B cut to 4 layers, SDPA, budget 0.7) the warm first step took 17.2 s against
+    Inductor's 2.7 s (``benchmarks/results/compile_h200.md``). The operator is marked through
+    Inductor's own switch for that, ``unsafe_marked_cacheable_functions``, only around lynx's
+    compiles (``config_patches``)."""
+    from torch._inductor import config as inductor_config
+    from torch._prims.rng_prims import graphsafe_run_with_rng_state as replay
+
+    if replay.cacheable():
+        return {}
+    marked = dict(inductor_config.unsafe_marked_cacheable_functions)
+    marked[f"{replay.__module__}.{replay.__name__}"] = torch.__version__
+    return {"unsafe_marked_cacheable_functions": marked}
 
 
 def _keep_placement() -> dict:
