@@ -28,6 +28,10 @@ from lynx_compile.recompute.partition import lynx_partition
 
 log = logging.getLogger("lynx_compile")
 _graph_ids = itertools.count()
+# torch.compile(m) with Inductor imports Inductor's compiler when torch.compile is called; this
+# module is loaded at that point too (torch.compile looks the "lynx" entry point up), so lynx,
+# which compiles through it by default, pays the import there as well, not in the first step.
+_compat.load_inductor_compiler()
 
 
 def find_backend_error(e: BaseException | None, kind: type[BaseException]) -> BaseException | None:

@@ -77,6 +77,7 @@ from lynx_compile._compat.inductor import (
     inductor_compile_with_partitioner,
     inductor_donated_inputs,
     inductor_partitioner_base,
+    load_inductor_compiler,
 )
 from lynx_compile._compat.inductor_fusion import (
     RECOMPUTE_FUSION_SHARED_BYTES,
@@ -132,7 +133,7 @@ __all__ = [
     "forward_node_names", "is_recompute_tagged", "min_cut_counts_script_objects_as_zero", "min_cut_partition",
     "min_cut_stops_on_repeat", "shared_min_cut_solves", "tag_recompute",
     # inductor
-    "INDUCTOR_KEEP_PLACEMENT", "inductor_at_activation_budget", "inductor_compile_graph",
+    "INDUCTOR_KEEP_PLACEMENT", "inductor_at_activation_budget", "inductor_compile_graph", "load_inductor_compiler",
     "inductor_compile_with_partitioner", "inductor_donated_inputs", "inductor_partitioner_base",
     # inductor_fusion
     "RECOMPUTE_FUSION_SHARED_BYTES", "refuses_horizontal_fusion", "refusing_recompute_fusion",

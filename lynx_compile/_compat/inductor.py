@@ -17,6 +17,14 @@ from lynx_compile._compat.keyed_passes import _chained_post_grad_pass, _keyed_pa
 from lynx_compile._compat.tracing import adopt_unbacked_symbols
 
 
+def load_inductor_compiler() -> None:
+    """Import Inductor's compiler (``torch._inductor.compile_fx``, about 1 s). ``torch.compile(m)``
+    with Inductor imports it when ``torch.compile`` is called; lynx's backend module calls this
+    when it is loaded, which ``torch.compile(m, backend="lynx")`` does at the same point, so the
+    import is not in lynx's first step either."""
+    import torch._inductor.compile_fx  # noqa: F401
+
+
 def inductor_partitioner_base() -> type:
     """``torch._inductor.custom_graph_pass.CustomPartitionerFn`` (2.9.1+): the base class of a
     partitioner that Inductor calls after its joint-graph passes (RNG replacement included)."""
