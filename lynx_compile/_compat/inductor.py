@@ -6,6 +6,7 @@ partitioned graph, and Inductor at an activation-memory budget (the ``torch`` ba
 users read it and a benchmark rebinds it (``benchmarks/bench_codegen.py``)."""
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import Any, Callable
 
@@ -22,7 +23,7 @@ def load_inductor_compiler() -> None:
     with Inductor imports it when ``torch.compile`` is called; lynx's backend module calls this
     when it is loaded, which ``torch.compile(m, backend="lynx")`` does at the same point, so the
     import is not in lynx's first step either."""
-    import torch._inductor.compile_fx  # noqa: F401
+    importlib.import_module("torch._inductor.compile_fx")
 
 
 def inductor_partitioner_base() -> type:
