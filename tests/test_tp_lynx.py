@@ -184,6 +184,48 @@ def test_plan_mismatch_stops_every_rank_with_one_error():
     assert results[0][1] == results[1][1]  # the same message on every rank
 
 
+def _rank1_solves_differently(rank, world):
+    """Rank 1's solver answers the same problem with another plan (as a MILP stopped by its time
+    limit on a loaded machine may): every rank still compiles rank 0's plan, with no error."""
+    from lynx_compile.distributed.agreement import plan_fingerprint
+    from lynx_compile.remat import solve as solve_module
+
+    differed = []
+    if rank == 1:
+        real = solve_module.solve_remat
+
+        def other(problem, target, **kw):  # the plan of a slightly smaller target, where that is another plan
+            from lynx_compile.remat.problem import InfeasibleBudget
+
+            own = real(problem, target, **kw)
+            for fraction in (0.97, 0.93, 0.9):
+                try:
+                    tighter = real(problem, int(target * fraction), **kw)
+                except InfeasibleBudget:
+                    break
+                if (tighter.keep, tighter.demand, tighter.window) != (own.keep, own.demand, own.window):
+                    differed.append(True)
+                    return tighter
+            differed.append(False)
+            return own
+
+        solve_module.solve_remat = other
+    cfg = CONFIGS["gpt"]
+    torch.manual_seed(0)
+    model = tensor_parallelize(build_model(cfg), dist.group.WORLD)
+    backend = lynx_compile.backend(policy="lynx", memory_budget=BUDGET, solver="heu", plan_cache=False,
+                                   hardware="cpu", link="pcie4", compiler="eager")
+    torch.compile(model, backend=backend)(_batch(cfg)).loss.backward()
+    return plan_fingerprint(backend.records[0].plan), differed
+
+
+@pytest.mark.timeout(200)
+def test_every_rank_compiles_rank0s_solve():
+    (fp0, _), (fp1, rank1_differed) = run_ranks(_rank1_solves_differently, 2, timeout_s=180)
+    assert any(rank1_differed), rank1_differed  # rank 1's own answer was another plan ...
+    assert fp0 == fp1      # ... yet both ranks compiled the same one
+
+
 def _train_until_rank1_dies(rank, world, port, path):
     import argparse
 

@@ -120,8 +120,7 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, base_fw: fx.GraphModule, 
     for _ in range(MAX_ROUNDS):
         if decisions is None:
             try:
-                sol = solve_remat(problem, target, solver=cfg.solver, time_limit_s=cfg.time_limit_s,
-                                  mip_gap=cfg.mip_gap, progress=lambda line: log.info("lynx: %s", line))
+                sol = _solve_as_rank0(problem, target, cfg, solve_remat)
             except InfeasibleBudget as e:
                 if applied is not None:  # a re-solve round, not the budget itself
                     raise budget_error(
@@ -156,6 +155,36 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, base_fw: fx.GraphModule, 
     return LynxOutcome(applied=applied, problem=problem, solver=solver or source, status=status or source,
                        exposed_s=exposed, plan_time_s=time.perf_counter() - start if source == "solver" else 0.0,
                        solve_s=solve_s)
+
+
+def _solve_as_rank0(problem: RematProblem, target: int, cfg: LynxConfig, solve_remat: Callable):
+    """``solve_remat`` of ``problem`` at ``target``; with several planning ranks, rank 0's answer
+    (its solution or its ``InfeasibleBudget``) on every rank that solved the same problem (same
+    graph hash, target and solver settings).
+
+    Every rank solves, but a solve need not give every rank the same answer: a MILP stopped by
+    its time limit, or by a machine's load, returns whatever incumbent it had (seen once: two
+    processes, the same graph and options, one of them on a loaded machine, two plans of equal
+    peak). Ranks that compile different plans issue collectives in different orders, so the
+    plan is rank 0's. A rank whose problem differs (another budget, another graph) keeps its own
+    answer, and ``check_plan_agreement`` then stops every rank with one error naming the plans."""
+    from lynx_compile.distributed.agreement import planning_world_size, rank0_value
+
+    try:
+        mine = ("solution", solve_remat(problem, target, solver=cfg.solver, time_limit_s=cfg.time_limit_s,
+                                        mip_gap=cfg.mip_gap, progress=lambda line: log.info("lynx: %s", line)))
+    except InfeasibleBudget as e:  # sent as its fields: the exception does not unpickle
+        mine = ("infeasible", (e.budget, e.smallest, e.reference))
+    if planning_world_size() > 1:
+        key = (problem.graph_hash, len(problem.units), target, cfg.solver, cfg.mip_gap, cfg.time_limit_s)
+        with _compat.eager_dispatch():
+            rank0_key, rank0_answer = rank0_value((key, mine))
+        if rank0_key == key:
+            mine = rank0_answer
+    kind, value = mine
+    if kind == "infeasible":
+        raise InfeasibleBudget(*value)
+    return value
 
 
 def _infeasible(cfg: LynxConfig, e: InfeasibleBudget, problem: RematProblem) -> BudgetError:
