@@ -72,12 +72,15 @@ def _train(rank: int, world: int, options: dict, trace: bool) -> dict:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             model(_batches(model)[0].chunk(world)[rank]).loss.backward()
         ranges = sorted({e.name for e in prof.events() if e.name.startswith("lynx::recompute")})
-    record = backend.records[-1]
-    windows = [d.collective for _, d in record.plan.decisions.units if hasattr(d, "collective")]
-    return {"losses": losses, "block_bytes": block_bytes, "fsdp": record.fsdp,
-            "window_s": record.stats.get("fsdp_window_s"), "windows": windows,
-            "moved": record.stats.get("recompute_nodes_in_windows"), "ranges": ranges,
-            "choice": record.step.current if record.step is not None else None}
+    # the blocks compiled with the step's plan: the pieces planned together may give each block
+    # call its own plan (e.g. block 0 recomputes in the windows, block 1 'none'), a record each,
+    # and how many depends on the outside memory step 2 measured (FSDP's gathers in flight)
+    records = [r for r in backend.records if r.plan is not None and r.step_choice is not None] or backend.records[-1:]
+    windows = sorted({d.collective for r in records for _, d in r.plan.decisions.units if hasattr(d, "collective")})
+    return {"losses": losses, "block_bytes": block_bytes, "fsdp": records[-1].fsdp,
+            "window_s": max(r.stats.get("fsdp_window_s") or 0.0 for r in records), "windows": windows,
+            "moved": sum(r.stats.get("recompute_nodes_in_windows") or 0 for r in records), "ranges": ranges,
+            "choice": [r.step_choice for r in records]}
 
 
 def _both(rank: int, world: int) -> dict:
