@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from lynx_compile.tools.demo import run_policy
+from policy_run import run_policy
 from lynx_compile.models import build_model, example_batch
 from lynx_compile.report import csv_text, environment, markdown_table
 

@@ -33,7 +33,7 @@ METHODS = {"heu": {"policy": "lynx", "solver": "heu"}, "opt-highs": {"policy": "
 def run_one(preset: str, method: str, budget: float | None, batch: int, steps: int) -> dict:
     import torch
 
-    from lynx_compile.tools.demo import run_policy
+    from policy_run import run_policy
     from lynx_compile.models import build_model, example_batch
 
     options = dict(METHODS[method])
