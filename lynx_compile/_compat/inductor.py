@@ -60,7 +60,7 @@ def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, 
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     adopt_unbacked_symbols(gm)
-    patches: dict[str, Any] = dict(_cacheable_rng_replay())
+    patches: dict[str, Any] = _cacheable_rng_replay()
     if keep_placement:
         patches.update(_keep_placement())
         # around each graph's inner compile: AOTAutograd compiles the backward lazily, at the

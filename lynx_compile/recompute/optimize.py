@@ -97,8 +97,6 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, base_fw: fx.GraphModule, 
 
     ``base_fw`` / ``base_bw``: the partition whose saved tensors are the problem's units.
     Raises ``BudgetError`` when no plan fits."""
-    from lynx_compile.remat.solve import solve_remat  # imports Pyomo: only when lynx plans
-
     cfg: LynxConfig = ctx.config
     start = time.perf_counter()
     problem, index = extract_remat_problem(joint, base_fw, base_bw, ctx)
@@ -120,7 +118,7 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, base_fw: fx.GraphModule, 
     for _ in range(MAX_ROUNDS):
         if decisions is None:
             try:
-                sol = _solve_as_rank0(problem, target, cfg, solve_remat)
+                sol = _solve_as_rank0(problem, target, cfg)
             except InfeasibleBudget as e:
                 if applied is not None:  # a re-solve round, not the budget itself
                     raise budget_error(
@@ -157,7 +155,7 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, base_fw: fx.GraphModule, 
                        solve_s=solve_s)
 
 
-def _solve_as_rank0(problem: RematProblem, target: int, cfg: LynxConfig, solve_remat: Callable):
+def _solve_as_rank0(problem: RematProblem, target: int, cfg: LynxConfig):
     """``solve_remat`` of ``problem`` at ``target``; with several planning ranks, rank 0's answer
     (its solution or its ``InfeasibleBudget``) on every rank that solved the same problem (same
     graph hash, target and solver settings).
@@ -169,6 +167,7 @@ def _solve_as_rank0(problem: RematProblem, target: int, cfg: LynxConfig, solve_r
     plan is rank 0's. A rank whose problem differs (another budget, another graph) keeps its own
     answer, and ``check_plan_agreement`` then stops every rank with one error naming the plans."""
     from lynx_compile.distributed.agreement import planning_world_size, rank0_value
+    from lynx_compile.remat.solve import solve_remat  # imports Pyomo: only when lynx plans
 
     try:
         mine = ("solution", solve_remat(problem, target, solver=cfg.solver, time_limit_s=cfg.time_limit_s,
