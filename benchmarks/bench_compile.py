@@ -13,9 +13,13 @@ forward, loss and backward) of a fresh Python process, ``backend="inductor"`` ag
   Inductor's FX-graph / AOTAutograd caches and lynx's plan cache (``<dir>/lynx/plans``).
 
 Models and compile styles are ``bench_budget``'s (its ``build`` and ``prepare``: 4 layers, batch
-3 x sequence 48, float32, one thread): ``gpt-tiny`` (the zoo's preset) and ``hf-llama``
-(``foreign_models.hf_llama`` sized like gpt-tiny); ``whole`` = ``torch.compile(model)``,
-``per-block`` = each block ``block.compile(fullgraph=True)``, the rest eager.
+3 x sequence 48, float32, one thread): ``gpt-tiny`` (the zoo's preset, the default with
+``hf-llama``), ``postln-gqa``, ``hf-llama`` (``foreign_models.hf_llama`` sized like gpt-tiny),
+``hf-gpt2``; ``whole`` = ``torch.compile(model)``, ``per-block`` = each block
+``block.compile(fullgraph=True)``, the rest eager. torchtitan's debug models (``tt-llama3``,
+``tt-qwen3``, ``tt-deepseek``) are built, batched (2 x 256) and compiled as in ``bench_budget``
+(``torchtitan_models.step_fn``: the model and torchtitan's loss both compiled, per block with
+torchtitan's own ``apply_compile``).
 
 Each child runs ``--steps`` steps (``loss_of(model).backward()``, no optimizer) and prints one
 JSON line: ``step_s`` (each step's wall time, ``time.perf_counter``), the number of
@@ -101,12 +105,24 @@ def run_child(model: str, style: str, config: str, steps: int, threads: int) -> 
     # bench_budget.prepare spells lynx's options with its lynx_opts(compiler, budget); it is given
     # this row's options (policy none is not a budget there).
     bench_budget.lynx_opts = lambda compiler, budget: opts
-    module, loss_of = bench_budget.build(model, style, "default")
-    fn = bench_budget.prepare(module, style, "inductor", None if opts is None else 1.0, model)
+    if model in bench_budget.TORCHTITAN:  # model and loss compiled as torchtitan's trainer does
+        import torchtitan_models as tt
+
+        backend = "inductor" if opts is None else lynx_compile.backend(**opts)
+        _, tt_step = tt.step_fn(model, style, backend, bench_budget.TT_SHAPE["batch"], bench_budget.TT_SHAPE["seq"])
+
+        def step() -> None:
+            tt_step()  # a torchtitan step runs its backward itself
+    else:
+        module, loss_of = bench_budget.build(model, style, "default")
+        fn = bench_budget.prepare(module, style, "inductor", None if opts is None else 1.0, model)
+
+        def step() -> None:
+            loss_of(fn).backward()
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        loss_of(fn).backward()
+        step()
         times.append(time.perf_counter() - t0)
     row: dict[str, Any] = {"step_s": times, "hits": counter.hits, "misses": counter.misses}
     if opts is not None:

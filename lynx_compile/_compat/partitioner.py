@@ -227,6 +227,27 @@ def min_cut_stops_on_repeat(seen: dict, label: Any):
         _partitioners.choose_saved_values_set = original
 
 
+@contextlib.contextmanager
+def min_cut_checks_choice(check: Callable[[frozenset], None]):
+    """A context in which ``check(saved)`` (``saved``: the names of the values torch's min-cut
+    chose to save, ``choose_saved_values_set``'s answer) is called right after the choice, before
+    the forward and backward are extracted from the joint; an exception it raises leaves the
+    partition there, uncompleted. Inside :func:`min_cut_stops_on_repeat` a repeated choice stops
+    before ``check`` is called."""
+    original = _partitioners.choose_saved_values_set
+
+    def choose(*args: Any, **kwargs: Any):
+        saved = original(*args, **kwargs)
+        check(frozenset(n.name for n in saved))
+        return saved
+
+    _partitioners.choose_saved_values_set = choose
+    try:
+        yield
+    finally:
+        _partitioners.choose_saved_values_set = original
+
+
 def forward_node_names(joint_gm: fx.GraphModule) -> set[str]:
     """Names of the joint-graph nodes traced in the forward.
 

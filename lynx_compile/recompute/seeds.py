@@ -10,7 +10,9 @@ of a model (``decide.decide_piece``) weighs the same candidates.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import logging
 
 import torch.fx as fx
@@ -98,6 +100,39 @@ def exposed_floor(joint: fx.GraphModule, ctx: PassContext, decisions: Decisions)
     return sum((c.runtime_s for n in joint.graph.nodes if n in seen and (c := n.meta.get(meta.COST)) is not None), 0.0)
 
 
+def min_cut_floor(joint: fx.GraphModule, ctx: PassContext, saved: frozenset) -> float:
+    """Seconds of on-demand recompute torch's min-cut exposes when it saves ``saved`` (names of
+    joint nodes), known from the choice alone: the backward torch extracts is every node the
+    backward's outputs are computed from, back to the saved values and the graph's inputs, so
+    the forward nodes among them are recomputed. :func:`exposed` of the realized candidate is
+    never below this (the passes after the partition only add recompute;
+    ``tests/test_min_cut_floor.py``)."""
+    out = joint.graph.output_node()
+    forward = ctx.forward_names
+    seen: set[fx.Node] = set()
+    # the backward's outputs, as torch's partitioner reads them: the output's arguments flattened
+    stack = [a for a in _compat.tree_leaves(out.args)[ctx.num_fwd_outputs:] if isinstance(a, fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n in seen or n.name in saved or n.op != "call_function":
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    # summed in graph order (a float sum in set order differs between processes in its last bit)
+    return sum((c.runtime_s for n in joint.graph.nodes if n in seen and n.name in forward
+                and not isinstance(n.meta.get(meta.DECISION), Window) and (c := n.meta.get(meta.COST)) is not None),
+               0.0)
+
+
+class _CannotBeat(Exception):
+    """Raised from inside torch's min-cut once its choice exposes at least as much as the plan
+    to beat: the candidate is not extracted. ``floor``: :func:`min_cut_floor` of the choice."""
+
+    def __init__(self, floor: float):
+        super().__init__(floor)
+        self.floor = floor
+
+
 def seed_with_baselines(joint, ctx: PassContext, kw: dict, budget: int, reference_peak: int,
                         outcome, failure: Exception | None):
     """lynx's plan, or a baseline's when one fits ``budget`` with less exposed recompute.
@@ -180,12 +215,15 @@ def baseline_candidates(joint: fx.GraphModule, ctx: PassContext, kw: dict, polic
     with several ranks a torch candidate is used only where every rank partitioned it alike
     (else it is left out on every rank, with a note), so ranks never choose different plans.
     ``beat``: a baseline whose :func:`exposed_floor` is at least this is not realized; it is
-    yielded as (name, its floor) instead (the floor reads only the graph: every rank skips alike)."""
+    yielded as (name, its floor) instead (the floor reads only the graph: every rank skips alike).
+    So is a torch min-cut setting whose choice of saved values exposes at least this
+    (:func:`min_cut_floor`): it is not extracted (with several ranks only where every rank
+    skips it; where some do and some do not, it is no candidate, as a tie broken apart is)."""
     candidates = [(p, None) for p in policies]
     budgets = ({round(frac * m, 3) for m in TORCH_BUDGET_LADDER} if frac is not None else set()) | set(settings)
     candidates += [("torch", b) for b in sorted(budgets, reverse=True)]
     saved_sets: dict = {}     # torch's min-cut: saved values -> the first budget that chose them
-    realized: dict[str, Applied] = {}
+    realized: dict[str, Applied | float] = {}  # a float: the floor of a choice not extracted
     for policy, torch_budget in candidates:
         name = f"torch@{torch_budget:g}" if policy == "torch" else policy
         sub = scratch_context(ctx, name)
@@ -197,22 +235,34 @@ def baseline_candidates(joint: fx.GraphModule, ctx: PassContext, kw: dict, polic
                 continue
             yield name, realize(joint, sub, decisions, kw)
             continue
+        check = contextlib.nullcontext()
+        if beat is not None:  # a choice that cannot beat ``beat`` is not extracted
+            check = _compat.min_cut_checks_choice(functools.partial(_check_floor, joint, ctx, beat))
         try:  # a budget whose min-cut saves what a higher one saved is that candidate again
             with _compat.min_cut_counts_script_objects_as_zero(), \
-                    _compat.min_cut_stops_on_repeat(saved_sets, name):
+                    _compat.min_cut_stops_on_repeat(saved_sets, name), check:
                 applied = realize(joint, sub, Decisions(policy=name), kw, torch_budget=torch_budget)
         except _compat.SameSavedValues as same:
             clear_decision_tags(joint)  # as realize leaves it: min-cut's MUST_SAVE pins are no decision
             applied = realized[same.first]
+        except _CannotBeat as no:
+            clear_decision_tags(joint)
+            applied = no.floor
         realized[name] = applied
         if planning_world_size() > 1:
             with _compat.eager_dispatch():
-                tokens = gather_values(partition_token(applied))
+                tokens = gather_values(partition_token(applied) if isinstance(applied, Applied) else "skipped")
             if len(set(tokens)) > 1:
                 ctx.record.notes.append(f"{name}: ranks partitioned it differently (torch's min-cut breaks "
                                         "ties in set order), so it is no candidate")
                 continue
         yield name, applied
+
+
+def _check_floor(joint: fx.GraphModule, ctx: PassContext, beat: float, saved: frozenset) -> None:
+    floor = min_cut_floor(joint, ctx, saved)
+    if floor >= beat:
+        raise _CannotBeat(floor)
 
 
 def as_seed(applied: Applied) -> Applied:
