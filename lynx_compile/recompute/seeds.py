@@ -22,6 +22,7 @@ from lynx_compile.budget import budget_error as refuse
 from lynx_compile.costs.comm import is_collective_node, is_wait_node
 from lynx_compile.decisions import Decisions, Window
 from lynx_compile.distributed.agreement import gather_values, planning_world_size
+from lynx_compile.memory.storage import allocations, storage_keys
 from lynx_compile.passes import PassContext, meta
 from lynx_compile.passes.apply_decisions import clear_decision_tags
 from lynx_compile.passes.mark_recomputed import recomputed_source
@@ -124,13 +125,44 @@ def min_cut_floor(joint: fx.GraphModule, ctx: PassContext, saved: frozenset) -> 
                0.0)
 
 
-class _CannotBeat(Exception):
-    """Raised from inside torch's min-cut once its choice exposes at least as much as the plan
-    to beat: the candidate is not extracted. ``floor``: :func:`min_cut_floor` of the choice."""
+def saved_floor_bytes(joint: fx.GraphModule, ctx: PassContext, saved: frozenset, memo: dict | None = None) -> int:
+    """Bytes a partition that saves ``saved`` (names of joint nodes) holds when its backward
+    starts at least: each storage a saved value lives in (a view's or a getitem's: its base's),
+    counted once, at what the forward op allocating it allocates (graph inputs: 0), as the
+    memory simulation counts a backward's inputs. Every saved value is live when the backward
+    starts, so a candidate's simulated peak is never below this (``tests/test_min_cut_floor.py``).
+    ``memo``: a dict kept between calls on one joint (its storages are computed once)."""
+    memo = {} if memo is None else memo
+    if "keys" not in memo:
+        memo["keys"] = {n.name: k for n, k in storage_keys(joint, {}).items()}
+        memo["bytes"] = {k: b for n in joint.graph.nodes if n.name in ctx.forward_names for k, b in allocations(n)}
+    keys, nbytes = memo["keys"], memo["bytes"]
+    return sum(nbytes.get(k, 0) for k in {keys[name] for name in saved if name in keys})
 
-    def __init__(self, floor: float):
-        super().__init__(floor)
-        self.floor = floor
+
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+    """A candidate not realized because it cannot win: it exposes at least as much recompute as
+    the plan to beat (``exposed_at_least_s``), or what it saves alone is over the budget
+    (``peak_at_least_bytes``)."""
+
+    exposed_at_least_s: float | None = None
+    peak_at_least_bytes: int | None = None
+
+    def stats(self) -> dict:
+        if self.peak_at_least_bytes is not None:
+            return {"peak_at_least_bytes": self.peak_at_least_bytes,
+                    "skipped": "what it saves alone is over the budget"}
+        return {"exposed_at_least_s": self.exposed_at_least_s, "skipped": "exposes at least as much as lynx's plan"}
+
+
+class _CannotWin(Exception):
+    """Raised from inside torch's min-cut once its choice of saved values cannot win; the
+    partition is not completed."""
+
+    def __init__(self, skipped: Skipped):
+        super().__init__(skipped)
+        self.skipped = skipped
 
 
 def seed_with_baselines(joint, ctx: PassContext, kw: dict, budget: int, reference_peak: int,
@@ -159,8 +191,9 @@ def seed_with_baselines(joint, ctx: PassContext, kw: dict, budget: int, referenc
     policies = BASELINES if ctx.record.blocks else ()
     # where lynx's plan fits, a baseline that exposes at least as much cannot win: not realized
     beat = best[1] if best is not None and not failed_somewhere else None
-    for name, applied in baseline_candidates(joint, ctx, kw, policies, frac, settings, beat=beat):
-        if not isinstance(applied, Applied):  # skipped: its floor (0.0 where lynx's plan exposes nothing)
+    for name, applied in baseline_candidates(joint, ctx, kw, policies, frac, settings, beat=beat,
+                                             budget=budget if beat is not None else None):
+        if isinstance(applied, Skipped):
             scores[name] = (applied, None)
             continue
         cost = exposed(applied, joint)
@@ -178,8 +211,7 @@ def seed_with_baselines(joint, ctx: PassContext, kw: dict, budget: int, referenc
                 plan_time_s=outcome.plan_time_s if outcome else 0.0,
                 solve_s=outcome.solve_s if outcome else 0.0))
     ctx.record.stats["candidates"] = {
-        k: {"exposed_s": e, "peak_bytes": b} if b is not None else
-        {"exposed_at_least_s": e, "skipped": "exposes at least as much as lynx's plan"} for k, (e, b) in scores.items()}
+        k: {"exposed_s": e, "peak_bytes": b} if b is not None else e.stats() for k, (e, b) in scores.items()}
     if best is None:
         tried = ", ".join(f"{k} {b / reference_peak:.3f}" for k, (_, b) in scores.items() if b is not None)
         smallest = getattr(failure, "smallest_bytes", None)
@@ -207,37 +239,50 @@ def seed_with_baselines(joint, ctx: PassContext, kw: dict, budget: int, referenc
 
 
 def baseline_candidates(joint: fx.GraphModule, ctx: PassContext, kw: dict, policies: tuple[str, ...],
-                         frac: float | None, settings: tuple[float, ...] = (), *, beat: float | None = None):
+                         frac: float | None, settings: tuple[float, ...] = (), *, beat: float | None = None,
+                         budget: int | None = None):
     """(name, Applied) of each baseline in ``policies``, then torch's min-cut at ``frac`` times
     ``TORCH_BUDGET_LADDER`` (not with ``frac`` None) and at each of ``settings``, highest first,
     each applied on a scratch record. torch's min-cut breaks ties in set order, which differs
     between processes (seen on 2 gloo ranks: the same graph, different recomputed getitems):
     with several ranks a torch candidate is used only where every rank partitioned it alike
     (else it is left out on every rank, with a note), so ranks never choose different plans.
-    ``beat``: a baseline whose :func:`exposed_floor` is at least this is not realized; it is
-    yielded as (name, its floor) instead (the floor reads only the graph: every rank skips alike).
-    So is a torch min-cut setting whose choice of saved values exposes at least this
-    (:func:`min_cut_floor`): it is not extracted (with several ranks only where every rank
-    skips it; where some do and some do not, it is no candidate, as a tie broken apart is)."""
+
+    ``beat`` (the exposed seconds of a plan that fits): a candidate that cannot win is yielded as
+    (name, :class:`Skipped`) instead of being realized. A baseline whose :func:`exposed_floor`
+    is at least ``beat`` is not partitioned (the floor reads only the graph: every rank skips
+    alike). A torch min-cut choice (and, planned on one rank, a baseline's under Inductor, which
+    partitions with min-cut too) is not extracted when what it saves exposes at least ``beat``
+    (:func:`min_cut_floor`) or holds more than ``budget`` bytes (:func:`saved_floor_bytes`);
+    with several ranks a torch candidate is skipped only where every rank skips it (where some
+    do and some do not, it is no candidate, as a tie broken apart is)."""
     candidates = [(p, None) for p in policies]
     budgets = ({round(frac * m, 3) for m in TORCH_BUDGET_LADDER} if frac is not None else set()) | set(settings)
     candidates += [("torch", b) for b in sorted(budgets, reverse=True)]
     saved_sets: dict = {}     # torch's min-cut: saved values -> the first budget that chose them
-    realized: dict[str, Applied | float] = {}  # a float: the floor of a choice not extracted
+    realized: dict[str, Applied | Skipped] = {}
+    several = planning_world_size() > 1
+    storages: dict = {}  # the joint's storages, for saved_floor_bytes
     for policy, torch_budget in candidates:
         name = f"torch@{torch_budget:g}" if policy == "torch" else policy
         sub = scratch_context(ctx, name)
+        check = contextlib.nullcontext()
+        if beat is not None and (policy == "torch" or not several):  # a choice that cannot win is not extracted
+            check = _compat.min_cut_checks_choice(functools.partial(_check_choice, joint, ctx, beat, budget, storages))
         if policy != "torch":
             decisions = baseline_decisions(joint, sub, policy)
             floor = exposed_floor(joint, ctx, decisions) if beat is not None else None
             if floor is not None and floor >= beat:
-                yield name, floor
+                yield name, Skipped(exposed_at_least_s=floor)
                 continue
-            yield name, realize(joint, sub, decisions, kw)
+            try:
+                with check:
+                    applied = realize(joint, sub, decisions, kw)
+            except _CannotWin as no:
+                clear_decision_tags(joint)
+                applied = no.skipped
+            yield name, applied
             continue
-        check = contextlib.nullcontext()
-        if beat is not None:  # a choice that cannot beat ``beat`` is not extracted
-            check = _compat.min_cut_checks_choice(functools.partial(_check_floor, joint, ctx, beat))
         try:  # a budget whose min-cut saves what a higher one saved is that candidate again
             with _compat.min_cut_counts_script_objects_as_zero(), \
                     _compat.min_cut_stops_on_repeat(saved_sets, name), check:
@@ -245,11 +290,11 @@ def baseline_candidates(joint: fx.GraphModule, ctx: PassContext, kw: dict, polic
         except _compat.SameSavedValues as same:
             clear_decision_tags(joint)  # as realize leaves it: min-cut's MUST_SAVE pins are no decision
             applied = realized[same.first]
-        except _CannotBeat as no:
+        except _CannotWin as no:
             clear_decision_tags(joint)
-            applied = no.floor
+            applied = no.skipped
         realized[name] = applied
-        if planning_world_size() > 1:
+        if several:
             with _compat.eager_dispatch():
                 tokens = gather_values(partition_token(applied) if isinstance(applied, Applied) else "skipped")
             if len(set(tokens)) > 1:
@@ -259,10 +304,15 @@ def baseline_candidates(joint: fx.GraphModule, ctx: PassContext, kw: dict, polic
         yield name, applied
 
 
-def _check_floor(joint: fx.GraphModule, ctx: PassContext, beat: float, saved: frozenset) -> None:
+def _check_choice(joint: fx.GraphModule, ctx: PassContext, beat: float, budget: int | None, storages: dict,
+                  saved: frozenset) -> None:
+    """Raise :class:`_CannotWin` when a min-cut choice that saves ``saved`` cannot win."""
     floor = min_cut_floor(joint, ctx, saved)
     if floor >= beat:
-        raise _CannotBeat(floor)
+        raise _CannotWin(Skipped(exposed_at_least_s=floor))
+    held = saved_floor_bytes(joint, ctx, saved, storages) if budget is not None else 0
+    if budget is not None and held > budget:
+        raise _CannotWin(Skipped(peak_at_least_bytes=held))
 
 
 def as_seed(applied: Applied) -> Applied:
