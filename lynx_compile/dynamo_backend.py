@@ -22,6 +22,7 @@ import torch.fx as fx
 
 from lynx_compile import _compat, autograd_cache
 from lynx_compile.config import OPTIONS_ENV, LynxConfig, make_config, options_from_env
+from lynx_compile.decisions import BudgetError
 from lynx_compile.errors import LynxOptionError, PlanningDone
 from lynx_compile.passes import GraphRecord, check_pass_names
 from lynx_compile.recompute.partition import lynx_partition
@@ -115,7 +116,29 @@ class LynxBackend:
 
         fsdp = comm_of(example_inputs)  # FSDP2's collectives around this graph's backward
         record.fsdp = fsdp.as_tuple() if fsdp is not None else None
-        compiled = self._compile(gm, example_inputs, record)
+        hint_key = None
+        if self.step_recorder is not None and not record.takes_activations and not self.plan_only:
+            from lynx_compile import step_hint
+
+            # a whole graph beside other compiled graphs: the lower peak the step's plan gave it
+            # in an earlier run, planned at once (lynx_compile.step_hint)
+            hint_key = step_hint.key(gm, example_inputs, self.config)
+            record.step_choice = step_hint.load(hint_key)
+            if record.step_choice is not None:
+                log.info("lynx plan cache: step hint %s: graph %d planned within its peak %s at once, as the "
+                         "step's plan across graphs chose in an earlier run", hint_key[:12], record.graph_id,
+                         record.step_choice[len(step_hint.PREFIX):])
+        try:
+            compiled = self._compile(gm, example_inputs, record)
+        except BudgetError as e:
+            if record.step_choice is None:
+                raise
+            log.warning("lynx plan cache: step hint %s no longer applies to graph %d (%s); planning it as a "
+                        "first compile does", hint_key[:12], record.graph_id, e)
+            record.step_choice = None
+            compiled = self._compile(gm, example_inputs, record)
+        if hint_key is not None:
+            record.stats["step_hint_key"] = hint_key
         if self.step_recorder is None:
             return compiled
         from lynx_compile.compiled_piece import InputSpec
@@ -131,6 +154,8 @@ class LynxBackend:
         calls run two compiles)."""
         record = GraphRecord(graph_id=old.graph_id, policy=self.config.policy, step_choice=choice,
                              takes_activations=old.takes_activations, fsdp=old.fsdp)
+        if "step_hint_key" in old.stats:
+            record.stats["step_hint_key"] = old.stats["step_hint_key"]
         if self.config.compiler == "inductor" and not self.config.weight_split:
             # dynamo's tracing context is gone: one of our own, so torch's caches serve it
             with _compat.static_tracing(inputs.inputs()) as example_inputs:

@@ -360,6 +360,10 @@ class StepRecorder:
         what = "; ".join(changed) if changed else "the provisional plans kept"
         line = (f"{summary}; planned together: {what}; step peak predicted {format_bytes(choice.predicted)} "
                 f"(budget {format_bytes(self.budget_bytes)})")
+        from lynx_compile import step_hint
+
+        for piece in self.pieces:  # a whole graph planned lower: at once in the next run
+            step_hint.keep(piece.record)
         for record in (r for p in planned for r in p.records):
             plan = record.plan
             record.plan = dataclasses.replace(

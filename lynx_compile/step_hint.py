@@ -1,0 +1,60 @@
+"""The peak the step's plan across pieces gave a whole graph, remembered for the next run.
+
+A model compiled as a whole graph beside other compiled graphs (torchtitan's trainer compiles
+the model and its loss apart) plans the model graph within the budget's fraction of its own peak
+at step 1; when the step recorded at step 2 does not fit, ``step_record`` plans that graph again
+within a lower peak (``step_choice="plan@<bytes>"``) and compiles it again at step 3. A rerun of
+the same script would compile it twice again. Here the lower peak is kept in the plan cache
+directory, keyed by what the graph's first compile sees (the dynamo graph and its inputs, lynx's
+options and budget, the hardware profile, lynx's source), and the rerun's first compile plans
+within it at once: the step's plan then finds it fits, and nothing is compiled twice. If the
+step has changed (another loss, another batch), step 2's recording still decides: the graph is
+planned lower again if the step does not fit (it is never planned higher than the hint).
+
+Off where AOTAutograd's cache for lynx is off (several planning ranks, ``plan_cache=False``, a
+plan file, measured costs, offload): every rank must compile alike.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch.fx as fx
+
+from lynx_compile import plan_cache
+from lynx_compile.config import LynxConfig
+
+log = logging.getLogger("lynx_compile")
+PREFIX = "plan@"
+
+
+def key(gm: fx.GraphModule, example_inputs: list, config: LynxConfig) -> str | None:
+    """The hint's key for a graph's first compile, or None where hints are off."""
+    from lynx_compile.autograd_cache import graph_digest
+    from lynx_compile.costs import get_profile
+    from lynx_compile.distributed.agreement import planning_world_size
+
+    if (config.policy != "lynx" or config.budget is None or not config.plan_cache or config.plan is not None
+            or config.cost_source != "analytic" or config.offload or planning_world_size() != 1):
+        return None
+    return plan_cache.plan_key({
+        "schema": plan_cache.SCHEMA, "kind": "step_hint", "graph": graph_digest(gm, example_inputs),
+        "options": plan_cache.planning_options(config), "budget": config.budget.given(),
+        "profile": get_profile(config.hardware).to_dict(), "lynx": plan_cache.lynx_source_digest()})
+
+
+def load(hint_key: str | None) -> str | None:
+    """The ``plan@<bytes>`` choice kept under ``hint_key``, or None."""
+    data = plan_cache.load_record(hint_key) if hint_key else None
+    choice = data.get("step_choice") if isinstance(data, dict) else None
+    if not isinstance(choice, str) or not choice.startswith(PREFIX) or not choice[len(PREFIX):].isdigit():
+        return None
+    return choice
+
+
+def keep(record: Any) -> None:
+    """After the step's plan: keep ``record``'s choice when it plans a whole graph lower than its
+    first compile did (``plan@<bytes>``), under the key of that first compile."""
+    hint_key = record.stats.get("step_hint_key")
+    if hint_key and (record.step_choice or "").startswith(PREFIX) and load(hint_key) != record.step_choice:
+        plan_cache.store_record(hint_key, {"step_choice": record.step_choice})
