@@ -92,7 +92,12 @@ def realize(joint: fx.GraphModule, ctx: PassContext, decisions: Decisions, kw: d
     joint = run_passes(joint, ctx, APPLY_PIPELINE, "apply")
     if torch_budget is not None:
         pin_random_outputs(joint, ctx)
-    fw, bw = partition_joint(joint, ctx.joint_inputs, kw, inductor=inductor, torch_budget=torch_budget)
+    taken = None
+    if torch_budget is None and ctx.untagged is not None and next(iter(decisions.recomputed()), None) is None:
+        # nothing tagged: the partition is the untagged reference's (untagged_partition), taken
+        # instead of partitioning the same joint again (policy none, a plan with no recompute)
+        taken = ctx.untagged.take()
+    fw, bw = taken or partition_joint(joint, ctx.joint_inputs, kw, inductor=inductor, torch_budget=torch_budget)
     fw = run_passes(fw, ctx, FORWARD_PIPELINE, "forward")
     bw = run_passes(bw, ctx, BACKWARD_PIPELINE, "backward")
     if torch_budget is not None:
