@@ -35,7 +35,7 @@ def test_floor_is_never_above_the_realized_exposed_recompute(name, compiler, mon
     seen = []
     original = seeds.baseline_candidates
 
-    def every_baseline_realized(joint, ctx, kw, policies, frac, settings=(), *, beat=None):
+    def every_baseline_realized(joint, ctx, kw, policies, frac, settings=(), *, beat=None, budget=None):
         for cand, applied in original(joint, ctx, kw, policies, frac, settings, beat=None):
             if cand in policies:
                 seen.append((cand, seeds.exposed_floor(joint, ctx, applied.decisions),
@@ -58,6 +58,7 @@ def test_skipping_changes_no_plan(name, monkeypatch):
     model, x = reach_model(name, monkeypatch)
     skipped = _plan(model, x, memory_budget=0.9)
     monkeypatch.setattr(seeds, "exposed_floor", lambda *a: 0.0)  # every baseline realized
+    monkeypatch.setattr(seeds, "_check_choice", lambda *a: None)  # (not stopped at min-cut's choice either)
     realized = _plan(model, x, memory_budget=0.9)
     assert len(skipped) == len(realized) == 1
     a, b = skipped[0], realized[0]
