@@ -48,17 +48,31 @@ log = logging.getLogger("lynx_compile")
 def cache_key(gm: fx.GraphModule, example_inputs: list, config: LynxConfig, record: GraphRecord) -> str | None:
     """The partitioner's uuid for ``gm`` (see the module docstring), or None where AOTAutograd's
     cache stays off for it. Read inside the compile's planning group."""
-    from lynx_compile.costs import get_profile
+    trains = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
+    if not trains or not keeps_plans(config):
+        return None
+    return plan_cache.plan_key({**graph_fields(gm, example_inputs, config, "autograd_cache"),
+                                "takes_activations": record.takes_activations, "step_choice": record.step_choice})
+
+
+def keeps_plans(config: LynxConfig) -> bool:
+    """Whether a graph's plan may be kept for a later process to compile alike: not with a plan
+    file, measured costs (they differ between processes), offload (it reads the host link),
+    ``plan_cache=False``, or several planning ranks (see the module docstring)."""
     from lynx_compile.distributed.agreement import planning_world_size
 
-    trains = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
-    if (not trains or not config.plan_cache or config.plan is not None or config.cost_source != "analytic"
-            or config.offload or planning_world_size() != 1):
-        return None
-    fields = {"schema": plan_cache.SCHEMA, "kind": "autograd_cache", "graph": graph_digest(gm, example_inputs),
-              "options": plan_cache.planning_options(config), "takes_activations": record.takes_activations, "step_choice": record.step_choice,
-              "profile": get_profile(config.hardware).to_dict(), "lynx": plan_cache.lynx_source_digest()}
-    return plan_cache.plan_key(fields)
+    return (config.plan_cache and config.plan is None and config.cost_source == "analytic" and not config.offload
+            and planning_world_size() == 1)
+
+
+def graph_fields(gm: fx.GraphModule, example_inputs: list, config: LynxConfig, kind: str) -> dict:
+    """The key fields of what a kept plan of ``gm`` depends on besides its role: the graph and
+    its inputs, lynx's options, the hardware profile's numbers, lynx's source."""
+    from lynx_compile.costs import get_profile
+
+    return {"schema": plan_cache.SCHEMA, "kind": kind, "graph": graph_digest(gm, example_inputs),
+            "options": plan_cache.planning_options(config), "profile": get_profile(config.hardware).to_dict(),
+            "lynx": plan_cache.lynx_source_digest()}
 
 
 def graph_digest(gm: fx.GraphModule, example_inputs: list) -> str:

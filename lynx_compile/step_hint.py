@@ -30,17 +30,12 @@ PREFIX = "plan@"
 
 def key(gm: fx.GraphModule, example_inputs: list, config: LynxConfig) -> str | None:
     """The hint's key for a graph's first compile, or None where hints are off."""
-    from lynx_compile.autograd_cache import graph_digest
-    from lynx_compile.costs import get_profile
-    from lynx_compile.distributed.agreement import planning_world_size
+    from lynx_compile import autograd_cache
 
-    if (config.policy != "lynx" or config.budget is None or not config.plan_cache or config.plan is not None
-            or config.cost_source != "analytic" or config.offload or planning_world_size() != 1):
+    if config.policy != "lynx" or config.budget is None or not autograd_cache.keeps_plans(config):
         return None
-    return plan_cache.plan_key({
-        "schema": plan_cache.SCHEMA, "kind": "step_hint", "graph": graph_digest(gm, example_inputs),
-        "options": plan_cache.planning_options(config), "budget": config.budget.given(),
-        "profile": get_profile(config.hardware).to_dict(), "lynx": plan_cache.lynx_source_digest()})
+    return plan_cache.plan_key({**autograd_cache.graph_fields(gm, example_inputs, config, "step_hint"),
+                                "budget": config.budget.given()})
 
 
 def load(hint_key: str | None) -> str | None:

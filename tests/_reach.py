@@ -99,3 +99,25 @@ def reach_model(name: str, monkeypatch):
 
     lm = hf_llama(vocab_size=128, seq_len=32, n_layers=2, hidden=64, n_heads=4, n_kv_heads=1, attn="eager")
     return WithLoss(lm), torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+
+
+def plan_counting_partitions(model, x, monkeypatch, **options):
+    """Compile ``model`` on ``x`` with lynx (analytic H100 costs, no plan cache, ``options``) and
+    run one backward: (the records of this compile's graphs, how many partitions torch
+    extracted a forward and backward from)."""
+    import lynx_compile
+
+    extracted = []
+    original = torch._functorch.partitioners._extract_fwd_bwd_modules
+
+    def counting(*args, **kwargs):
+        extracted.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch._functorch.partitioners, "_extract_fwd_bwd_modules", counting)
+    backend = lynx_compile.backend(cost_source="analytic", hardware="h100-sxm", plan_cache=False, **options)
+    known = len(backend.records)
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend)(x).loss.backward()
+    monkeypatch.setattr(torch._functorch.partitioners, "_extract_fwd_bwd_modules", original)
+    return backend.records[known:], len(extracted)

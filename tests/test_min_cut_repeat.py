@@ -9,31 +9,9 @@ exposed recompute, and the plan, are the same; fewer partitions are extracted.""
 import contextlib
 import json
 
-import torch
-
-import lynx_compile
 from lynx_compile import _compat
+from _reach import plan_counting_partitions as _plan
 from _reach import reach_model
-
-OPTS = dict(cost_source="analytic", hardware="h100-sxm", plan_cache=False)
-
-
-def _plan(model, x, monkeypatch, **options):
-    """(the records of this compile's graphs, how many partitions torch extracted)."""
-    extracted = []
-    original = torch._functorch.partitioners._extract_fwd_bwd_modules
-
-    def counting(*args, **kwargs):
-        extracted.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(torch._functorch.partitioners, "_extract_fwd_bwd_modules", counting)
-    backend = lynx_compile.backend(**OPTS, **options)
-    known = len(backend.records)
-    torch._dynamo.reset()
-    torch.compile(model, backend=backend)(x).loss.backward()
-    monkeypatch.setattr(torch._functorch.partitioners, "_extract_fwd_bwd_modules", original)
-    return backend.records[known:], len(extracted)
 
 
 def test_a_repeated_choice_is_not_partitioned_again(monkeypatch):

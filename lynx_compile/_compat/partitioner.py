@@ -201,7 +201,6 @@ class SameSavedValues(Exception):
         self.first = first
 
 
-@contextlib.contextmanager
 def min_cut_stops_on_repeat(seen: dict, label: Any):
     """A context in which torch's min-cut partition stops, raising :class:`SameSavedValues`,
     right after ``choose_saved_values_set`` returns saved values (as a set of node names) already
@@ -210,21 +209,12 @@ def min_cut_stops_on_repeat(seen: dict, label: Any):
     functionalizing RNG, reordering the backward) depends only on the joint and the saved
     values, and costs ~3x the choice itself: torch's min-cut at several budgets often saves the
     same values (a 4-layer GPT-1.3B: 12 budgets, 6 distinct sets)."""
-    original = _partitioners.choose_saved_values_set
+    def repeated(saved: frozenset) -> None:
+        if saved in seen:
+            raise SameSavedValues(seen[saved])
+        seen[saved] = label
 
-    def choose(*args: Any, **kwargs: Any):
-        saved = original(*args, **kwargs)
-        key = frozenset(n.name for n in saved)
-        if key in seen:
-            raise SameSavedValues(seen[key])
-        seen[key] = label
-        return saved
-
-    _partitioners.choose_saved_values_set = choose
-    try:
-        yield
-    finally:
-        _partitioners.choose_saved_values_set = original
+    return min_cut_checks_choice(repeated)
 
 
 @contextlib.contextmanager
