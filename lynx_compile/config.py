@@ -141,13 +141,15 @@ class LynxConfig:
     ``compiler="eager"`` the split is always available and this changes nothing. Outside a
     pipeline stage it changes nothing but the compile time."""
 
-    accumulate_grad_in_graph: bool = False
-    """Add each parameter's gradient into ``.grad`` inside the compiled backward, right after it
-    is computed, instead of returning them all at the backward's end for autograd to add (the
-    "gradient pile": ``lynx_compile.grad_in_graph``). Lowers the step's peak where the pile sets
-    it; the plan's memory model counts each gradient until it is added. Refused where a hook on
-    ``AccumulateGrad`` would be skipped (DDP, FSDP, post-accumulate-grad hooks, several ranks);
-    ``torch.autograd.grad`` gets no gradient for the parameters."""
+    accumulate_grad_in_graph: bool | None = None
+    """Where parameter gradients go (``lynx_compile.grad_in_graph``). None (default): each is
+    added into ``.grad`` inside the compiled backward right after it is computed, as eager
+    PyTorch does (its tensor and post-accumulate-grad hooks run there), instead of all being
+    returned at the backward's end for autograd to add (the "gradient pile", which sets the
+    step's peak under heavy recompute); returned where that cannot give eager's ``.grad``:
+    several ranks (DDP/FSDP hooks), tensor-subclass parameters, ``weight_split``. True: the
+    same, refused there. False: always returned. Added in the graph,
+    ``torch.autograd.grad(loss, parameters)`` and ``create_graph=True`` are errors naming False."""
 
     fuse_kernels: bool | str = False
     """Replace recognized recompute chains in the backward (causal softmax, LayerNorm, GeLU) with
@@ -276,7 +278,7 @@ def make_config(options: dict[str, Any] | None = None) -> LynxConfig:
         clash = [k for k in ("side_stream", "recompute_in_wait") if options.get(k)]
         if clash:
             raise ValueError(f"offload=True is not combined with {clash[0]}=True yet; choose one")
-    if options.get("accumulate_grad_in_graph") and options.get("weight_split"):
+    if options.get("accumulate_grad_in_graph") is True and options.get("weight_split"):
         raise ValueError("accumulate_grad_in_graph=True adds weight gradients into .grad where they are "
                          "computed, weight_split=True defers them to a W graph; choose one")
     if options.get("weight_split") and options.get("side_stream"):
@@ -303,7 +305,7 @@ def make_config(options: dict[str, Any] | None = None) -> LynxConfig:
 
 
 _BOOLS = ("plan_cache", "windows", "offload", "recompute_in_wait", "side_stream", "check_plan_agreement",
-          "trace_recompute", "verbose", "weight_split", "accumulate_grad_in_graph")
+          "trace_recompute", "verbose", "weight_split")
 
 
 def _check_types(options: dict[str, Any]) -> None:
@@ -311,6 +313,10 @@ def _check_types(options: dict[str, Any]) -> None:
     for key in _BOOLS:
         if key in options and not isinstance(options[key], bool):
             raise ValueError(f"{key}={options[key]!r} is not valid; choose True or False")
+    value = options.get("accumulate_grad_in_graph")
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"accumulate_grad_in_graph={value!r} is not valid; choose None (default: where eager's "
+                         ".grad can be kept), True or False")
     for key, lo, what in (("time_limit_s", 0.0, "a number of seconds > 0"),
                           ("mip_gap", 0.0, "a relative gap in [0, 1)")):
         if key not in options:

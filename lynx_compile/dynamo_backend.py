@@ -103,10 +103,10 @@ class LynxBackend:
                 log.warning("lynx: compiling more than one graph with these options (graph breaks, "
                             "recompiles, or another model); each graph gets its own plan, listed in "
                             "backend.records. TORCH_LOGS=graph_breaks shows why dynamo split a model.")
-        if self.config.accumulate_grad_in_graph:
-            from lynx_compile.grad_in_graph import check_applicable
+        from lynx_compile import grad_in_graph
 
-            check_applicable(example_inputs)
+        record.grads_in_graph = grad_in_graph.decide(self.config.accumulate_grad_in_graph, self.config.weight_split,
+                                                     example_inputs)
         if self.step_recorder is not None:
             # an activation with gradients comes in: the graph is a piece of a model compiled in
             # pieces (per block, after a graph break), whatever modules it holds
@@ -153,7 +153,8 @@ class LynxBackend:
         its record replaces ``old`` in ``records`` (``replace``) or follows it (a graph whose
         calls run two compiles)."""
         record = GraphRecord(graph_id=old.graph_id, policy=self.config.policy, step_choice=choice,
-                             takes_activations=old.takes_activations, fsdp=old.fsdp)
+                             takes_activations=old.takes_activations, fsdp=old.fsdp,
+                             grads_in_graph=old.grads_in_graph)
         if "step_hint_key" in old.stats:
             record.stats["step_hint_key"] = old.stats["step_hint_key"]
         if self.config.compiler == "inductor" and not self.config.weight_split:

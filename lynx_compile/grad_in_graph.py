@@ -1,67 +1,110 @@
-"""Accumulate parameter gradients into ``.grad`` inside the compiled backward (issue M, "the
-gradient pile"; option ``accumulate_grad_in_graph``).
+"""Parameter gradients added into ``.grad`` inside the compiled backward, where each is computed
+(issue M's "gradient pile", on by default since issue Q; option ``accumulate_grad_in_graph``).
 
-A model compiled whole has one compiled backward that returns every parameter gradient at its
-end; autograd's ``AccumulateGrad`` adds each into ``.grad`` only after it returns, so the step's
-peak holds all of them at once (4 bytes per parameter in fp32) on top of the activations still
-alive. Eager PyTorch adds each into ``.grad`` as soon as it is computed.
+A model compiled whole has one compiled backward. Left to AOTAutograd, it returns every
+parameter gradient at its end; autograd's ``AccumulateGrad`` adds each into ``.grad`` only after
+it returns, so the step's peak holds all of them at once (4 bytes per parameter in fp32) on top
+of the activations still alive. Eager PyTorch adds each into ``.grad`` as soon as it is computed.
 
-With the option, before lynx partitions the joint graph each parameter's gradient output is
-replaced by ``lynx::accumulate_grad(param, grad)``, an opaque op with a side effect placed right
-after the gradient's producer: it adds the gradient into ``param.grad`` (or sets a copy when
-``.grad`` is None), and the gradient dies there. The backward then returns None for that
-parameter, so autograd's ``AccumulateGrad`` does not run for it. The parameter itself is saved
-for the backward (an input: no memory); at run time it is the ``nn.Parameter`` object, read
-back from autograd's saved tensors (a leaf is saved as itself).
+lynx does what eager does. Before it partitions the joint graph, each parameter's gradient
+output is replaced by ``lynx::accumulate_grad(param, grad)``, an opaque op with a side effect
+placed right after the gradient's producer, and the backward returns None for that parameter,
+so autograd's ``AccumulateGrad`` does not run for it. The op does at run time what
+``AccumulateGrad`` would have done (the parameter itself is saved for the backward: an input,
+no memory; a leaf is saved as itself):
 
-What this changes, and where it cannot apply:
+- the gradient is added into ``param.grad``, or a copy becomes ``.grad`` when it is None (the
+  gradient's buffer belongs to the compiled graph, which may reuse it once the op returns);
+- post-accumulate-grad hooks (``register_post_accumulate_grad_hook``) still run: autograd's
+  engine runs the parameter's ``AccumulateGrad`` with no gradient once the backward returns, and
+  its post hooks with it (after ``.grad`` is complete, at the backward's end rather than where
+  the gradient was computed);
+- tensor hooks (``register_hook``) would be called by the engine with None: a graph whose
+  parameter has one when it compiles keeps its gradients returned, and one registered after
+  compiling is an error naming the fix;
+- nothing happens where the engine would not accumulate into this parameter
+  (``loss.backward(inputs=[...])`` without it); ``torch.autograd.grad(loss, params)``, which
+  asks for the gradient itself, and ``create_graph=True`` raise one error naming the fix
+  (``accumulate_grad_in_graph=False``).
 
-- ``AccumulateGrad`` hooks do not run for these parameters: ``register_post_accumulate_grad_hook``,
-  DDP's reducer and FSDP's reduce-scatter all hang on it. lynx refuses the option when a
-  parameter has such a hook, when it is a tensor subclass (FSDP2's DTensor), and when
-  ``torch.distributed`` runs more than one rank (DDP registers its hooks in C++, where lynx
-  cannot see them).
-- ``torch.autograd.grad(loss, params)`` gets no gradient for these parameters (it raises
-  "appears to not have been used in the graph", or returns None with ``allow_unused=True``)
-  while ``.grad`` is still updated: use ``loss.backward()``.
-- ``create_graph=True`` (double backward) is refused at run time.
+When :func:`decide` keeps the gradients returned (``accumulate_grad_in_graph=None``, the
+default, where eager's ``.grad`` cannot be promised; ``True`` refuses there instead): several
+ranks (DDP's reducer and FSDP's reduce-scatter hang C++ hooks on ``AccumulateGrad``), a
+tensor-subclass parameter (FSDP2's DTensor), ``weight_split`` (the weight gradients belong to the
+deferred W graph). The record says which (``GraphRecord.grads_in_graph``).
+
+Memory: the graph's memory model frees each gradient after its op. Where a parameter's ``.grad``
+is None when the graph compiles (``zero_grad()``'s default, the first step), the step allocates
+``.grad`` there and keeps it: the op's node carries those bytes (``GRAD_BYTES``), which the
+simulation keeps to the graph's end. Where ``.grad`` is allocated at the step's start, the
+gradient dies at the op and the pile is gone.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
 
+from torch.utils.weak import WeakIdKeyDictionary
+
 from lynx_compile import _compat
+from lynx_compile.memory.storage import GRAD_BYTES
 
 OP_NAME = "lynx::accumulate_grad"
+_FIX = "compile with options={'accumulate_grad_in_graph': False} to have the backward return them"
 
 
 @torch.library.custom_op(OP_NAME, mutates_args=())
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """``param.grad += grad`` (``param.grad = copy of grad`` when it is None), as autograd's
-    ``AccumulateGrad`` would once the backward returned."""
+    """What autograd's ``AccumulateGrad`` does for ``param`` once the backward returned, done here:
+    ``param.grad += grad`` (a copy when ``.grad`` is None); nothing where the engine would not
+    accumulate into ``param``."""
     if not (param.is_leaf and param.requires_grad):
-        raise RuntimeError(
-            "lynx accumulate_grad_in_graph: the compiled backward did not receive the parameter "
-            "itself (a non-leaf or detached tensor), so it cannot add the gradient into its .grad; "
-            "compile without accumulate_grad_in_graph")
-    if getattr(param, "_post_accumulate_grad_hooks", None):
-        raise RuntimeError("lynx accumulate_grad_in_graph: a parameter has a post-accumulate-grad hook "
-                           "(registered after compiling), which would not run; compile without "
-                           "accumulate_grad_in_graph")
+        raise RuntimeError("lynx: the compiled backward did not receive the parameter itself (a non-leaf "
+                           f"or detached tensor), so it cannot add the gradient into its .grad; {_FIX}")
     if torch.is_grad_enabled():
-        raise RuntimeError("lynx accumulate_grad_in_graph: backward(create_graph=True) is not supported; "
-                           "compile without accumulate_grad_in_graph")
+        raise RuntimeError(f"lynx: backward(create_graph=True) is not supported where lynx adds parameter "
+                           f"gradients into .grad inside the compiled backward; {_FIX}")
+    if param._backward_hooks:
+        raise RuntimeError("lynx: a parameter got a tensor hook (register_hook) after lynx compiled its graph "
+                           "to add its gradient into .grad inside the backward; register the hook before the "
+                           f"first compiled call (lynx then returns that graph's gradients), or {_FIX}")
+    if not _engine_accumulates(param):
+        return
     if param.grad is None:
-        # a copy in the parameter's layout: the gradient's buffer belongs to the compiled graph,
-        # which may reuse it once this op returns
         new = torch.empty_like(param)
         new.copy_(grad)
         param.grad = new
     else:
         param.grad.add_(grad)
+
+
+def _engine_accumulates(param: torch.Tensor) -> bool:
+    """Whether the running backward accumulates into ``param.grad`` (every ``.backward()``; not
+    ``backward(inputs=...)`` without it). ``torch.autograd.grad`` asking for ``param`` is an error:
+    the gradient is not returned."""
+    node = _ACCUMULATORS.get(param)
+    if node is None or torch._C._current_graph_task_id() == -1:  # not in autograd's engine
+        return True
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError as e:  # the engine captures this leaf's gradient: torch.autograd.grad
+        raise RuntimeError("lynx: torch.autograd.grad(..., inputs=<parameters>) asks for parameter gradients "
+                           "that lynx adds into .grad inside the compiled backward; use loss.backward() and "
+                           f"read .grad, or {_FIX}") from e
+
+
+#: parameter -> its ``AccumulateGrad`` node, taken when a graph compiles (inside the op, run below
+#: autograd, the node cannot be reached); held here, so it stays the one the engine runs
+_ACCUMULATORS = WeakIdKeyDictionary()
+
+
+def _remember_accumulators(params: list[torch.Tensor]) -> None:
+    with torch.enable_grad():
+        for p in params:
+            if p not in _ACCUMULATORS:
+                _ACCUMULATORS[p] = torch.autograd.graph.get_gradient_edge(p).node
 
 
 @accumulate_grad.register_fake
@@ -70,6 +113,52 @@ def _(param: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 _compat.mark_side_effect(torch.ops.lynx.accumulate_grad.default)
+
+
+class GradsInGraph(NamedTuple):
+    """Where one graph's parameter gradients go (:func:`decide`)."""
+
+    applies: bool
+    """Added into ``.grad`` inside the backward; False: returned at its end (the pile)."""
+    new_grads: bool
+    """A parameter's ``.grad`` was None when the graph compiled: the step allocates ``.grad``
+    where each gradient is added, and keeps it (counted by the memory model)."""
+    why: str
+    """Why the gradients are returned (empty where they are added)."""
+
+
+def decide(setting: bool | None, weight_split: bool, example_inputs: list) -> GradsInGraph:
+    """Where the parameter gradients of a graph compiled with ``example_inputs`` go.
+    ``setting``: the option (None: wherever eager's ``.grad`` is kept, the default; True: the same,
+    refused with ``LynxOptionError`` where it cannot be; False: returned)."""
+    if setting is False:
+        return GradsInGraph(False, False, "accumulate_grad_in_graph=False")
+    why = _why_returned(weight_split, example_inputs)
+    if why and setting:
+        raise _error(why)
+    if why:
+        return GradsInGraph(False, False, why)
+    params = [t for t in example_inputs if isinstance(t, torch.nn.Parameter) and t.requires_grad]
+    _remember_accumulators(params)
+    return GradsInGraph(True, any(p.grad is None for p in params), "")
+
+
+def _why_returned(weight_split: bool, example_inputs: list) -> str:
+    if weight_split:
+        return "weight_split=True defers the weight gradients to the W graph"
+    if torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1:
+        return ("torch.distributed runs several ranks: DDP's and FSDP's gradient hooks hang on "
+                "AccumulateGrad in C++, where lynx cannot run them")
+    for t in example_inputs:
+        if not (isinstance(t, torch.nn.Parameter) and t.requires_grad):
+            continue
+        if type(t) is not torch.nn.Parameter and type(t.data) is not torch.Tensor:
+            return f"a parameter is a tensor subclass ({type(t.data).__name__}, e.g. FSDP2's DTensor)"
+        if t._backward_hooks:
+            return ("a parameter has a tensor hook (register_hook), which autograd calls where the gradient "
+                    "is returned")
+    return ""
 
 
 def param_indices(joint: fx.GraphModule, num_fwd_outputs: int,
@@ -82,18 +171,19 @@ def param_indices(joint: fx.GraphModule, num_fwd_outputs: int,
     return [i for i, g in enumerate(grads) if i in static and isinstance(g, fx.Node)]
 
 
-def rewrite_joint(joint: fx.GraphModule, num_fwd_outputs: int, params: list[int]) -> int:
+def rewrite_joint(joint: fx.GraphModule, num_fwd_outputs: int, params: list[int], *, new_grads: bool) -> int:
     """In place: each parameter gradient output of ``joint`` becomes None, and a
-    ``lynx::accumulate_grad(primal, grad)`` node follows the gradient's producer. Returns how many
-    gradients were moved into the graph."""
+    ``lynx::accumulate_grad(primal, grad)`` node follows the gradient's producer (carrying the
+    ``.grad`` bytes it allocates when ``new_grads``). Returns how many gradients were moved into
+    the graph."""
     graph = joint.graph
     primals = [n for n in graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
     out = graph.find_nodes(op="output")[0]
     outputs = list(out.args[0])
     grads = outputs[num_fwd_outputs:]
     if len(grads) != len(primals):
-        raise RuntimeError(f"lynx accumulate_grad_in_graph: {len(grads)} gradient outputs for "
-                           f"{len(primals)} inputs; compile without accumulate_grad_in_graph")
+        raise RuntimeError(f"lynx: {len(grads)} gradient outputs for {len(primals)} inputs in the joint graph; "
+                           f"{_FIX}")
     moved = 0
     for i in params:
         grad = grads[i]
@@ -103,6 +193,9 @@ def rewrite_joint(joint: fx.GraphModule, num_fwd_outputs: int, params: list[int]
         with graph.inserting_after(grad):
             acc = graph.call_function(torch.ops.lynx.accumulate_grad.default, (primals[i], grad))
         acc.meta["val"] = None
+        if new_grads:
+            val = primals[i].meta.get("val")
+            acc.meta[GRAD_BYTES] = val.untyped_storage().nbytes() if isinstance(val, torch.Tensor) else 0
         for key in ("seq_nr", "fwd_nn_module_stack", "nn_module_stack", "stack_trace"):
             if key in grad.meta:
                 acc.meta[key] = grad.meta[key]
@@ -113,28 +206,10 @@ def rewrite_joint(joint: fx.GraphModule, num_fwd_outputs: int, params: list[int]
     return moved
 
 
-def check_applicable(example_inputs: list) -> None:
-    """Refuse the option where a hook on ``AccumulateGrad`` would be skipped (see the module
-    docstring)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized() \
-            and torch.distributed.get_world_size() > 1:
-        raise _error("torch.distributed runs several ranks: DDP's and FSDP's gradient hooks hang on "
-                     "AccumulateGrad, which does not run for gradients accumulated in the graph")
-    for t in example_inputs:
-        if not isinstance(t, torch.nn.Parameter) or not t.requires_grad:
-            continue
-        if type(t) is not torch.nn.Parameter and type(t.data) is not torch.Tensor:
-            raise _error(f"a parameter is a tensor subclass ({type(t.data).__name__}, e.g. FSDP2's "
-                         "DTensor)")
-        if getattr(t, "_post_accumulate_grad_hooks", None):
-            raise _error("a parameter has a post-accumulate-grad hook (register_post_accumulate_grad_hook), "
-                         "which would not run")
-
-
 def _error(why: str) -> Exception:
     from lynx_compile.errors import LynxOptionError
 
     return LynxOptionError(f"accumulate_grad_in_graph=True cannot apply: {why}; compile without it")
 
 
-__all__ = ["accumulate_grad", "rewrite_joint", "param_indices", "check_applicable"]
+__all__ = ["accumulate_grad", "rewrite_joint", "param_indices", "decide", "GradsInGraph"]

@@ -59,6 +59,10 @@ class GraphRecord:
     step_choice: str | None = None
     """The candidate the step's plan chose for this graph (``lynx_compile.step_record``): a
     compile with it set applies that candidate as is."""
+    grads_in_graph: Any = None
+    """Where the parameter gradients go (``lynx_compile.grad_in_graph.GradsInGraph``: added into
+    ``.grad`` inside the backward, or returned at its end, and why), decided when the graph
+    compiles; None before."""
 
     def to_dict(self) -> dict[str, Any]:
         problem, index, self.problem, self.unit_index = self.problem, self.unit_index, None, None

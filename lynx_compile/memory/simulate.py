@@ -9,6 +9,9 @@ Parameters and inputs (forward placeholders) are the baseline and not counted. T
 the backward returns are counted from where they are computed to the end of the backward: a
 compiled backward returns them together, and only then does autograd add them into ``.grad``
 (the gradient storage, allocated before the step in steady state: ``lynx_compile.budget``).
+Where lynx adds them into ``.grad`` inside the backward (``lynx_compile.grad_in_graph``), each
+dies at its ``lynx::accumulate_grad``; a ``.grad`` that op creates (None when the graph
+compiled) is counted from there to the end (``storage.GRAD_BYTES``).
 
 Offloaded tensors (``lynx.offload``, ``passes/offload.py``): the host copy allocates no device
 bytes; the device tensor lives until ``lynx.offload_wait`` (the copy is done), the reloaded one
@@ -34,7 +37,7 @@ import torch.fx as fx
 
 from lynx_compile import _compat
 from lynx_compile.memory.inductor_model import fused_order, inplace_outputs, interior_nodes, kernel_positions
-from lynx_compile.memory.storage import _bytes, _nbytes, allocations, storage_keys
+from lynx_compile.memory.storage import KEPT, _bytes, _nbytes, allocations, storage_keys
 
 
 @dataclass
@@ -121,6 +124,8 @@ def _last_uses(nodes: list[fx.Node], keys: dict[fx.Node, str], pos: dict[fx.Node
     last_use: dict[str, int] = {}
     for node in nodes:
         for key, _ in allocations(node):  # an output nobody takes dies right away
+            if key.endswith(KEPT):  # a .grad: kept past the graph's end
+                continue
             k = keys[node] if key == node.name else key  # written in place: the reused storage
             last_use[k] = max(last_use.get(k, -1), pos[node])
         for user in node.users:  # a read by an interior node counts where its kernel runs

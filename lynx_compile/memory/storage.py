@@ -111,12 +111,22 @@ def _leaves(prefix: str, val) -> list[tuple[str, int]]:
     return [(prefix, size)] if size else []
 
 
+GRAD_BYTES = "lynx_grad_bytes"
+"""node.meta key: bytes of a ``.grad`` the node creates and keeps past the graph's end (the
+parameter gradient ``lynx::accumulate_grad`` copies into a ``.grad`` that was None;
+``lynx_compile.grad_in_graph``). Its storage key ends with :data:`KEPT`."""
+
+KEPT = ":kept"
+
+
 def allocations(node: fx.Node) -> list[tuple[str, int]]:
     """(storage key, bytes) of what ``node`` allocates when it runs: nothing for views,
     placeholders and getitems; one storage per tensor output of a multi-output op (nested
-    tuples flattened)."""
+    tuples flattened); a ``.grad`` it keeps (:data:`GRAD_BYTES`, key ending in :data:`KEPT`)."""
     if node.op != "call_function" or aliased_input(node) is not None or node.target is operator.getitem:
         return []
+    if node.meta.get(GRAD_BYTES):
+        return [(node.name + KEPT, node.meta[GRAD_BYTES])]
     if node.target in HOST_OUTPUT_OPS:
         return []          # host memory, not device memory
     val = _value(node)

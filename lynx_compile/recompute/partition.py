@@ -67,12 +67,14 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
     # budgets are fractions of its peak (of its saved bytes for a piece of a model).
     inductor = config.compiler == "inductor"
     reference = None
-    if config.accumulate_grad_in_graph:  # the reference first: fractions stay of torch.compile's step
+    grads = record.grads_in_graph
+    if grads is not None and grads.applies:  # the reference first: fractions stay of torch.compile's step
         from lynx_compile.grad_in_graph import param_indices, rewrite_joint
 
         *_, reference = untagged_partition(joint, joint_inputs, kw, inductor=inductor)
         record.stats["grads_in_graph"] = rewrite_joint(
-            joint, num_fwd_outputs, param_indices(joint, num_fwd_outputs, static_lifetime_input_indices))
+            joint, num_fwd_outputs, param_indices(joint, num_fwd_outputs, static_lifetime_input_indices),
+            new_grads=grads.new_grads)
     ctx = PassContext(config=config, record=record, num_fwd_outputs=num_fwd_outputs,
                       joint_inputs=joint_inputs,
                       forward_names=frozenset(_compat.forward_node_names(joint)))
