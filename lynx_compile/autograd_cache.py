@@ -106,7 +106,7 @@ def restore(record: GraphRecord, key: str) -> bool:
     try:
         kept = None if data is None else GraphRecord.from_dict(
             data, graph_id=record.graph_id, takes_activations=record.takes_activations,
-            step_choice=record.step_choice)
+            step_choice=record.step_choice, grads_in_graph=record.grads_in_graph)
     except (TypeError, KeyError, ValueError) as e:
         log.warning("lynx plan cache: ignoring the record of graph %d (%s: %s)", record.graph_id,
                     type(e).__name__, e)

@@ -147,8 +147,10 @@ class LynxConfig:
     PyTorch does (its tensor and post-accumulate-grad hooks run there), instead of all being
     returned at the backward's end for autograd to add (the "gradient pile", which sets the
     step's peak under heavy recompute); returned where that cannot give eager's ``.grad``:
-    several ranks (DDP/FSDP hooks), tensor-subclass parameters, ``weight_split``. True: the
-    same, refused there. False: always returned. Added in the graph,
+    several ranks (DDP/FSDP hooks), tensor-subclass parameters, a tensor hook, ``weight_split``,
+    and where nothing is recomputed (policy ``none``/``torch``, no budget: torch.compile's step
+    bit for bit). True: added also where nothing is recomputed, refused where it cannot be.
+    False: always returned. Added in the graph,
     ``torch.autograd.grad(loss, parameters)`` and ``create_graph=True`` are errors naming False."""
 
     fuse_kernels: bool | str = False

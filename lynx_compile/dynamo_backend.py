@@ -105,8 +105,7 @@ class LynxBackend:
                             "backend.records. TORCH_LOGS=graph_breaks shows why dynamo split a model.")
         from lynx_compile import grad_in_graph
 
-        record.grads_in_graph = grad_in_graph.decide(self.config.accumulate_grad_in_graph, self.config.weight_split,
-                                                     example_inputs)
+        record.grads_in_graph = grad_in_graph.decide(self.config, example_inputs)
         if self.step_recorder is not None:
             # an activation with gradients comes in: the graph is a piece of a model compiled in
             # pieces (per block, after a graph break), whatever modules it holds

@@ -30,8 +30,12 @@ no memory; a leaf is saved as itself):
 When :func:`decide` keeps the gradients returned (``accumulate_grad_in_graph=None``, the
 default, where eager's ``.grad`` cannot be promised; ``True`` refuses there instead): several
 ranks (DDP's reducer and FSDP's reduce-scatter hang C++ hooks on ``AccumulateGrad``), a
-tensor-subclass parameter (FSDP2's DTensor), ``weight_split`` (the weight gradients belong to the
-deferred W graph). The record says which (``GraphRecord.grads_in_graph``).
+tensor-subclass parameter (FSDP2's DTensor), a tensor hook, ``weight_split`` (the weight
+gradients belong to the deferred W graph). By default also where nothing is recomputed (policy
+``none`` or ``torch``, ``lynx`` with no budget): the step is then torch.compile's, bit for bit
+(a tied weight's two gradients are summed in another order once the sum feeds the op), and its
+peak is at the backward's start, where the pile has not formed. The record says which
+(``GraphRecord.grads_in_graph``).
 
 Memory: the graph's memory model frees each gradient after its op. Where a parameter's ``.grad``
 is None when the graph compiles (``zero_grad()``'s default, the first step), the step allocates
@@ -127,20 +131,32 @@ class GradsInGraph(NamedTuple):
     """Why the gradients are returned (empty where they are added)."""
 
 
-def decide(setting: bool | None, weight_split: bool, example_inputs: list) -> GradsInGraph:
-    """Where the parameter gradients of a graph compiled with ``example_inputs`` go.
-    ``setting``: the option (None: wherever eager's ``.grad`` is kept, the default; True: the same,
-    refused with ``LynxOptionError`` where it cannot be; False: returned)."""
+def decide(config, example_inputs: list) -> GradsInGraph:
+    """Where the parameter gradients of a graph compiled with ``example_inputs`` under ``config``
+    (a ``LynxConfig``) go. ``accumulate_grad_in_graph``: None (the default) adds them in the graph
+    wherever eager's ``.grad`` is kept and something may be recomputed; True the same, refused with
+    ``LynxOptionError`` where it cannot be kept; False returns them."""
+    setting = config.accumulate_grad_in_graph
     if setting is False:
         return GradsInGraph(False, False, "accumulate_grad_in_graph=False")
-    why = _why_returned(weight_split, example_inputs)
+    why = _why_returned(config.weight_split, example_inputs)
     if why and setting:
         raise _error(why)
+    if not why and setting is None and _recomputes_nothing(config):
+        why = ("nothing is recomputed: the step is torch.compile's, gradients returned as it returns them "
+               "(bit for bit)")
     if why:
         return GradsInGraph(False, False, why)
     params = [t for t in example_inputs if isinstance(t, torch.nn.Parameter) and t.requires_grad]
     _remember_accumulators(params)
     return GradsInGraph(True, any(p.grad is None for p in params), "")
+
+
+def _recomputes_nothing(config) -> bool:
+    """Policy ``none``, ``torch`` (torch's own partition, for comparison), or ``lynx`` with no
+    budget: the pile is torch.compile's, and the peak is at the backward's start, not at it."""
+    no_budget = config.memory_budget is None and config.device_budget is None
+    return config.policy in ("none", "torch") or (config.policy == "lynx" and no_budget)
 
 
 def _why_returned(weight_split: bool, example_inputs: list) -> str:
