@@ -111,6 +111,7 @@ class LynxBackend:
             # pieces (per block, after a graph break), whatever modules it holds
             record.takes_activations = any(isinstance(t, torch.Tensor) and t.requires_grad
                                            and not isinstance(t, torch.nn.Parameter) for t in example_inputs)
+            record.provisional = not self.plan_only
         from lynx_compile.distributed.fsdp import comm_of
 
         fsdp = comm_of(example_inputs)  # FSDP2's collectives around this graph's backward

@@ -107,7 +107,7 @@ class StepRecorder:
             self._finish_recording()
         if self.state == "recorded":
             self._apply()
-        elif (self.state == "warming" and self.steps_seen + 1 == RECORDED_STEP and not self.calls
+        elif (self.state == "warming" and self.steps_seen + 1 >= RECORDED_STEP and not self.calls
               and torch.is_grad_enabled()):
             self._start_recording()
 

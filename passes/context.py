@@ -59,6 +59,10 @@ class GraphRecord:
     step_choice: str | None = None
     """The candidate the step's plan chose for this graph (``lynx_compile.step_record``): a
     compile with it set applies that candidate as is."""
+    provisional: bool = False
+    """A piece's first plan, made before any step was recorded, which the step's plan across
+    graphs makes again (``step_record``): the candidate saving least, so that the steps before
+    it hold the budget (slower, never above it)."""
     grads_in_graph: Any = None
     """Where the parameter gradients go (``lynx_compile.grad_in_graph.GradsInGraph``: added into
     ``.grad`` inside the backward, or returned at its end, and why), decided when the graph

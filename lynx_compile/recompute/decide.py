@@ -145,6 +145,15 @@ def _plan_piece(joint, ctx: PassContext, kw: dict, budget: int | None, reference
     ctx.record.stats["candidates"] = {n: {"exposed_s": e, "saved_bytes": a.mem.saved_bytes} for n, e, a in scored}
     choices = tuple(step_candidate(n, e, a.mem) for n, e, a in scored)
     fitting = [c for c in scored if budget is None or c[2].mem.saved_bytes <= budget]
+    if budget is not None and ctx.record.provisional:
+        # before a step is recorded nothing says what the other pieces and the code outside them
+        # hold: the least memory, whatever it costs, until the step's plan chooses (step_record)
+        name, cost, applied = min(scored, key=lambda c: (c[2].mem.saved_bytes, c[2].mem.backward_peak_bytes, c[1]))
+        ctx.record.step = GraphChoices(reference=next(c for c in choices if c.name == "none"), choices=choices,
+                                       current=name)
+        note = (f"one block or a piece of a model, planned before a step was recorded: '{name}', the candidate "
+                "saving least, until the step's pieces are planned together (lynx_compile.step_record)")
+        return _piece_outcome(joint, ctx, name, cost, applied, own, note)
     if fitting:
         name, cost, applied = min(fitting, key=lambda c: (c[1], c[2].mem.saved_bytes))
     else:
