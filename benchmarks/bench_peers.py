@@ -48,7 +48,8 @@ Peers (each row its own process, cold Inductor cache, a timeout; a failure is th
 Measures per row: ``ms_MiB``: the peak of one training step (forward + loss + backward, no
 optimizer) from ``lynx_compile.memory.measure.measure_step(step, params=...)``, the allocator-event
 peak ``bench_budget``'s ``ms`` column uses (every ``.grad`` allocated before the step, returned
-gradients counted until added into ``.grad``); ``frac``: / the model's ``inductor`` row;
+gradients counted until added into ``.grad``; allocated before the first step too, so that lynx,
+which plans for the ``.grad`` regime it compiles in, plans for the one measured); ``frac``: / the model's ``inductor`` row;
 ``step_ms``: median of ``--steps`` steps after ``--warmup`` (the first compiles: ``first_step_s``);
 ``grad_diff``: max |grad - eager grad| over every parameter after the first step from zero
 gradients, the eager reference computed in the same process from a deep copy of the model taken
@@ -287,6 +288,9 @@ def run_row(model: str, peer: str, budget: Optional[float], warmup: int, steps: 
         def step() -> None:
             loss_of(fn).backward()
 
+        for p in params:  # the measured regime from the first step on: lynx plans for the one it compiles in
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
         t0 = time.perf_counter()
         step()
         row["first_step_s"] = time.perf_counter() - t0
