@@ -53,17 +53,18 @@ import torch.fx as fx
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lynx_compile import _compat
-from lynx_compile.memory.storage import GRAD_BYTES
+from lynx_compile.memory.storage import GRAD_BYTES, KEEPS_GRAD, aliased_input
 
 OP_NAME = "lynx::accumulate_grad"
 _FIX = "compile with options={'accumulate_grad_in_graph': False} to have the backward return them"
 
 
 @torch.library.custom_op(OP_NAME, mutates_args=())
-def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor, keep: bool) -> None:
     """What autograd's ``AccumulateGrad`` does for ``param`` once the backward returned, done here:
-    ``param.grad += grad`` (a copy when ``.grad`` is None); nothing where the engine would not
-    accumulate into ``param``."""
+    ``param.grad += grad``; where ``.grad`` is None, ``grad`` itself becomes ``.grad`` when
+    ``keep`` (nothing in the graph reads or reuses its buffer after this op) and it has the
+    parameter's layout, else a copy; nothing where the engine would not accumulate into ``param``."""
     if not (param.is_leaf and param.requires_grad):
         raise RuntimeError("lynx: the compiled backward did not receive the parameter itself (a non-leaf "
                            f"or detached tensor), so it cannot add the gradient into its .grad; {_FIX}")
@@ -76,12 +77,22 @@ def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
                            f"first compiled call (lynx then returns that graph's gradients), or {_FIX}")
     if not _engine_accumulates(param):
         return
-    if param.grad is None:
+    if param.grad is not None:
+        param.grad.add_(grad)
+    elif keep and _has_layout_of(grad, param):
+        param.grad = grad  # autograd's AccumulateGrad steals it alike
+    else:
         new = torch.empty_like(param)
         new.copy_(grad)
         param.grad = new
-    else:
-        param.grad.add_(grad)
+
+
+def _has_layout_of(grad: torch.Tensor, param: torch.Tensor) -> bool:
+    """``grad`` owns a storage of exactly its own bytes, laid out as ``param``: no view of a
+    larger buffer kept alive as ``.grad``."""
+    return (grad._base is None and grad.dtype == param.dtype and grad.device == param.device
+            and grad.stride() == param.stride() and grad.storage_offset() == 0
+            and grad.untyped_storage().nbytes() == param.untyped_storage().nbytes())
 
 
 def _engine_accumulates(param: torch.Tensor) -> bool:
@@ -112,7 +123,7 @@ def _remember_accumulators(params: list[torch.Tensor]) -> None:
 
 
 @accumulate_grad.register_fake
-def _(param: torch.Tensor, grad: torch.Tensor) -> None:
+def _(param: torch.Tensor, grad: torch.Tensor, keep: bool) -> None:
     return None
 
 
@@ -187,11 +198,16 @@ def param_indices(joint: fx.GraphModule, num_fwd_outputs: int,
     return [i for i, g in enumerate(grads) if i in static and isinstance(g, fx.Node)]
 
 
-def rewrite_joint(joint: fx.GraphModule, num_fwd_outputs: int, params: list[int], *, new_grads: bool) -> int:
+def rewrite_joint(joint: fx.GraphModule, num_fwd_outputs: int, params: list[int], *, new_grads: bool,
+                  may_keep: bool) -> int:
     """In place: each parameter gradient output of ``joint`` becomes None, and a
-    ``lynx::accumulate_grad(primal, grad)`` node follows the gradient's producer (carrying the
-    ``.grad`` bytes it allocates when ``new_grads``). Returns how many gradients were moved into
-    the graph."""
+    ``lynx::accumulate_grad(primal, grad, keep)`` node follows the gradient's producer. ``keep``:
+    the op is the gradient's only reader and ``may_keep`` (the compiler frees buffers after their
+    last reader and reuses none: ``compiler="eager"``, or Inductor under lynx's settings), so a
+    ``.grad`` that is None can take the gradient's buffer as autograd would. With ``new_grads``
+    (``.grad`` None at compile) the node carries what the memory model keeps to the graph's end:
+    the gradient's own storage (``KEEPS_GRAD``) or the copy's bytes (``GRAD_BYTES``). Returns how
+    many gradients were moved into the graph."""
     graph = joint.graph
     primals = [n for n in graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
     out = graph.find_nodes(op="output")[0]
@@ -205,21 +221,30 @@ def rewrite_joint(joint: fx.GraphModule, num_fwd_outputs: int, params: list[int]
         grad = grads[i]
         if not isinstance(grad, fx.Node) or grad.op == "placeholder":
             continue
+        outputs[num_fwd_outputs + i] = None
+        out.args = (tuple(outputs) if isinstance(out.args[0], tuple) else outputs,)  # (its users: the op only)
+        keep = may_keep and not grad.users and _is_own_buffer(grad)
         # after the grad's producer (a view of it: after the view)
         with graph.inserting_after(grad):
-            acc = graph.call_function(torch.ops.lynx.accumulate_grad.default, (primals[i], grad))
+            acc = graph.call_function(torch.ops.lynx.accumulate_grad.default, (primals[i], grad, keep))
         acc.meta["val"] = None
-        if new_grads:
+        if new_grads and keep:
+            acc.meta[KEEPS_GRAD] = True
+        elif new_grads:
             val = primals[i].meta.get("val")
             acc.meta[GRAD_BYTES] = val.untyped_storage().nbytes() if isinstance(val, torch.Tensor) else 0
         for key in ("seq_nr", "fwd_nn_module_stack", "nn_module_stack", "stack_trace"):
             if key in grad.meta:
                 acc.meta[key] = grad.meta[key]
-        outputs[num_fwd_outputs + i] = None
         moved += 1
-    out.args = (tuple(outputs) if isinstance(out.args[0], tuple) else outputs,)
     joint.recompile()
     return moved
+
+
+def _is_own_buffer(grad: fx.Node) -> bool:
+    """The gradient is a buffer of its own (no view of another value), so that keeping it keeps
+    only its bytes."""
+    return aliased_input(grad) is None and grad.op == "call_function"
 
 
 def _error(why: str) -> Exception:

@@ -38,6 +38,8 @@ def _run(preset, options, batch=4, seed=7):
     options = {"compiler": "eager", **options}  # exact: eager's RNG, prediction = allocator peak
     backend = lynx_compile.backend(**options)
     compiled = torch.compile(twin, backend=backend)
+    for p in twin.parameters():  # .grad allocated from the first step on, the regime measured below
+        p.grad = torch.zeros_like(p)
     torch.manual_seed(seed)
     loss = compiled(x).loss
     loss.backward()

@@ -11,7 +11,8 @@ compiled backward returns them together, and only then does autograd add them in
 (the gradient storage, allocated before the step in steady state: ``lynx_compile.budget``).
 Where lynx adds them into ``.grad`` inside the backward (``lynx_compile.grad_in_graph``), each
 dies at its ``lynx::accumulate_grad``; a ``.grad`` that op creates (None when the graph
-compiled) is counted from there to the end (``storage.GRAD_BYTES``).
+compiled) is counted to the end: the gradient's own storage where the op keeps it
+(``storage.KEEPS_GRAD``), else the copy's bytes from the op on (``storage.GRAD_BYTES``).
 
 Offloaded tensors (``lynx.offload``, ``passes/offload.py``): the host copy allocates no device
 bytes; the device tensor lives until ``lynx.offload_wait`` (the copy is done), the reloaded one
@@ -37,7 +38,7 @@ import torch.fx as fx
 
 from lynx_compile import _compat
 from lynx_compile.memory.inductor_model import fused_order, inplace_outputs, interior_nodes, kernel_positions
-from lynx_compile.memory.storage import KEPT, _bytes, _nbytes, allocations, storage_keys
+from lynx_compile.memory.storage import KEEPS_GRAD, KEPT, _bytes, _nbytes, allocations, storage_keys
 
 
 @dataclass
@@ -94,6 +95,8 @@ def simulate_graph(gm: fx.GraphModule, *, live_inputs: dict[str, int], input_key
         last_use = _last_uses(nodes, keys, pos)
         pinned = {keys[n] for n in output.all_input_nodes} if keep_outputs else set()
 
+    # a gradient kept as .grad (storage.KEEPS_GRAD) outlives the graph, as a returned one does
+    pinned |= {keys[n.args[1]] for n in nodes if n.meta.get(KEEPS_GRAD) and isinstance(n.args[1], fx.Node)}
     live = dict(live_inputs)
     mem = GraphMemory()
     total = sum(live.values())

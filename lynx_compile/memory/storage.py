@@ -118,6 +118,10 @@ parameter gradient ``lynx::accumulate_grad`` copies into a ``.grad`` that was No
 
 KEPT = ":kept"
 
+KEEPS_GRAD = "lynx_keeps_grad"
+"""node.meta key: the node (``lynx::accumulate_grad``) keeps its gradient input as a ``.grad``
+that was None: that input's storage outlives the graph."""
+
 
 def allocations(node: fx.Node) -> list[tuple[str, int]]:
     """(storage key, bytes) of what ``node`` allocates when it runs: nothing for views,

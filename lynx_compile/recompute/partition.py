@@ -74,7 +74,7 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
         *_, reference = untagged_partition(joint, joint_inputs, kw, inductor=inductor)
         record.stats["grads_in_graph"] = rewrite_joint(
             joint, num_fwd_outputs, param_indices(joint, num_fwd_outputs, static_lifetime_input_indices),
-            new_grads=grads.new_grads)
+            new_grads=grads.new_grads, may_keep=not inductor or config.policy not in ("none", "torch"))
     ctx = PassContext(config=config, record=record, num_fwd_outputs=num_fwd_outputs,
                       joint_inputs=joint_inputs,
                       forward_names=frozenset(_compat.forward_node_names(joint)))
