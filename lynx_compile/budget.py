@@ -236,9 +236,11 @@ class Budget:
 
 
 def budget_error(budget: Budget, reference: int, smallest: int | None, why: str) -> BudgetError:
-    """The one refusal: ``memory_budget=<as given> (<bytes> B): <why>. Use memory_budget >= ...``
-    (``device_budget=...`` likewise, naming the resident bytes) naming ``smallest`` (the smallest
-    step peak known reachable) in the user's units; without it only ``why``."""
-    fix = (f" The smallest reachable peak is {smallest} B. Use {budget.at_least(smallest, reference)}."
-           if smallest is not None else "")
-    return BudgetError(f"{budget.describe(reference)}: {why}.{fix}", smallest_bytes=smallest, why=why)
+    """The one refusal, the fix first: ``memory_budget=<as given> (<bytes> B ...) is out of
+    reach. Use memory_budget >= ... The smallest reachable peak is <n> B: <why>.``
+    (``device_budget=...`` likewise, naming the resident bytes), naming ``smallest`` (the smallest
+    step peak known reachable) in the user's units; without it ``<options>: <why>.``"""
+    if smallest is None:
+        return BudgetError(f"{budget.describe(reference)}: {why}.", smallest_bytes=None, why=why)
+    return BudgetError(f"{budget.describe(reference)} is out of reach. Use {budget.at_least(smallest, reference)}. "
+                       f"The smallest reachable peak is {smallest} B: {why}.", smallest_bytes=smallest, why=why)

@@ -73,7 +73,7 @@ def test_lynx_budget_below_every_plan_says_where_the_peak_is():
                                                              "solver": "heu", "plan_cache": False})
     err = _budget_error(compiled, x)
     msg = str(err)
-    assert "Baselines tried as seeds" in msg and "The lowest of them peaks at " in msg, msg
+    assert "the lowest of lynx's candidates, " in msg and " peaks at " in msg, msg
     assert "recompute cannot lower it" in msg, msg
 
 

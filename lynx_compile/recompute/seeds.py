@@ -7,6 +7,12 @@ each candidate (``apply.realize``: partitioned and simulated exactly) and keeps 
 fits the budget with the least exposed recompute (:func:`exposed`); ``exposed_floor`` skips a
 baseline that cannot beat lynx's plan before it is partitioned. ``decide`` calls these; a piece
 of a model (``decide.decide_piece``) weighs the same candidates.
+
+A budget that nothing fits is refused naming one number per model and options, whatever budget
+was asked: the lowest exact peak of the candidates every such budget tries (``full``,
+``selective``, torch's min-cut at ``TORCH_SETTINGS`` and ``LAST_SETTINGS``, the optimizer at its
+own smallest peak), never one of a candidate tried for this budget alone (torch's min-cut at
+its fraction), so asking for it is accepted.
 """
 from __future__ import annotations
 
@@ -43,7 +49,16 @@ above: on HF Llama (2 layers, batch 2, seq 32) setting 0.5 peaks at 0.520 of the
 peak, but 0.52 (the ladder's first rung for that peak) at 0.534 and 0.26 at 0.719, so lynx fell
 back to ``full`` and exposed 362 us of recompute against torch's 256 us. Only when the optimizer
 fails: where it has a plan, it exposed 4-40x less than torch at every setting measured."""
-_SETTING_NAMES = frozenset(f"torch@{s:g}" for s in TORCH_SETTINGS)
+LAST_SETTINGS = (0.05, 0.025)
+"""torch's min-cut settings tried, with lynx's optimizer at its own smallest peak
+(``optimize.plan_smallest``), when no other candidate fits a budget the optimizer has no plan
+under (on any rank). With ``full``, ``selective`` and ``TORCH_SETTINGS`` these are the
+candidates of every such budget: the same whatever budget was asked, so every refusal of one
+model and set of options names the same smallest budget (their lowest exact peak), and asking
+for it is accepted (the candidate reaching it is tried again and fits). 0.05 and 0.025: what a
+refusal of 0.05 tried as its own fraction and half of it (torchtitan's llama3 debugmodel
+compiled whole: 0.512 of the no-recompute peak at 0.05, where 0.1 ... 0.9 and full reach 0.544
+at best). Only when nothing else fits: a budget that something fits pays nothing more."""
 
 
 
@@ -173,69 +188,108 @@ def seed_with_baselines(joint, ctx: PassContext, kw: dict, budget: int, referenc
     collective, so some peaks that ``full``, ``selective`` or torch's min-cut reach lie outside
     its search space. Each baseline is applied and simulated exactly (``realize``); the
     candidate that fits with the least on-demand recompute (``exposed_s``) wins, so lynx reaches
-    every peak a baseline reaches with no more exposed recompute. Raises ``failure`` (lynx's
-    BudgetError) when nothing fits."""
-    from lynx_compile.recompute.optimize import LynxOutcome
+    every peak a baseline reaches with no more exposed recompute. Where the optimizer has no
+    plan under the budget (on any rank), torch's min-cut is tried at ``TORCH_SETTINGS`` too, and
+    when nothing fits, at ``LAST_SETTINGS`` and the optimizer at its own smallest peak; still
+    nothing: a ``BudgetError`` naming the lowest exact peak of those (:func:`_refusal`)."""
+    from lynx_compile.recompute.optimize import SMALLEST
 
     frac = min(1.0, budget / reference_peak)
-    scores: dict[str, tuple[float, int]] = {}
-    lowest: tuple[int, str] | None = None       # (peak, where) of the lowest-peak candidate
-    best = None
-    if outcome is not None:
-        best = ("lynx", exposed(outcome.applied, joint), outcome)
-        scores["lynx"] = (best[1], outcome.applied.mem.peak_bytes)
+    weighed = _Weighing(joint, ctx, budget, outcome)
     # every rank must try the same candidates (torch's are agreed on by a collective each)
     with _compat.eager_dispatch():
         failed_somewhere = any(gather_values(outcome is None))
     settings = TORCH_SETTINGS if failed_somewhere else ()
     policies = BASELINES if ctx.record.blocks else ()
+    # the candidates of every budget the optimizer does not reach, whatever the budget's fraction
+    floor = {*policies, *(f"torch@{s:g}" for s in settings)} if failed_somewhere else set()
     # where lynx's plan fits, a baseline that exposes at least as much cannot win: not realized
-    beat = best[1] if best is not None and not failed_somewhere else None
+    beat = weighed.best[1] if weighed.best is not None and not failed_somewhere else None
     for name, applied in baseline_candidates(joint, ctx, kw, policies, frac, settings, beat=beat,
                                              budget=budget if beat is not None else None):
-        if isinstance(applied, Skipped):
-            scores[name] = (applied, None)
-            continue
-        cost = exposed(applied, joint)
-        scores[name] = (cost, applied.mem.peak_bytes)
-        # the smallest named is a candidate every budget below the optimizer's reach tries again
-        # (full, selective, torch's min-cut at TORCH_SETTINGS), not one at this budget's fraction:
-        # else the budget named would be refused in its turn (seen under compiler='eager')
-        if (name in policies or name in _SETTING_NAMES) and (lowest is None or applied.mem.peak_bytes < lowest[0]):
-            lowest = (applied.mem.peak_bytes, applied.mem.peak_at)
-        if applied.mem.peak_bytes <= budget and (best is None or cost < best[1] * (1 - 1e-9)):
-            best = (name, cost, LynxOutcome(
-                applied=as_seed(applied),
-                problem=outcome.problem if outcome else ctx.record.problem,
-                solver=f"baseline:{name}", status="seeded", exposed_s=cost,
-                plan_time_s=outcome.plan_time_s if outcome else 0.0,
-                solve_s=outcome.solve_s if outcome else 0.0))
+        weighed.add(name, applied, name in floor)
+    if failed_somewhere:
+        with _compat.eager_dispatch():
+            nothing_fits = any(gather_values(weighed.best is None))
+        if nothing_fits:  # on every rank: the optimizer's solve is agreed on by a collective
+            for name, applied in _last_candidates(joint, ctx, kw):
+                weighed.add(name, applied, True)
     ctx.record.stats["candidates"] = {
-        k: {"exposed_s": e, "peak_bytes": b} if b is not None else e.stats() for k, (e, b) in scores.items()}
+        k: {"exposed_s": e, "peak_bytes": b} if b is not None else e.stats() for k, (e, b) in weighed.scores.items()}
+    best = weighed.best
     if best is None:
-        tried = ", ".join(f"{k} {b / reference_peak:.3f}" for k, (_, b) in scores.items() if b is not None)
-        smallest = getattr(failure, "smallest_bytes", None)
-        why = f"no plan reaches it. lynx's optimizer: {getattr(failure, 'why', failure)}. Baselines tried as " \
-              f"seeds peak at (fraction of the no-recompute peak): {tried}"
-        if lowest is not None:
-            # the lowest candidate simulated exactly is reachable; the optimizer's own floor is its
-            # linear model's and may not be (seen: floor 0.615, the plan for it peaked at 0.632)
-            smallest = lowest[0]
-            why += f". The lowest of them peaks at {lowest[1]}"
-            peaks = [b for _, b in scores.values() if b is not None]  # no candidate (full ... torch@0.1) moves it
-            if lowest[0] >= 0.9 * reference_peak or max(peaks) <= 1.01 * min(peaks):
-                why += (": recompute cannot lower it, the bytes live there are the step's working set "
-                        "(e.g. the logits, the loss, the parameter gradients the backward returns), not "
-                        "saved activations")
-        raise refuse(ctx.config.budget, reference_peak, smallest, why) from failure
+        raise _refusal(ctx, reference_peak, weighed.floor, failure) from failure
     if best[0] != "lynx":
-        why = (f"lynx's optimizer found no plan under this budget ({failure})" if outcome is None else
-               f"lynx's own plan exposes {scores['lynx'][0] * 1e3:.3g} ms of recompute")
-        note = (f"seeded by baseline '{best[0]}': {why}; '{best[0]}' fits (peak "
+        why = (f"lynx's optimizer found no plan under this budget ({getattr(failure, 'why', failure)})"
+               if outcome is None else
+               f"lynx's own plan exposes {weighed.scores['lynx'][0] * 1e3:.3g} ms of recompute")
+        what = "lynx's optimizer at its own smallest peak" if best[0] == SMALLEST else "baseline"
+        note = (f"seeded by {what} '{best[0]}': {why}; '{best[0]}' fits (peak "
                 f"{best[2].applied.mem.peak_bytes} B <= {budget} B) exposing {best[1] * 1e3:.3g} ms")
         ctx.record.notes.append(note)
         log.info("lynx: %s", note)
     return best[2]
+
+
+class _Weighing:
+    """The candidates of :func:`seed_with_baselines` as they are realized: each one's (exposed
+    seconds, exact peak) or ``Skipped`` (``scores``), the best that fits the budget (``best``:
+    name, exposed seconds, ``LynxOutcome``), and those a refusal names the lowest of (``floor``)."""
+
+    def __init__(self, joint, ctx: PassContext, budget: int, outcome):
+        self.joint, self.ctx, self.budget, self.outcome = joint, ctx, budget, outcome
+        self.scores: dict[str, tuple] = {}
+        self.floor: dict[str, Applied] = {}
+        self.best = None
+        if outcome is not None:
+            self.best = ("lynx", exposed(outcome.applied, joint), outcome)
+            self.scores["lynx"] = (self.best[1], outcome.applied.mem.peak_bytes)
+
+    def add(self, name: str, applied: Applied | Skipped, in_floor: bool) -> None:
+        from lynx_compile.recompute.optimize import SMALLEST, LynxOutcome
+
+        if isinstance(applied, Skipped):
+            self.scores[name] = (applied, None)
+            return
+        cost = exposed(applied, self.joint)
+        self.scores[name] = (cost, applied.mem.peak_bytes)
+        if in_floor:
+            self.floor[name] = applied
+        if applied.mem.peak_bytes <= self.budget and (self.best is None or cost < self.best[1] * (1 - 1e-9)):
+            outcome = self.outcome
+            self.best = (name, cost, LynxOutcome(
+                applied=as_seed(applied), problem=outcome.problem if outcome else self.ctx.record.problem,
+                solver=name if name == SMALLEST else f"baseline:{name}", status="seeded", exposed_s=cost,
+                plan_time_s=outcome.plan_time_s if outcome else 0.0, solve_s=outcome.solve_s if outcome else 0.0))
+
+
+def _last_candidates(joint, ctx: PassContext, kw: dict):
+    """(name, Applied) of torch's min-cut at ``LAST_SETTINGS``, then of lynx's optimizer at its
+    own smallest peak (``optimize.plan_smallest``)."""
+    from lynx_compile.recompute.optimize import SMALLEST, plan_smallest
+
+    yield from baseline_candidates(joint, ctx, kw, (), None, LAST_SETTINGS)
+    applied = plan_smallest(joint, ctx, kw)
+    if applied is not None:
+        yield SMALLEST, applied
+
+
+def _refusal(ctx: PassContext, reference_peak: int, floor: dict[str, Applied], failure: Exception | None):
+    """The ``BudgetError`` when no candidate fits, naming the lowest exact peak of ``floor`` (the
+    candidates of every budget the optimizer does not reach, which every such budget tries
+    again); without any, the optimizer's own smallest (``failure``'s)."""
+    if not floor:
+        return refuse(ctx.config.budget, reference_peak, getattr(failure, "smallest_bytes", None),
+                      f"no plan reaches it. lynx's optimizer: {getattr(failure, 'why', failure)}")
+    name = min(floor, key=lambda n: floor[n].mem.peak_bytes)  # of equal peaks, the first tried
+    low = floor[name].mem
+    why = f"the lowest of lynx's candidates, {name}, peaks at {low.peak_at}"
+    peaks = [a.mem.peak_bytes for a in floor.values()]
+    if low.peak_bytes >= 0.9 * reference_peak or max(peaks) <= 1.01 * low.peak_bytes:  # nothing moves it
+        why += (": recompute cannot lower it, the bytes live there are the step's working set "
+                "(e.g. the logits, the loss, the parameter gradients the backward returns), not "
+                "saved activations")
+    return refuse(ctx.config.budget, reference_peak, low.peak_bytes, why)
 
 
 def baseline_candidates(joint: fx.GraphModule, ctx: PassContext, kw: dict, policies: tuple[str, ...],
