@@ -145,9 +145,12 @@ def _plan_piece(joint, ctx: PassContext, kw: dict, budget: int | None, reference
     ctx.record.stats["candidates"] = {n: {"exposed_s": e, "saved_bytes": a.mem.saved_bytes} for n, e, a in scored}
     choices = tuple(step_candidate(n, e, a.mem) for n, e, a in scored)
     fitting = [c for c in scored if budget is None or c[2].mem.saved_bytes <= budget]
-    if budget is not None and ctx.record.provisional:
+    windows = ctx.record.problem is not None and bool(ctx.record.problem.windows)
+    if budget is not None and ctx.record.provisional and not windows:
         # before a step is recorded nothing says what the other pieces and the code outside them
-        # hold: the least memory, whatever it costs, until the step's plan chooses (step_record)
+        # hold: the least memory, whatever it costs, until the step's plan chooses (step_record).
+        # (Not yet where the piece has communication windows (FSDP2, TP, EP): there lynx's own
+        # plan recomputes in them at no cost, and is chosen as before.)
         name, cost, applied = min(scored, key=lambda c: (c[2].mem.saved_bytes, c[2].mem.backward_peak_bytes, c[1]))
         ctx.record.step = GraphChoices(reference=next(c for c in choices if c.name == "none"), choices=choices,
                                        current=name)

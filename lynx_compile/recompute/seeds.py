@@ -116,6 +116,9 @@ def exposed_floor(joint: fx.GraphModule, ctx: PassContext, decisions: Decisions)
     return sum((c.runtime_s for n in joint.graph.nodes if n in seen and (c := n.meta.get(meta.COST)) is not None), 0.0)
 
 
+ACCUMULATE_GRAD = "lynx.accumulate_grad.default"  # (lynx_compile.grad_in_graph's op, by name: no arrow up)
+
+
 def min_cut_floor(joint: fx.GraphModule, ctx: PassContext, saved: frozenset) -> float:
     """Seconds of on-demand recompute torch's min-cut exposes when it saves ``saved`` (names of
     joint nodes), known from the choice alone: the backward torch extracts is every node the
@@ -128,6 +131,9 @@ def min_cut_floor(joint: fx.GraphModule, ctx: PassContext, saved: frozenset) -> 
     seen: set[fx.Node] = set()
     # the backward's outputs, as torch's partitioner reads them: the output's arguments flattened
     stack = [a for a in _compat.tree_leaves(out.args)[ctx.num_fwd_outputs:] if isinstance(a, fx.Node)]
+    # and the parameter gradients added into .grad in the graph (lynx_compile.grad_in_graph):
+    # side effects the backward runs, which torch's partitioner extracts with it
+    stack += [n for n in joint.graph.nodes if n.op == "call_function" and str(n.target) == ACCUMULATE_GRAD]
     while stack:
         n = stack.pop()
         if n in seen or n.name in saved or n.op != "call_function":
