@@ -118,6 +118,8 @@ def plan_counting_partitions(model, x, monkeypatch, **options):
     backend = lynx_compile.backend(cost_source="analytic", hardware="h100-sxm", plan_cache=False, **options)
     known = len(backend.records)
     torch._dynamo.reset()
+    for p in model.parameters():  # each compile from .grad None: the regime lynx plans for is alike
+        p.grad = None
     torch.compile(model, backend=backend)(x).loss.backward()
     monkeypatch.setattr(torch._functorch.partitioners, "_extract_fwd_bwd_modules", original)
     return backend.records[known:], len(extracted)
