@@ -9,9 +9,8 @@ backward as compiled) and priced by ``seeds.exposed``, the measure candidates co
 import json
 
 import pytest
-import torch
 
-import lynx_compile
+from lynx_compile.planning import plan_model
 from lynx_compile.recompute import seeds
 from _reach import reach_model
 
@@ -19,13 +18,13 @@ OPTS = dict(cost_source="analytic", hardware="h100-sxm", plan_cache=False)
 
 
 def _plan(model, x, **options):
-    """The records of the graphs this compile planned (a backend with the same options is
-    shared, records and all)."""
-    backend = lynx_compile.backend(**OPTS, **options)
-    known = len(backend.records)
-    torch._dynamo.reset()
-    torch.compile(model, backend=backend)(x).loss.backward()
-    return backend.records[known:]
+    """The records of the graphs lynx plans for ``model`` on ``x`` (``plan_model``: traced and
+    partitioned as a compile does, under the same compiler's joint graph, then stopped before
+    Inductor generates code: the floors and the realized exposed recompute are read while the
+    joint is partitioned, and nothing asserted here runs the step)."""
+    for p in model.parameters():  # from .grad None, whatever ran this model before: one .grad regime planned
+        p.grad = None
+    return plan_model(model, (x,), **OPTS, **options)
 
 
 @pytest.mark.parametrize("compiler", ["inductor", "eager"])
