@@ -159,7 +159,8 @@ def test_inductor_keeps_recompute_where_the_partition_put_it(batch):
     from lynx_compile.memory.measure import measure_step
 
     peaks = {}
-    for policy in ("none", "full"):
+    # batch 1 checks full against its own prediction; none is compiled only where it is compared
+    for policy in ("none", "full") if batch == 4 else ("full",):
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = build_model("gpt-tiny", dropout=0.0)
