@@ -91,5 +91,7 @@ def test_copies_at_different_torch_budgets_each_compile_their_own_graph():
     before = counters["stats"]["unique_graphs"]
     for name in ("inductor", "inductor-b0.5", "inductor-b0.0"):
         model, loss_of = bench_step.build(QUICK)
-        loss_of(variants.prepare(name, model)).backward()
+        # the forward compiles the graph dynamo counts (and partitions it at the budget); the
+        # backward, compiled lazily at its first call, adds no graph to the count
+        loss_of(variants.prepare(name, model))
     assert counters["stats"]["unique_graphs"] - before == 3
