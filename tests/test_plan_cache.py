@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 
@@ -110,11 +111,28 @@ def test_fresh_process_hits_and_compiles_the_same_plan(cache_dir, budget):
     assert hit["grads"] == miss["grads"]  # bit-identical: the same graphs ran
 
 
-def test_inductor_autograd_cache_serves_the_plan(cache_dir):
+@pytest.fixture(scope="module")
+def inductor_miss(tmp_path_factory):
+    """A fresh cache directory after the first Inductor step at ``BUDGET`` (a miss of every
+    cache), and that step: the state the AOTAutograd-cache tests start from. Each test takes a
+    copy of the directory as its own (``_start_from``), so none sees another's entries; the
+    compile that fills it is made once."""
+    path = tmp_path_factory.mktemp("inductor_miss") / "inductor_cache"
+    return path, _step_in_subprocess(path, BUDGET, "inductor")
+
+
+def _start_from(filled, cache_dir) -> dict:
+    """``cache_dir`` (empty: this test's) as a copy of ``filled`` = (directory, its step)."""
+    path, step = filled
+    shutil.copytree(path, cache_dir)
+    return step
+
+
+def test_inductor_autograd_cache_serves_the_plan(cache_dir, inductor_miss):
     """Under Inductor a fresh process is served by torch's AOTAutograd cache (keyed on lynx's
     partitioner uuid): nothing is partitioned or planned, and the record of the plan (its
     decisions, predicted and compiled peaks) comes back from the entry kept beside it."""
-    miss = _step_in_subprocess(cache_dir, BUDGET, "inductor")
+    miss = _start_from(inductor_miss, cache_dir)
     assert miss["cache"] == "miss" and not miss["aot"].get("autograd_cache_hit")
     assert miss["compiled_peak"] is not None
     hit = _step_in_subprocess(cache_dir, BUDGET, "inductor")
@@ -142,10 +160,10 @@ def test_inductor_fx_graph_cache_serves_a_cached_plan(cache_dir):
     assert hit["grads"] == miss["grads"]
 
 
-def test_autograd_cache_hit_without_its_record_compiles_again(cache_dir):
+def test_autograd_cache_hit_without_its_record_compiles_again(cache_dir, inductor_miss):
     """``lynx cache clear`` removes lynx's records, not torch's entries: a process then served by
     AOTAutograd's cache has no plan to restore, warns, and compiles with that cache off."""
-    miss = _step_in_subprocess(cache_dir, BUDGET, "inductor")
+    miss = _start_from(inductor_miss, cache_dir)
     assert main(["cache", "clear"]) == 0
     again = _step_in_subprocess(cache_dir, BUDGET, "inductor")
     assert "record of its plan is missing" in again["stderr"]
