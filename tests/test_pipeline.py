@@ -222,16 +222,18 @@ def test_memory_bound_plan_gives_the_first_stage_fewer_layers():
     # 0.405 -> 0.454, 4|4 0.446 -> 0.507). (Micro-batches of 2 until the profile stopped counting
     # intermediates no stage saves: at 2 the weights dominate and 4|4 is also the least-memory
     # split.)
-    from lynx_compile.pipelining import plan_pipeline
+    from lynx_compile.pipelining import plan_pipeline, plan_stages
 
     model = _model("gpt-small", layers=8)
     mb = _batch(model)
     options = {"solver": "heu", "hardware": "h100-sxm"}
-    free, _, _ = plan_pipeline(model, (mb,), num_stages=2, num_microbatches=4, method="compute", options=options)
+    free, costs, _ = plan_pipeline(model, (mb,), num_stages=2, num_microbatches=4, method="compute",
+                                   options=options)
     assert free.layers_per_stage == (4, 4)
     tight = int(0.475 * max(s.peak_bytes for s in free.stages))
-    plans = {m: plan_pipeline(model, (mb,), num_stages=2, num_microbatches=4, memory_per_device=tight,
-                              method=m, options=options)[0] for m in ("lynx", "compute", "uniform")}
+    # the same model's profile (plan_pipeline = profile_pipeline, then plan_stages on its costs,
+    # which neither the memory limit nor the method changes), planned again at the limit
+    plans = {m: plan_stages(costs, 2, 4, tight, method=m) for m in ("lynx", "compute", "uniform")}
     assert plans["lynx"].fits and plans["lynx"].layers_per_stage[0] < 4
     assert not plans["compute"].fits and not plans["uniform"].fits
     assert all(s.peak_bytes <= tight for s in plans["lynx"].stages)
