@@ -184,7 +184,8 @@ class LynxBackend:
             from lynx_compile.runtime.weight_split import WeightDeferral
 
             # dynamo hands a module's parameters to the backend as graph inputs
-            deferral = WeightDeferral([t if isinstance(t, torch.nn.Parameter) else None for t in example_inputs])
+            deferral = WeightDeferral([t if isinstance(t, torch.nn.Parameter) else None for t in example_inputs],
+                                      grads_in_graph=bool(record.grads_in_graph and record.grads_in_graph.applies))
             self.weight_deferrals.append(deferral)
         bw_compiler = functools.partial(self._bw_compiler, deferral=deferral)
         if self.config.recompute_in_wait and not self.plan_only:

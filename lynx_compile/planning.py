@@ -84,7 +84,11 @@ class _VariantsBackend:
         self.records: list[list[GraphRecord]] = [[] for _ in configs]
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list, **_: Any):
-        records = [GraphRecord(graph_id=next(_graph_ids), policy=c.policy) for c in self.configs]
+        from lynx_compile import grad_in_graph
+
+        # where each config puts the parameter gradients, as its own LynxBackend decides
+        records = [GraphRecord(graph_id=next(_graph_ids), policy=c.policy,
+                               grads_in_graph=grad_in_graph.decide(c, example_inputs)) for c in self.configs]
         for mine, record in zip(self.records, records):
             mine.append(record)
         partition = _VariantsPartitioner(self.configs, records)

@@ -26,7 +26,10 @@ def test_deferred_weight_gradients_equal_eager(options):
     block, h = _block_and_input()
     ref, h_ref = copy.deepcopy(block), h.detach().clone().requires_grad_()
     ref(h_ref).square().mean().backward()
-    backend = lynx_compile.LynxBackend(lynx_compile.make_config({"compiler": "eager", **options}))
+    # weight gradients returned: in one process lynx adds them into .grad inside the backward by
+    # default where something is recomputed (the refusal below), a pipeline's ranks return them
+    backend = lynx_compile.LynxBackend(lynx_compile.make_config(
+        {"compiler": "eager", "accumulate_grad_in_graph": False, **options}))
     compiled = torch.compile(block, backend=backend)
     with microbatch(3):
         loss = compiled(h).square().mean()
@@ -38,6 +41,22 @@ def test_deferred_weight_gradients_equal_eager(options):
     assert backend.run_weights(3) == 0  # once
     for p, r in zip(block.parameters(), ref.parameters()):
         assert torch.allclose(p.grad, r.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.timeout(120)
+def test_defer_refused_where_the_backward_adds_the_weight_gradients():
+    """Default options, policy full, one process: the backward adds the weight gradients into
+    .grad itself; defer_weights around it raises naming the option, before anything runs."""
+    import lynx_compile
+    from lynx_compile.runtime.weight_split import defer_weights
+
+    block, h = _block_and_input()
+    backend = lynx_compile.LynxBackend(lynx_compile.make_config({"compiler": "eager", "policy": "full"}))
+    loss = torch.compile(block, backend=backend)(h).square().mean()
+    assert backend.records[-1].grads_in_graph.applies
+    with defer_weights(3), pytest.raises(RuntimeError, match="accumulate_grad_in_graph=False"):
+        loss.backward()
+    assert h.grad is None and all(p.grad is None for p in block.parameters())
 
 
 @pytest.mark.timeout(120)

@@ -95,11 +95,65 @@ def min_cut_partition(joint_gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_ou
     give the same graph (lynx partitions one joint up to ~15 times while planning)."""
     cse = _functorch_config.cse and not _merged_already(joint_gm.graph)
     with _functorch_config.patch(activation_memory_budget=float(memory_budget), cse=cse):
-        return _call_by_keyword(
+        fw, bw = _call_by_keyword(
             _partitioners.min_cut_rematerialization_partition, joint_gm, joint_inputs,
             num_fwd_outputs=num_fwd_outputs, compiler=compiler,
             static_lifetime_input_indices=static_lifetime_input_indices,
         )
+    tensors_before_opaque(fw, bw, num_fwd_outputs)
+    return fw, bw
+
+
+def _is_opaque(node: Any) -> bool:
+    """torch's ``is_opaque_node`` (2.13); False where it is missing (no opaque saved values)."""
+    try:
+        from torch._functorch._aot_autograd.graph_compile import is_opaque_node
+    except ImportError:
+        return False
+    return is_opaque_node(node)
+
+
+def tensors_before_opaque(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> bool:
+    """Saved RNG states moved before the saved opaque objects, in place; True if any moved.
+
+    AOTAutograd saves a forward's outputs for the backward as (tensors, opaque objects such
+    as a DTensor graph's ``DeviceMesh``, SymInts), in that order. torch's min-cut appends the
+    RNG state of each recomputed random op (``functionalize_rng_ops``) just before the SymInts,
+    after the opaque objects, and its backward's placeholders likewise: a graph that saves a
+    ``DeviceMesh`` and recomputes a random op then fails at its first forward ("expected all
+    tensors_saved_with_vc_check to be Tensors", torchtitan's llama3 with TP under a budget,
+    torch 2.13). The tensors after the first opaque output (those states) go before it, in the
+    forward's outputs and the backward's matching placeholders."""
+    out = fw.graph.output_node()
+    outs = list(out.args[0])
+    saved = outs[num_fwd_outputs:]
+    first = next((i for i, n in enumerate(saved) if _is_opaque(n)), None)
+    if first is None:
+        return False
+    late = [i for i, n in enumerate(saved) if i > first and isinstance(n, fx.Node) and not _is_opaque(n)
+            and not _is_sym(n)]
+    if not late:
+        return False
+    order = list(range(first)) + late + [i for i in range(first, len(saved)) if i not in late]
+    # the backward reads them as its placeholders after its SymInts (which lead there)
+    syms = sum(1 for n in saved if _is_sym(n))
+    placeholders = list(bw.graph.find_nodes(op="placeholder"))
+    mine = placeholders[syms:syms + len(saved) - syms]
+    if len(mine) != len(saved) - syms or any(order[k] >= len(mine) for k in range(len(mine))):
+        raise AssertionError("lynx: the backward's saved placeholders do not match the forward's saved outputs")
+    anchor = mine[first]
+    for i in late:
+        anchor.prepend(mine[i])
+    out.args = (tuple(outs[:num_fwd_outputs] + [saved[i] for i in order]), *out.args[1:])
+    fw.recompile()
+    bw.recompile()
+    return True
+
+
+def _is_sym(node: Any) -> bool:
+    from torch.fx.experimental.proxy_tensor import is_sym_node
+
+    return isinstance(node, fx.Node) and is_sym_node(node)
 
 
 def min_cut_counts_script_objects_as_zero():

@@ -137,8 +137,11 @@ class WeightDeferral:
     ``params``: per forward input, the parameter it is (None for activations): dynamo passes a
     module's parameters to the backend as graph inputs, in the order of the backward's outputs."""
 
-    def __init__(self, params: Sequence[torch.nn.Parameter | None]):
+    def __init__(self, params: Sequence[torch.nn.Parameter | None], grads_in_graph: bool = False):
         self.params = [weakref.ref(p) if p is not None else None for p in params]
+        self.grads_in_graph = grads_in_graph
+        """The backward adds the weight gradients into ``.grad`` itself (``lynx_compile.grad_in_graph``):
+        there is nothing to defer, and ``defer_weights`` around it is refused."""
         self.pending: dict[Any, tuple[Callable, tuple[int, ...], list]] = {}
         self.deferred = 0
         """Backwards whose weight gradients ran in W."""
@@ -191,6 +194,12 @@ class WeightDeferral:
 
         def run(args: list) -> Any:
             key = _DEFER.get()
+            if key is not None and self.grads_in_graph:
+                raise RuntimeError(
+                    "lynx: defer_weights around a backward that adds the weight gradients into .grad "
+                    "inside the compiled graph (accumulate_grad_in_graph, the default where something is "
+                    "recomputed in one process): nothing is left to defer. Compile with "
+                    "accumulate_grad_in_graph=False to run W later.")
             pieces = split_pieces() if key is not None and split_pieces is not None else None
             if pieces is None:
                 return full(args)
