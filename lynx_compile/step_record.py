@@ -219,6 +219,8 @@ class StepRecorder:
         if not any(len(p.record.step.choices) > 1 for p in self.pieces if p.record.step is not None):
             self.state = "done"  # whole graphs only, each planned on its own peak: nothing to plan together
             return
+        # (some piece has choices; whether this step calls one is known when it ends: a step of
+        # whole graphs only is then left as it is, _finish_recording)
         recording = AllocatorRecording() if self._device_type == "cuda" else ProfilerRecording()
         if not recording.start():
             return
@@ -258,6 +260,11 @@ class StepRecorder:
             self.mark_grads = [0] * len(self.marks)
         self._grads = None
         self.model = self._model(peaks)
+        if not any(len(step.choices) > 1 for step in self.model.graphs.values() if step is not None):
+            # the step called whole graphs only (another model compiled whole with the same
+            # options, after one compiled in pieces): each keeps the plan it has alone
+            self.state, self.model = "done", None
+            return
         self._choose()
         self.state = "recorded"
         self._store_step()

@@ -55,6 +55,12 @@ class Reach:
 def plan_reach(model, example_inputs: tuple, baselines=BASELINES, **common) -> list[Reach]:
     """One ``Reach`` per baseline: its plan's peak and exposed recompute, and lynx's (HiGHS)
     with that peak as ``memory_budget`` in bytes."""
+    # one .grad regime for baselines and lynx: the parameter gradients added into .grad in the
+    # graph (lynx's default where it recomputes; torch's own partition returns them by default,
+    # which would compare torch@s on another graph than the seed lynx tries as torch@s)
+    # (with several ranks they are returned for every policy alike)
+    several = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    common = {"accumulate_grad_in_graph": not several, **common}
     with mock.patch("lynx_compile.recompute.decide.smallest_reachable", lambda *a: ("none", 0)):
         base_records = plan_model_variants(model, example_inputs,
                                            [{"policy": p, **o} for p, o in baselines], **common)
