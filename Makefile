@@ -4,6 +4,9 @@
 PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
+# test files spread over this many processes (pytest-xdist; a file's tests stay in one process, so
+# its module fixtures are built once); 0 runs them all in this process
+PYTEST_WORKERS ?= 2
 
 .PHONY: install install-test install-torchtitan demo test bench plan clean gpu-wheels
 
@@ -37,7 +40,7 @@ plan: install
 	lynx plan --model gpt-small --policy selective
 
 test: install-test
-	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -q $$([ "$(PYTEST_WORKERS)" = 0 ] || echo "-n $(PYTEST_WORKERS) --dist loadfile") $(PYTEST_ARGS)
 
 bench: install
 	$(PYTHON) benchmarks/bench_policies.py

@@ -59,9 +59,9 @@ def test_a_whole_model_after_one_in_pieces_plans_as_alone():
     assert any(r.plan.budget_scope == "step" for r in shared.records)
     first = len(shared.records)
     measured = _steps(whole, torch.compile(whole, backend=shared), x)
-    # from step 2 on, byte for byte; step 1 compiles, and a process's first compiled step holds
-    # a few KB once (1021656 B alone against 1016584 B after the other model, torch 2.11 eager)
+    # from step 2 on, byte for byte. Step 1 compiles, and what compiling allocates depends on what
+    # the process compiled before (1021656 B alone against 1016584 B after the other model in a
+    # fresh process, 951060 B in one that ran other tests first): its plan is compared below
     assert measured[1:] == expected[1:], (measured, expected)
-    assert abs(measured[0] - expected[0]) <= 0.01 * expected[0], (measured, expected)
     assert _plans(shared.records[first:]) == expected_plans
     assert all(r.step_choice is None for r in shared.records[first:])  # not planned again as a step
