@@ -2,10 +2,11 @@
 decisions and the same predicted peak whatever ``PYTHONHASHSEED`` is (torchrun does not fix it,
 and ranks that plan differently deadlock or fail the plan agreement check).
 
-The planner runs in three subprocesses with ``PYTHONHASHSEED`` 1, 2 and 3 (string hashes, and so
+The planner runs in two subprocesses with ``PYTHONHASHSEED`` 1 and 2 (string hashes, and so
 the iteration order of every set or dict of node names, differ between them; fx nodes hash by
 ``id``, which differs anyway), each planning the cases below, and every case's records must be
-identical across the three. Costs come from a datasheet profile (``HARDWARE``) and, for tensor
+identical across the two (three until 2026-11-28: two seeds already iterate sets in different
+orders, and the third process made this the suite's slowest setup on two cores). Costs come from a datasheet profile (``HARDWARE``) and, for tensor
 parallelism, a named link: the default ``hardware="auto"`` on a CPU-only machine *calibrates*
 the CPU in each process (a timing), and a fake process group calibrates its link, so those costs
 legitimately differ from process to process (under torchrun every rank plans from rank 0's
@@ -22,7 +23,7 @@ Cases (gpt-tiny, dropout 0.1 so the RNG replay is in the graphs; each plan-only,
 - ``tp``: two tensor-parallel ranks (a fake process group, meta device) at 0.7: recompute placed
   in the collectives' communication windows.
 - ``cpu``: the default ``hardware="auto"`` on this CPU-only machine at 0.8: the CPU is timed
-  once per machine (``costs.hardware.cpu_profile_cache_path``, here a fresh file the three
+  once per machine (``costs.hardware.cpu_profile_cache_path``, here a fresh file the two
   processes start on together: one measures under a file lock, the others read its profile).
   Before that file, each process timed the CPU itself and planned from its own costs.
 
@@ -39,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-HASH_SEEDS = ("1", "2", "3")
+HASH_SEEDS = ("1", "2")
 HARDWARE = "h100-sxm"
 LINK = "nvlink4"
 CASES = ("inductor", "eager", "tp", "cpu")
