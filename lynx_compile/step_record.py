@@ -62,6 +62,12 @@ def _backward_node(out: Any) -> Any:
     return None
 
 
+def _with_choices(steps) -> bool:
+    """Some graph's ``GraphChoices`` (None for a graph with none) offers more than one candidate:
+    there is something to plan together."""
+    return any(step is not None and len(step.choices) > 1 for step in steps)
+
+
 class StepRecorder:
     """One per backend: the step's piece calls, the recording of step ``RECORDED_STEP``, the
     choice and its application."""
@@ -216,7 +222,7 @@ class StepRecorder:
 
     # -- recording ---------------------------------------------------------------------------
     def _start_recording(self) -> None:
-        if not any(len(p.record.step.choices) > 1 for p in self.pieces if p.record.step is not None):
+        if not _with_choices(p.record.step for p in self.pieces):
             self.state = "done"  # whole graphs only, each planned on its own peak: nothing to plan together
             return
         # (some piece has choices; whether this step calls one is known when it ends: a step of
@@ -260,7 +266,7 @@ class StepRecorder:
             self.mark_grads = [0] * len(self.marks)
         self._grads = None
         self.model = self._model(peaks)
-        if not any(len(step.choices) > 1 for step in self.model.graphs.values() if step is not None):
+        if not _with_choices(self.model.graphs.values()):
             # the step called whole graphs only (another model compiled whole with the same
             # options, after one compiled in pieces): each keeps the plan it has alone
             self.state, self.model = "done", None

@@ -17,6 +17,7 @@ from torch._functorch import config as _functorch_config
 from torch._functorch import partitioners as _partitioners
 from torch.utils.checkpoint import CheckpointPolicy
 
+from lynx_compile._compat.fx_utils import is_sym_node
 from lynx_compile._compat.tracing import refuse_unbacked_retrace
 
 
@@ -48,11 +49,13 @@ def default_partition(joint_gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_ou
     """torch's default partitioner. With ``node.meta["recompute"]`` tags it is the
     selective-activation-checkpoint partitioner: tagged nodes are recomputed, untagged
     producers of tagged nodes are saved, recomputed RNG ops replay their saved RNG state."""
-    return _call_by_keyword(
+    fw, bw = _call_by_keyword(
         _partitioners.default_partition, joint_gm, joint_inputs,
         num_fwd_outputs=num_fwd_outputs,
         static_lifetime_input_indices=static_lifetime_input_indices,
     )
+    tensors_before_opaque(fw, bw, num_fwd_outputs)  # (it replays recomputed RNG ops alike)
+    return fw, bw
 
 
 def canonicalize_joint(joint_gm: fx.GraphModule) -> fx.GraphModule:
@@ -104,13 +107,11 @@ def min_cut_partition(joint_gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_ou
     return fw, bw
 
 
-def _is_opaque(node: Any) -> bool:
-    """torch's ``is_opaque_node`` (2.13); False where it is missing (no opaque saved values)."""
-    try:
-        from torch._functorch._aot_autograd.graph_compile import is_opaque_node
-    except ImportError:
+try:
+    from torch._functorch._aot_autograd.graph_compile import is_opaque_node as _is_opaque
+except ImportError:  # torch 2.11: no opaque saved values
+    def _is_opaque(node: Any) -> bool:
         return False
-    return is_opaque_node(node)
 
 
 def tensors_before_opaque(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> bool:
@@ -131,15 +132,15 @@ def tensors_before_opaque(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_output
     if first is None:
         return False
     late = [i for i, n in enumerate(saved) if i > first and isinstance(n, fx.Node) and not _is_opaque(n)
-            and not _is_sym(n)]
+            and not is_sym_node(n)]
     if not late:
         return False
     order = list(range(first)) + late + [i for i in range(first, len(saved)) if i not in late]
-    # the backward reads them as its placeholders after its SymInts (which lead there)
-    syms = sum(1 for n in saved if _is_sym(n))
-    placeholders = list(bw.graph.find_nodes(op="placeholder"))
-    mine = placeholders[syms:syms + len(saved) - syms]
-    if len(mine) != len(saved) - syms or any(order[k] >= len(mine) for k in range(len(mine))):
+    # the backward reads them as its placeholders after its SymInts (which lead there; the
+    # forward returns its SymInts last)
+    syms = sum(1 for n in saved if isinstance(n, fx.Node) and is_sym_node(n))
+    mine = list(bw.graph.find_nodes(op="placeholder"))[syms:len(saved)]
+    if len(mine) != len(saved) - syms or not all(isinstance(n, fx.Node) and is_sym_node(n) for n in saved[len(mine):]):
         raise AssertionError("lynx: the backward's saved placeholders do not match the forward's saved outputs")
     anchor = mine[first]
     for i in late:
@@ -149,11 +150,6 @@ def tensors_before_opaque(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_output
     bw.recompile()
     return True
 
-
-def _is_sym(node: Any) -> bool:
-    from torch.fx.experimental.proxy_tensor import is_sym_node
-
-    return isinstance(node, fx.Node) and is_sym_node(node)
 
 
 def min_cut_counts_script_objects_as_zero():
