@@ -2,7 +2,8 @@
 
 GPU/NPU profiles are datasheet figures (sources next to each number); achievable fractions of
 those peaks are separate, stated factors. The ``"cpu"`` profile is not a datasheet: it is
-measured on this machine by :func:`calibrate_cpu_profile` (a couple of seconds, cached).
+measured on this machine by :func:`calibrate_cpu_profile` (a couple of seconds in a child process,
+cached on disk).
 
     get_profile("h100-sxm")  -> datasheet profile
     get_profile("cpu")       -> calibrated once per process
@@ -14,7 +15,8 @@ import contextlib
 import json
 import logging
 import os
-import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
@@ -253,32 +255,14 @@ def _machine_lock(path: Path | None):
 
 
 def _measure_cpu(budget: float) -> HardwareProfile:
-    fp32 = 0.0
-    for n in (128, 256, 512):
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        fp32 = max(fp32, 2 * n**3 / _best_time(lambda: torch.mm(a, b), 0.4 * budget / 3))
-    low: dict[str, float] = {}
-    for dt in (torch.bfloat16, torch.float16):
-        a, b = torch.randn(256, 256, dtype=dt), torch.randn(256, 256, dtype=dt)
-        low[str(dt).removeprefix("torch.")] = 2 * 256**3 / _best_time(lambda: torch.mm(a, b), 0.1 * budget)
-    n = 16 << 20  # 16M float32 = 64 MB per buffer, past typical last-level caches
-    src, dst, other = torch.randn(n), torch.empty(n), torch.randn(n)
-    copy_bw = 2 * 4 * n / _best_time(lambda: dst.copy_(src), 0.15 * budget)
-    add_bw = 3 * 4 * n / _best_time(lambda: torch.add(src, other, out=dst), 0.15 * budget)
-    x = torch.ones(1)
-    per_op = []
-    deadline = time.perf_counter() + 0.1 * budget
-    while time.perf_counter() < deadline or len(per_op) < 3:
-        t0 = time.perf_counter()
-        for _ in range(100):
-            torch.add(x, x)
-        per_op.append((time.perf_counter() - t0) / 100)
+    m = _measure_in_child(budget)
+    copy_bw = m["copy_bytes_per_s"]
     return HardwareProfile(
         name="cpu",
-        peak_flops={"float32": fp32, **low},
-        memory_bandwidth_bytes_per_s=max(copy_bw, add_bw),
+        peak_flops=m["peak_flops"],
+        memory_bandwidth_bytes_per_s=max(copy_bw, m["add_bytes_per_s"]),
         memory_capacity_bytes=_physical_memory(),
-        launch_overhead_s=statistics.median(per_op),
+        launch_overhead_s=m["launch_overhead_s"],
         matmul_efficiency=1.0,  # measured rates are already achieved rates
         memory_efficiency=1.0,
         default_link="loopback-gloo",
@@ -286,16 +270,28 @@ def _measure_cpu(budget: float) -> HardwareProfile:
     )
 
 
-def _best_time(fn: Callable[[], Any], budget_s: float, max_reps: int = 50) -> float:
-    """Fastest of repeated ``fn()`` calls within ``budget_s`` (at least 2 timed runs)."""
-    fn()  # warm-up: first-call allocation, library init
-    best, reps, deadline = float("inf"), 0, time.perf_counter() + budget_s
-    while reps < 2 or (time.perf_counter() < deadline and reps < max_reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-        reps += 1
-    return max(best, 1e-9)
+def _measure_in_child(budget: float) -> dict[str, Any]:
+    """``cpu_measure.measure`` in a fresh interpreter with this process's torch thread count.
+
+    Its 192 MB of bandwidth buffers never exist in this process: on a CPU device they would be
+    the peak of the step that compiles first. If the child cannot run (no interpreter, a
+    sandbox without ``fork``), the measurement runs here, with a warning naming the cost."""
+    from lynx_compile.costs import cpu_measure
+
+    source = Path(cpu_measure.__file__).read_text()
+    cmd = [sys.executable, "-c", source, repr(budget), str(torch.get_num_threads())]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
+        stderr = getattr(e, "stderr", None) or ""
+        log.warning(
+            "measuring the CPU profile in a child process failed (%s%s); measuring in this process, "
+            "whose ~192 MB of bandwidth buffers count in this step's memory. LYNX_CPU_PROFILE naming a profile file an earlier "
+            "process wrote avoids the measurement.",
+            e, f": {stderr.strip().splitlines()[-1]}" if stderr.strip() else "",
+        )
+        return cpu_measure.measure(budget)
 
 
 def _physical_memory() -> int:
