@@ -39,7 +39,9 @@ Peers (each row its own process, cold Inductor cache, a timeout; a failure is th
   its trainer orders them; ``inductor/per-block`` is that compile with no AC. torchtitan models only;
   other models get an ``n/a`` row. torchtitan 0.3.0 has no selective-layer mode (a row says so).
 - ``lynx@F``: ``torch.compile(model, backend=lynx_compile.backend(memory_budget=F))``, everything
-  else lynx's defaults. For every peer row that measured a fraction f < 0.97 of ``inductor``'s peak
+  else lynx's defaults. ``lynx/per-block@F`` (by ``--peers`` only): every block compiled apart with
+  that backend (torchtitan's ``apply_compile`` on its models, ``block.compile`` on the others), the
+  loss too, as torchtitan's trainer does; measured after the step is recorded and planned whole. For every peer row that measured a fraction f < 0.97 of ``inductor``'s peak
   a lynx row at F = f rounded down to 0.01 (F's within 0.05 above one lynx measured share its row:
   lynx never gets more memory than the peer it is paired with), lowest first; when lynx refuses
   (``BudgetError``: "use memory_budget >= X") the lower F's are not run (their row repeats the
@@ -216,6 +218,16 @@ def prepare(peer: str, model: str, module: Any, budget: Optional[float]) -> tupl
         return compiled(_compat.inductor_at_activation_budget(budget))
     if peer.startswith("lynx@"):
         return compiled(lynx_compile.backend(memory_budget=budget))
+    if peer.startswith("lynx/per-block@"):  # as torchtitan compiles: every block apart, the loss too
+        backend = lynx_compile.backend(memory_budget=budget)
+        if model == "tt-llama3":
+            import torchtitan_models as tt
+
+            tt.apply_compile(module, backend)
+        else:
+            for block in blocks(module):
+                block.compile(backend=backend, fullgraph=True)
+        return module, backend
     family, _, mode = peer.partition("/")
     if family == "checkpoint-full":
         wrap_blocks(module, _checkpointed())
@@ -587,7 +599,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="gpt-tiny; eager, inductor, torch@0.5, checkpoint, SAC, "
                    "torch_remat (eager), rockmate; lynx pairs")
     p.add_argument("--models", type=lambda v: v.split(","), default=None, help=f"comma list of {', '.join(MODELS)}")
-    p.add_argument("--peers", type=lambda v: v.split(","), default=None, help=f"comma list of {', '.join(PEERS + MORE_PEERS)}")
+    p.add_argument("--peers", type=lambda v: v.split(","), default=None, help=f"comma list of {', '.join(PEERS + MORE_PEERS)}, lynx/per-block@F")
     p.add_argument("--no-lynx", action="store_true", help="peers only, no lynx rows")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS)
@@ -626,6 +638,13 @@ def report_only(args: argparse.Namespace) -> str:
         ln.startswith("**Partial") for ln in old), pending=["?"], command=command)
 
 
+def _is_fraction(text: str) -> bool:
+    try:
+        return 0 < float(text) <= 1
+    except ValueError:
+        return False
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -645,6 +664,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if x not in MODELS:
             raise SystemExit(f"unknown model {x!r}: {', '.join(MODELS)}")
     for x in peers:
+        if x.startswith("lynx/per-block@") and _is_fraction(x.split("@")[1]):
+            continue
         if x not in PEERS + MORE_PEERS:
             raise SystemExit(f"unknown peer {x!r}: {', '.join(PEERS + MORE_PEERS)}")
     peers = ["inductor"] + [p for p in peers if p != "inductor"]  # the reference first

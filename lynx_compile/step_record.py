@@ -88,6 +88,9 @@ class StepRecorder:
         self._device_type = "cpu"
         self._resident: tuple[int, str] = (0, "")
         self.model: StepModel | None = None
+        self.model_as_ran: StepModel | None = None
+        """The recorded step as it ran when its ``.grad`` were allocated at its start (nothing
+        added for gradients): planned with when no choice fits the step that allocates them."""
         self.choice: StepChoice | None = None
         self.budget_bytes: int | None = None
         self._key: str | None = None  # the plan cache's key of the step's plan
@@ -265,22 +268,25 @@ class StepRecorder:
                                "Python's profile hook, so lynx could not see whether .grad was allocated)")
             self.mark_grads = [0] * len(self.marks)
         self._grads = None
-        self.model = self._model(peaks)
+        self.model, self.model_as_ran = self._model(peaks)
         if not _with_choices(self.model.graphs.values()):
             # the step called whole graphs only (another model compiled whole with the same
             # options, after one compiled in pieces): each keeps the plan it has alone
-            self.state, self.model = "done", None
+            self.state, self.model, self.model_as_ran = "done", None, None
             return
         self._choose()
         self.state = "recorded"
         self._store_step()
 
-    def _model(self, peaks: list[int | None]) -> StepModel:
+    def _model(self, peaks: list[int | None]) -> tuple[StepModel, StepModel]:
         """The recorded step as segments: ``peaks[i]`` is the highest bytes measured between
-        mark ``i - 1`` and mark ``i`` (None: mark ``i`` was not seen)."""
+        mark ``i - 1`` and mark ``i`` (None: mark ``i`` was not seen). Two models: the step as if
+        it allocated its parameter gradients (``.grad`` None at its start), and as it ran (the
+        same when it did)."""
         calls, marks, self.calls, self.marks = self.calls, self.marks, [], []
         grads, self.mark_grads = self.mark_grads, []
         segments: list[Segment] = []
+        as_ran: list[Segment] = []
         alive: set[int] = set()
         running: tuple[int, str] | None = None
         for (call, kind), peak, held in zip(marks, peaks, [0, *grads[:-1]]):
@@ -291,6 +297,7 @@ class StepRecorder:
             # within the segment was in its measured peak until then (the backward's output that
             # autograd adds into .grad and frees), so it counts from the next segment on.
             segments.append(Segment(peak=peak + held, alive=tuple(sorted(alive)), running=running))
+            as_ran.append(Segment(peak=peak, alive=tuple(sorted(alive)), running=running))
             if kind == "fw0":
                 running = (call, "fw")
             elif kind == "fw1":
@@ -302,27 +309,45 @@ class StepRecorder:
             elif kind == "bw1":
                 running = None
         graphs = {p.key: p.record.step for p in calls}
-        return StepModel(graphs=graphs, calls=tuple(p.key for p in calls), segments=tuple(segments))
+        return (StepModel(graphs=graphs, calls=tuple(p.key for p in calls), segments=tuple(segments)),
+                StepModel(graphs=graphs, calls=tuple(p.key for p in calls), segments=tuple(as_ran)))
 
     # -- choosing and applying ---------------------------------------------------------------
     def _choose(self) -> None:
         from lynx_compile.distributed.agreement import gather_values, planning_group
 
-        model = self.model
-        outside = model.outside()
+        model, as_ran = self.model, self.model_as_ran
         with planning_group(self.backend.planning_group), _compat.eager_dispatch():
-            everyone = gather_values(outside)
-        if len({len(o) for o in everyone}) > 1:
+            everyone = gather_values((model.outside(), as_ran.outside()))
+        if len({len(o[0]) for o in everyone}) > 1:
             raise RuntimeError("lynx: the ranks recorded steps of different shapes (piece calls per step "
-                               f"{[len(o) for o in everyone]}); every rank must run the same compiled pieces")
-        outside = [max(col) for col in zip(*everyone)]
+                               f"{[len(o[0]) for o in everyone]}); every rank must run the same compiled pieces")
+        outside = [max(col) for col in zip(*(o[0] for o in everyone))]
+        outside_as_ran = [max(col) for col in zip(*(o[1] for o in everyone))]
+        # the budget's 100%: the step with no recompute, which returns its gradients at its end (a
+        # pile as large as the .grad a step starting from None allocates), in either regime
         reference = model.reference(outside)
         budget = self.backend.config.budget
         if budget.needs_resident:
             budget = budget.with_resident(*self._resident)
         self.budget_bytes = budget.bytes_of(reference)
-        self.choice = choose(model, self.budget_bytes, outside)
         self.outside, self.reference = outside, reference
+        self.choice = choose(model, self.budget_bytes, outside)
+        if self.choice.fits or outside_as_ran == outside:
+            return
+        # no choice fits a step that allocates its gradients; this one started with them allocated
+        # (zero_grad(set_to_none=False), a later micro-batch): plan the step as it ran
+        ran = choose(as_ran, self.budget_bytes, outside_as_ran)
+        if ran.predicted >= self.choice.predicted:
+            return
+        held = max(a - b for a, b in zip(outside, outside_as_ran))
+        self.grads_note = (f"parameter gradients: .grad were allocated as step {RECORDED_STEP} started, and the "
+                           f"step is planned so (a step starting with .grad None would peak at "
+                           f"{format_bytes(model.predicted(ran.pick, outside))} with this plan, up to "
+                           f"{format_bytes(held)} more: no plan fits it within the budget)")
+        if ran.fits:
+            log.warning("lynx: %s", self.grads_note)
+        self.model, self.outside, self.choice = as_ran, outside_as_ran, ran
 
     def _tighten(self, choice: StepChoice, rounds: int = 3) -> StepChoice:
         """When no choice of the pieces fits: the graphs planned on their own peak (whole graphs
