@@ -88,9 +88,6 @@ class StepRecorder:
         self._device_type = "cpu"
         self._resident: tuple[int, str] = (0, "")
         self.model: StepModel | None = None
-        self.model_as_ran: StepModel | None = None
-        """The recorded step as it ran when its ``.grad`` were allocated at its start (nothing
-        added for gradients): planned with when no choice fits the step that allocates them."""
         self.choice: StepChoice | None = None
         self.budget_bytes: int | None = None
         self._key: str | None = None  # the plan cache's key of the step's plan
@@ -268,13 +265,13 @@ class StepRecorder:
                                "Python's profile hook, so lynx could not see whether .grad was allocated)")
             self.mark_grads = [0] * len(self.marks)
         self._grads = None
-        self.model, self.model_as_ran = self._model(peaks)
+        self.model, as_ran = self._model(peaks)
         if not _with_choices(self.model.graphs.values()):
             # the step called whole graphs only (another model compiled whole with the same
             # options, after one compiled in pieces): each keeps the plan it has alone
-            self.state, self.model, self.model_as_ran = "done", None, None
+            self.state, self.model = "done", None
             return
-        self._choose()
+        self._choose(as_ran)
         self.state = "recorded"
         self._store_step()
 
@@ -308,15 +305,18 @@ class StepRecorder:
                 running = (call, "bw")
             elif kind == "bw1":
                 running = None
-        graphs = {p.key: p.record.step for p in calls}
-        return (StepModel(graphs=graphs, calls=tuple(p.key for p in calls), segments=tuple(segments)),
-                StepModel(graphs=graphs, calls=tuple(p.key for p in calls), segments=tuple(as_ran)))
+        model = StepModel(graphs={p.key: p.record.step for p in calls}, calls=tuple(p.key for p in calls),
+                          segments=tuple(segments))
+        return model, dataclasses.replace(model, segments=tuple(as_ran))
 
     # -- choosing and applying ---------------------------------------------------------------
-    def _choose(self) -> None:
+    def _choose(self, as_ran: StepModel) -> None:
+        """The choice for ``self.model`` (the step that allocates its gradients); where none fits
+        the budget, for ``as_ran`` (the recorded step as it ran, ``.grad`` allocated at its start)
+        when that predicts a lower peak."""
         from lynx_compile.distributed.agreement import gather_values, planning_group
 
-        model, as_ran = self.model, self.model_as_ran
+        model = self.model
         with planning_group(self.backend.planning_group), _compat.eager_dispatch():
             everyone = gather_values((model.outside(), as_ran.outside()))
         if len({len(o[0]) for o in everyone}) > 1:

@@ -23,41 +23,57 @@ from lynx_compile.memory.measure import cpu_peak_bytes
 from lynx_compile.models import build_model, example_batch
 
 
-def _step_peak(model, run, x):
+def _set_none(model):
+    """``zero_grad()``'s default: the step allocates its gradients."""
     for p in model.parameters():
         p.grad = None
-    return cpu_peak_bytes(lambda: run(x).loss.backward())
 
 
-def _step(model, run, x):
+def _zero(model):
+    """``zero_grad(set_to_none=False)``: ``.grad`` allocated at the step's start."""
     for p in model.parameters():
-        p.grad = None
-    run(x).loss.backward()
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        else:
+            p.grad.zero_()
 
 
-@pytest.mark.parametrize("style", ["whole", "per-block"])
-@pytest.mark.parametrize("budget", [0.6, 0.7])
-def test_every_step_within_the_budget(style, budget):
+def _compiled(budget, style):
+    """gpt-tiny (4 layers) compiled by lynx at ``budget`` and a copy by Inductor, alike in
+    ``style``: (model, run, plain, ref, x, backend)."""
     torch.manual_seed(0)
     model = build_model("gpt-tiny", dropout=0.0, n_layers=4)
     plain = copy.deepcopy(model)
     x = example_batch(model, 4, generator=torch.Generator().manual_seed(1))
     backend = LynxBackend(make_config({"memory_budget": budget, "plan_cache": False}))
     if style == "whole":
-        run, ref = torch.compile(model, backend=backend), torch.compile(plain, backend="inductor")
-    else:
-        for block in model.blocks:
-            block.compile(backend=backend, fullgraph=True)
-        for block in plain.blocks:
-            block.compile(backend="inductor", fullgraph=True)
-        run, ref = model, plain
+        return model, torch.compile(model, backend=backend), plain, torch.compile(plain, backend="inductor"), x, backend
+    for block in model.blocks:
+        block.compile(backend=backend, fullgraph=True)
+    for block in plain.blocks:
+        block.compile(backend="inductor", fullgraph=True)
+    return model, model, plain, plain, x, backend
+
+
+def _five_steps(model, run, plain, ref, x, style, reset):
+    """Steps 1-5 of both, ``reset`` applied to ``.grad`` before each; per step (lynx's peak,
+    Inductor's), except the recorded step 3 of a model in pieces (no profiler of ours around it)."""
     measured = {}
     for step in range(1, 6):
-        if style == "per-block" and step == 3:  # the recorded step: no profiler of ours around it
-            _step(model, run, x)
-            _step(plain, ref, x)
+        reset(model), reset(plain)
+        if style == "per-block" and step == 3:
+            run(x).loss.backward(), ref(x).loss.backward()
             continue
-        measured[step] = (_step_peak(model, run, x), _step_peak(plain, ref, x))
+        measured[step] = (cpu_peak_bytes(lambda: run(x).loss.backward()),
+                          cpu_peak_bytes(lambda: ref(x).loss.backward()))
+    return measured
+
+
+@pytest.mark.parametrize("style", ["whole", "per-block"])
+@pytest.mark.parametrize("budget", [0.6, 0.7])
+def test_every_step_within_the_budget(style, budget):
+    model, run, plain, ref, x, backend = _compiled(budget, style)
+    measured = _five_steps(model, run, plain, ref, x, style, _set_none)
     for step, (lynx, none) in measured.items():
         assert lynx <= budget * 1.02 * none, (step, lynx / none, measured)
     if style == "per-block":
@@ -68,39 +84,15 @@ def test_every_step_within_the_budget(style, budget):
         assert measured[4][0] >= measured[1][0]
 
 
-def _zero(model):
-    for p in model.parameters():
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        else:
-            p.grad.zero_()
-
-
 def test_per_block_with_grads_allocated_at_every_start(caplog):
     """``.grad`` allocated at each step's start (``zero_grad(set_to_none=False)``, a later
     micro-batch): the step is planned as it runs. At 0.38 no plan fits a step that allocates its
     gradients (gpt-tiny per block names 0.448 for it), while the step as it runs reaches 0.30;
     before, 0.38 was refused naming 0.448 although steps 1-2 measured 0.362."""
     budget = 0.38
-    torch.manual_seed(0)
-    model = build_model("gpt-tiny", dropout=0.0, n_layers=4)
-    plain = copy.deepcopy(model)
-    x = example_batch(model, 4, generator=torch.Generator().manual_seed(1))
-    backend = LynxBackend(make_config({"memory_budget": budget, "plan_cache": False}))
-    for block in model.blocks:
-        block.compile(backend=backend, fullgraph=True)
-    for block in plain.blocks:
-        block.compile(backend="inductor", fullgraph=True)
-    _zero(model), _zero(plain)
-    measured = {}
+    model, run, plain, ref, x, backend = _compiled(budget, "per-block")
     with caplog.at_level("WARNING", logger="lynx_compile"):
-        for step in range(1, 6):
-            _zero(model), _zero(plain)
-            if step == 3:
-                model(x).loss.backward(), plain(x).loss.backward()
-                continue
-            measured[step] = (cpu_peak_bytes(lambda: model(x).loss.backward()),
-                              cpu_peak_bytes(lambda: plain(x).loss.backward()))
+        measured = _five_steps(model, run, plain, ref, x, "per-block", _zero)
     for step, (lynx, none) in measured.items():
         assert lynx <= budget * 1.02 * none, (step, lynx / none, measured)
     assert backend.step_recorder.state == "done"

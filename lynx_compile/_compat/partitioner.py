@@ -151,7 +151,6 @@ def tensors_before_opaque(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_output
     return True
 
 
-
 def min_cut_counts_script_objects_as_zero():
     """A context in which torch's min-cut partition (below budget 1) counts an opaque graph
     input (a DTensor graph's process group, a ``FakeScriptObject``) as zero bytes instead of

@@ -286,8 +286,8 @@ def _measure_in_child(budget: float) -> dict[str, Any]:
         stderr = getattr(e, "stderr", None) or ""
         log.warning(
             "measuring the CPU profile in a child process failed (%s%s); measuring in this process, "
-            "whose ~192 MB of bandwidth buffers count in this step's memory. LYNX_CPU_PROFILE naming a profile file an earlier "
-            "process wrote avoids the measurement.",
+            "whose ~192 MB of bandwidth buffers count in this step's memory. LYNX_CPU_PROFILE naming "
+            "a profile file an earlier process wrote avoids the measurement.",
             e, f": {stderr.strip().splitlines()[-1]}" if stderr.strip() else "",
         )
         return cpu_measure.measure(budget)
