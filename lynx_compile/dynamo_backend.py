@@ -232,7 +232,9 @@ class LynxBackend:
                 partitioner = LynxPartitioner(config, record, plan_only=self.plan_only, peak=peak, cache_key=key)
                 hits = _compat.dynamo_counters()["aot_autograd"]["autograd_cache_hit"]
                 compiled = _compat.inductor_compile_with_partitioner(
-                    gm, example_inputs, partitioner, keep_placement=own_placement,
+                    gm, example_inputs, partitioner,
+                    # the user's checkpointing chosen: compiled as torch.compile compiles it
+                    keep_placement=own_placement and (lambda: not record.torch_partition),
                     post_grad=LynxPostGrad(config, record) if own_placement else None, post_fusion=peak,
                     inner_compile=split, autograd_cache=cached)
                 served = _compat.dynamo_counters()["aot_autograd"]["autograd_cache_hit"] > hits

@@ -187,6 +187,8 @@ class LynxPostGrad:
         if gm is None:  # Inductor hands its post-grad passes a GraphModule's graph (post_grad_passes)
             raise RuntimeError("lynx's post-grad passes got a graph no GraphModule owns; they rewrite "
                                "(and torch's control_deps register subgraphs on) the owning module")
+        if self.record.torch_partition:  # torch.compile's kind of partition: compiled as it compiles it
+            return
         # a partitioned graph (forward or backward): no joint outputs to count
         ctx = PassContext(config=self.config, record=self.record, num_fwd_outputs=0)
         k, self.graphs = self.graphs, self.graphs + 1
@@ -197,6 +199,8 @@ class LynxPostGrad:
         of the passes that run. They read nothing else of ``config``; a pass that does must add
         it here."""
         names = map(pass_name, POST_GRAD_PIPELINE)
+        if self.record.torch_partition:
+            return ("torch_partition",)
         return tuple(name for name in names if name not in self.config.disable_passes)
 
 

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass
+from typing import Callable
 
 EXHAUSTIVE_LIMIT = 20_000
 """Choices per graph multiplied together up to this many are all tried; beyond it, the choice is
@@ -163,10 +164,12 @@ def assignments(choices: tuple[Candidate, ...], calls: int) -> list[Assignment]:
     return list(out)
 
 
-def choose(model: StepModel, budget: int, outside: list[int] | None = None) -> StepChoice:
+def choose(model: StepModel, budget: int, outside: list[int] | None = None,
+           accept: Callable[[dict[int, Assignment]], bool] | None = None) -> StepChoice:
     """The choice (an assignment per graph, :func:`assignments`) with the least exposed
-    recompute whose predicted peak is within ``budget``; when none is, the one with the least
-    predicted peak (``fits`` False). Ties go to less memory, then to the earlier in order."""
+    recompute whose predicted peak is within ``budget`` (and that ``accept`` accepts, when
+    given); when none is, the one with the least predicted peak (``fits`` False). Ties go to less
+    memory, then to the earlier in order."""
     outside = model.outside() if outside is None else outside
     keys = sorted(model.graphs)
     options = [assignments(model.graphs[g].choices, model.calls_of(g)) for g in keys]
@@ -183,7 +186,7 @@ def choose(model: StepModel, budget: int, outside: list[int] | None = None) -> S
         cost = model.exposed_s(pick)
         if least is None or peak < least[0]:
             least = (peak, cost, pick)
-        if peak <= budget and (best is None or (cost, peak) < best[:2]):
+        if peak <= budget and (best is None or (cost, peak) < best[:2]) and (accept is None or accept(pick)):
             best = (cost, peak, pick)
     if best is not None:
         return StepChoice(pick=best[2], predicted=best[1], exposed_s=best[0], fits=True)

@@ -68,6 +68,15 @@ def _with_choices(steps) -> bool:
     return any(step is not None and len(step.choices) > 1 for step in steps)
 
 
+def _users_pick(model: StepModel):
+    """Every call compiled as the user's own checkpoint tags (candidate ``"user"``), where every
+    graph of the step has that candidate; None otherwise."""
+    try:
+        return model.uniform({g: gc.named("user") for g, gc in model.graphs.items()})
+    except KeyError:
+        return None
+
+
 class StepRecorder:
     """One per backend: the step's piece calls, the recording of step ``RECORDED_STEP``, the
     choice and its application."""
@@ -331,12 +340,22 @@ class StepRecorder:
         if budget.needs_resident:
             budget = budget.with_resident(*self._resident)
         self.budget_bytes = budget.bytes_of(reference)
+        accept = None
+        mine = _users_pick(model)
+        if mine is not None:  # the user's checkpointing on every piece: never more memory than it
+            # gives, in either .grad regime (issue U)
+            asked = self.budget_bytes
+            self.budget_bytes = min(asked, model.predicted(mine, outside))
+            cap = min(asked, as_ran.predicted(mine, outside_as_ran))
+            accept = lambda pick: as_ran.predicted(pick, outside_as_ran) <= cap  # noqa: E731
         self.outside, self.reference = outside, reference
-        self.choice = choose(model, self.budget_bytes, outside)
+        self.choice = choose(model, self.budget_bytes, outside, accept)
         if self.choice.fits or outside_as_ran == outside:
             return
         # no choice fits a step that allocates its gradients; this one started with them allocated
         # (zero_grad(set_to_none=False), a later micro-batch): plan the step as it ran
+        if mine is not None:
+            self.budget_bytes = cap
         ran = choose(as_ran, self.budget_bytes, outside_as_ran)
         if ran.predicted >= self.choice.predicted:
             return

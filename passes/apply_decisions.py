@@ -4,7 +4,8 @@ Reads ``ctx.decisions`` (``lynx_compile.decisions.Decisions``) and ``meta.BLOCK`
 every recompute tag first, then, on each joint node of every recomputed unit, writes torch's
 checkpoint tags (``meta["recompute"] = PREFER_RECOMPUTE``, ``meta["ac_graph_id"]`` = its block)
 and ``meta.DECISION`` = the unit's ``Demand()`` / ``Window(collective)``, ``meta.ROLE`` = the
-deciding policy. The partitioner then saves exactly the untagged producers of tagged nodes::
+deciding policy; where the user's SAC policy said MUST_SAVE (``ctx.user_tags``), that tag is put
+back over any decision. The partitioner then saves exactly the untagged producers of tagged nodes::
 
     before:  gelu = aten.gelu(addmm)                          # no tags
     after:   gelu = aten.gelu(addmm)   {recompute: PREFER_RECOMPUTE, ac_graph_id: 3,
@@ -32,6 +33,8 @@ def apply_decisions_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     decisions = ctx.decisions
     clear_decision_tags(gm)
     if decisions is None:
+        if ctx.user_tags is not None:
+            ctx.user_tags.pin_must_save(gm)
         return gm
     by_name = {n.name: n for n in gm.graph.nodes}
     missing = []
@@ -45,6 +48,8 @@ def apply_decisions_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
             _compat.tag_recompute(node, node.meta.get(meta.BLOCK) or 0)
             node.meta[meta.DECISION] = decision
             node.meta[meta.ROLE] = decisions.policy
+    if ctx.user_tags is not None:  # what a SAC policy says to save stays saved (issue U)
+        ctx.user_tags.pin_must_save(gm)
     if missing:
         raise ValueError(f"decisions of policy {decisions.policy!r} name nodes this graph does not have "
                          f"({sorted(missing)[:5]}...); they were made for another graph")

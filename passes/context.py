@@ -11,6 +11,8 @@ from lynx_compile.step_model import GraphChoices
 if TYPE_CHECKING:  # the config module checks pass names against this package
     from lynx_compile.config import LynxConfig
 
+    from .user_tags import UserTags
+
 
 @dataclass(kw_only=True)
 class PassTiming:
@@ -63,6 +65,11 @@ class GraphRecord:
     """A piece's first plan, made before any step was recorded, which the step's plan across
     graphs makes again (``step_record``): the candidate saving least, so that the steps before
     it hold the budget (slower, never above it)."""
+    torch_partition: bool = False
+    """The partition compiled is of the kind torch.compile makes itself: the user's own
+    checkpoint tags (``passes.user_tags``) or torch's min-cut at a budget. Inductor compiles it
+    with its own defaults, as in torch.compile (its peak-memory reordering and buffer reuse hold
+    less there), not with lynx's placement settings and post-grad passes (``lynx_compile.inductor``)."""
     grads_in_graph: Any = None
     """Where the parameter gradients go (``lynx_compile.grad_in_graph.GradsInGraph``: added into
     ``.grad`` inside the backward, or returned at its end, and why), decided when the graph
@@ -114,6 +121,9 @@ class PassContext:
     untagged: "TakeOnce | None" = None
     """The untagged joint's (fw, bw), partitioned for the reference: the first to need that
     partition as is takes it (``decide._problem_base``); contexts copied from this one share it."""
+    user_tags: "UserTags | None" = None
+    """The user's checkpoint regions and SAC policies on the joint as traced (``user_tags.read``):
+    ``apply_decisions_pass`` keeps their MUST_SAVE values saved under any decision."""
 
 
 class TakeOnce:

@@ -6,6 +6,7 @@ partitioned graph, and Inductor at an activation-memory budget (the ``torch`` ba
 users read it and a benchmark rebinds it (``benchmarks/bench_codegen.py``)."""
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 from typing import Any, Callable
@@ -35,7 +36,8 @@ def inductor_partitioner_base() -> type:
 
 
 def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, partitioner: Any,
-                                      keep_placement: bool = True, post_grad: Callable | None = None,
+                                      keep_placement: bool | Callable[[], bool] = True,
+                                      post_grad: Callable | None = None,
                                       post_fusion: Callable | None = None,
                                       inner_compile: Callable | None = None,
                                       autograd_cache: bool = False) -> Callable:
@@ -45,7 +47,10 @@ def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, 
 
     ``keep_placement``: the settings of ``INDUCTOR_KEEP_PLACEMENT``, and no horizontal fusion
     of a recomputed kernel sharing under 1 MiB of reads (``refusing_recompute_fusion``, read
-    through the package, where a benchmark rebinds it). ``post_grad(graph)``: run
+    through the package, where a benchmark rebinds it); a callable is asked at each partitioned
+    graph's compile (after the partition: it may depend on it), and where it answers False that
+    graph compiles with Inductor's settings as they were when this was called (torch.compile's).
+    ``post_grad(graph)``: run
     on every post-grad graph after Inductor's own passes and the user's
     ``post_grad_custom_post_pass``, if any (``CustomGraphPass``, 2.11 and 2.13; its cache key is
     the hash of the file defining it, and its ``uuid()`` if it has one). ``post_fusion``: called
@@ -62,11 +67,15 @@ def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, 
     adopt_unbacked_symbols(gm)
     patches: dict[str, Any] = _cacheable_rng_replay()
     if keep_placement:
-        patches.update(_keep_placement())
+        settings = _keep_placement()
+        patches.update(settings)
         # around each graph's inner compile: AOTAutograd compiles the backward lazily, at the
         # first backward, after this call has returned
-        inner_compile = sys.modules[__package__].refusing_recompute_fusion(
-            inner_compile or compile_fx_inner)
+        plain = inner_compile or compile_fx_inner
+        inner_compile = sys.modules[__package__].refusing_recompute_fusion(plain)
+        if callable(keep_placement):
+            inner_compile = _placement_if(keep_placement, inner_compile, plain,
+                                          {k: getattr(inductor_config, k) for k in settings})
     if post_grad is not None:
         patches["post_grad_custom_post_pass"] = _chained_post_grad_pass(inductor_config.post_grad_custom_post_pass,
                                                                         post_grad)
@@ -107,6 +116,22 @@ def _cacheable_rng_replay() -> dict:
     marked = dict(inductor_config.unsafe_marked_cacheable_functions)
     marked[f"{replay.__module__}.{replay.__name__}"] = torch.__version__
     return {"unsafe_marked_cacheable_functions": marked}
+
+
+def _placement_if(keep: Callable[[], bool], keeping: Callable, plain: Callable, defaults: dict) -> Callable:
+    """An inner compile that is ``keeping`` where ``keep()``, else ``plain`` under ``defaults``
+    (the settings ``_keep_placement`` changes, as they were before)."""
+
+    from torch._inductor import config as inductor_config
+
+    @functools.wraps(plain)
+    def compile_inner(*args: Any, **kwargs: Any) -> Any:
+        if keep():
+            return keeping(*args, **kwargs)
+        with inductor_config.patch(defaults):
+            return plain(*args, **kwargs)
+
+    return compile_inner
 
 
 def _keep_placement() -> dict:

@@ -80,11 +80,13 @@ def scratch_context(ctx: PassContext, policy: str) -> PassContext:
 
 
 def realize(joint: fx.GraphModule, ctx: PassContext, decisions: Decisions, kw: dict, *,
-            torch_budget: float | None = None) -> Applied:
+            torch_budget: float | None = None, as_user_tagged: bool = False) -> Applied:
     """Tag ``decisions`` on ``joint``, partition, run the backward passes, simulate exactly.
 
     ``torch_budget``: policy torch, min-cut at that activation_memory_budget (``decisions`` then
-    only names the policy; the result carries what min-cut recomputed). Pass counts go to
+    only names the policy; the result carries what min-cut recomputed). ``as_user_tagged``: the
+    joint partitioned with the user's own checkpoint tags (``ctx.user_tags``), as torch.compile
+    partitions it (read back like torch's). Pass counts go to
     ``ctx.record`` (a ``scratch_context`` for candidates). Leaves the tags of ``decisions`` on
     ``joint``."""
     inductor = ctx.config.compiler == "inductor"
@@ -92,17 +94,20 @@ def realize(joint: fx.GraphModule, ctx: PassContext, decisions: Decisions, kw: d
     joint = run_passes(joint, ctx, APPLY_PIPELINE, "apply")
     if torch_budget is not None:
         pin_random_outputs(joint, ctx)
+    if as_user_tagged:
+        ctx.user_tags.restore(joint)
+    read_back = torch_budget is not None or as_user_tagged
     taken = None
-    if torch_budget is None and ctx.untagged is not None and next(iter(decisions.recomputed()), None) is None:
+    if not read_back and ctx.untagged is not None and next(iter(decisions.recomputed()), None) is None:
         # nothing tagged: the partition is the untagged reference's (untagged_partition), taken
         # instead of partitioning the same joint again (policy none, a plan with no recompute)
         taken = ctx.untagged.take()
     fw, bw = taken or partition_joint(joint, ctx.joint_inputs, kw, inductor=inductor, torch_budget=torch_budget)
     fw = run_passes(fw, ctx, FORWARD_PIPELINE, "forward")
     bw = run_passes(bw, ctx, BACKWARD_PIPELINE, "backward")
-    if torch_budget is not None:
+    if read_back:
         decisions = decisions_from_backward(bw, decisions.policy, ctx.record.problem, ctx.record.unit_index)
-        clear_decision_tags(joint)  # the MUST_SAVE pins are min-cut's input, not a decision
+        clear_decision_tags(joint)  # min-cut's MUST_SAVE pins, the user's tags: its input, not a decision
     return Applied(decisions=decisions, fw=fw, bw=bw, mem=simulate_step(fw, bw, fused=inductor), record=ctx.record,
                    torch_budget=torch_budget)
 

@@ -130,7 +130,7 @@ def _plan_piece(joint, ctx: PassContext, kw: dict, budget: int | None, reference
             scored.append((f"lynx@{target}", seeds.exposed(more.applied, joint), more.applied))
             own = own or more
     # no budget: only none (recompute nothing beyond what the compiler does on its own)
-    policies = ("none", *seeds.BASELINES) if budget is not None else ("none",)
+    policies = ("none", *seeds.user_candidate(ctx), *seeds.BASELINES) if budget is not None else ("none",)
     # with a budget, torch's min-cut at every setting too: the step's plan across pieces
     # (step_record) picks from these, and steps between them are what lets it fit a budget closely
     settings = seeds.TORCH_SETTINGS if budget is not None else ()
@@ -152,6 +152,10 @@ def _plan_piece(joint, ctx: PassContext, kw: dict, budget: int | None, reference
         # (Not yet where the piece has communication windows (FSDP2, TP, EP): there lynx's own
         # plan recomputes in them at no cost, and is chosen as before.)
         name, cost, applied = min(scored, key=lambda c: (c[2].mem.saved_bytes, c[2].mem.backward_peak_bytes, c[1]))
+        mine = next((c for c in scored if c[0] == seeds.USER), None)
+        if mine is not None and mine[2].mem.saved_bytes <= budget:
+            # the user's own checkpointing fits: what torch.compile would run, until the step's plan
+            name, cost, applied = mine
         ctx.record.step = GraphChoices(reference=next(c for c in choices if c.name == "none"), choices=choices,
                                        current=name)
         note = (f"one block or a piece of a model, planned before a step was recorded: '{name}', the candidate "

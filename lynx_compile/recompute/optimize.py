@@ -277,6 +277,8 @@ def _cache_key(joint: fx.GraphModule, ctx: PassContext, reference: int, budget: 
         profile={"hardware": get_profile(cfg.hardware).to_dict(), "link": ctx.record.stats.get("link")})
     if scope is not None:
         fields["scope"] = scope
+    if ctx.user_tags is not None:  # the user's checkpoint tags are a candidate and bound the plan
+        fields["user_tags"] = hashlib.sha256(repr(ctx.user_tags).encode()).hexdigest()
     key = plan_cache.plan_key(fields)
     ctx.record.stats["plan_cache_key"] = key
     return key, fields
@@ -375,6 +377,11 @@ def _realize_entry(joint: fx.GraphModule, ctx: PassContext, kw: dict, entry: pla
     its setting (its decisions are a reading of that partition: applied as tags they partition
     differently), and ``ValueError`` when min-cut now recomputes other tensors."""
     decisions = entry.decisions.with_source("cache")
+    if decisions.policy == "user":  # the user's own tags won: partitioned with them again
+        if ctx.user_tags is None:
+            raise ValueError("the plan was the user's checkpoint tags, and this graph has none")
+        applied = realize(joint, ctx, Decisions(policy="user"), kw, as_user_tagged=True)
+        return dataclasses.replace(applied, decisions=decisions)
     if entry.torch_budget is None:
         return realize(joint, ctx, decisions, kw)
     with _compat.min_cut_counts_script_objects_as_zero():

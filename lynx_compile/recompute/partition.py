@@ -18,15 +18,17 @@ from typing import Any
 import torch.fx as fx
 
 from lynx_compile import _compat
-from lynx_compile.recompute.apply import Applied, untagged_partition
+from lynx_compile.recompute.apply import Applied, realize, scratch_context, untagged_partition
+from lynx_compile.recompute.seeds import USER
 from lynx_compile.budget import budget_error as refuse
 from lynx_compile.config import LynxConfig
 from lynx_compile.recompute.decide import budget_error, decide, decide_piece, smallest_reachable, step_candidate
-from lynx_compile.decisions import BudgetError
+from lynx_compile.decisions import BudgetError, Decisions
 from lynx_compile.distributed.agreement import check_plan_agreement
 from lynx_compile.memory.simulate import backward_inputs
 from lynx_compile.memory.storage import _nbytes
 from lynx_compile.passes import JOINT_PIPELINE, PREPARE_PIPELINE, GraphRecord, PassContext, meta, run_passes
+from lynx_compile.passes import user_tags
 from lynx_compile.passes.context import TakeOnce
 from lynx_compile.passes.find_blocks import WHOLE_GRAPH, structural_hash
 from lynx_compile.passes.mark_recomputed import recomputed_source
@@ -63,6 +65,7 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
     # compiler every plan runs the CSE'd joint, and the joint as traced can compute a value
     # several times (HF Llama: its causal mask once per layer, each saved: 2.6% of the step)
     joint = _compat.canonicalize_joint(joint)
+    user = user_tags.read(joint)  # the user's checkpoint regions / SAC policy, before any tag is cleared
     # The reference is this compiler's no-recompute step (torch.compile's own under Inductor):
     # budgets are fractions of its peak (of its saved bytes for a piece of a model).
     inductor = config.compiler == "inductor"
@@ -77,7 +80,8 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
             new_grads=grads.new_grads, may_keep=not inductor or config.policy not in ("none", "torch"))
     ctx = PassContext(config=config, record=record, num_fwd_outputs=num_fwd_outputs,
                       joint_inputs=joint_inputs,
-                      forward_names=frozenset(_compat.forward_node_names(joint)))
+                      forward_names=frozenset(_compat.forward_node_names(joint)),
+                      user_tags=user if config.policy == "lynx" else None)
     joint = run_passes(joint, ctx, JOINT_PIPELINE, "joint")  # (meta only: costs, blocks)
     if reference is None:  # its graphs are lynx's problem base too, taken once (decide._problem_base)
         base_fw, base_bw, reference = untagged_partition(joint, joint_inputs, kw, inductor=inductor)
@@ -86,15 +90,35 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
     # Hashed before any tagged partition: replaying RNG adds nodes to the joint graph in place.
     ctx.record.stats["graph_hash"] = structural_hash(list(joint.graph.nodes))
     piece = record.blocks == [WHOLE_GRAPH] or record.takes_activations
+    if user is not None and config.policy != "lynx":
+        record.notes.append(f"{user.describe()}: replaced by policy {config.policy!r}, applied as named "
+                            "(policy 'lynx', the default, keeps them)")
+    mine = _users_partition(joint, ctx, kw) if ctx.user_tags is not None else None
     if piece:  # one block or a piece of a model: what adds up across graphs is what each saves
         budget = _budget_bytes(config, reference.saved_bytes)
-        applied, outcome = decide_piece(joint, ctx, kw, budget, reference.saved_bytes)
+        if mine is not None and budget is not None:
+            budget = min(budget, mine.mem.saved_bytes)
     else:
         budget = _budget_bytes(config, reference.peak_bytes)
         if (record.step_choice or "").startswith("plan@"):  # the step's plan: a tighter peak (step_record)
             budget = int(record.step_choice[5:])
+        if mine is not None and budget is not None:
+            budget = min(budget, mine.mem.peak_bytes)
+    if mine is not None and budget is None and record.step_choice is None:
+        # no budget: the user's checkpointing, partitioned as torch.compile partitions it
+        applied, outcome = realize(joint, ctx, Decisions(policy=USER), kw, as_user_tagged=True), None
+        record.notes.append(f"{ctx.user_tags.describe()}: no budget given, so the graph is partitioned as "
+                            "torch.compile partitions it with them (set memory_budget for lynx's plan within them)")
+        if piece:
+            record.step = GraphChoices(reference=step_candidate("none", 0.0, reference),
+                                       choices=(step_candidate(USER, 0.0, applied.mem),), current=USER)
+    elif piece:
+        applied, outcome = decide_piece(joint, ctx, kw, budget, reference.saved_bytes)
+    else:
         applied, outcome = decide(joint, ctx, kw, budget, reference.peak_bytes)
     fw, bw, mem = applied.fw, applied.bw, applied.mem
+    # torch.compile's own kind of partition (the user's tags, torch's min-cut at a budget): compiled as it does
+    record.torch_partition = applied.decisions.policy == USER or applied.torch_budget is not None
     if not piece:  # planned on its own peak: the step's plan across graphs keeps it (step_record)
         name = record.step_choice or "plan"
         record.step = GraphChoices(reference=step_candidate("none", 0.0, reference),
@@ -132,6 +156,19 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
             raise budget_error(config, reference.peak_bytes, smallest, mem.peak_bytes)
     _log_plan(record)
     return fw, bw
+
+
+def _users_partition(joint: fx.GraphModule, ctx: PassContext, kw: dict) -> Applied:
+    """The joint partitioned with the user's own checkpoint tags (torch.compile's partition of
+    the annotated model), on a scratch record; what it holds is on ``record.stats["user_tags"]``
+    and bounds lynx's plan (issue U: never above the memory the user's annotations give)."""
+    mine = realize(joint, scratch_context(ctx, USER), Decisions(policy=USER), kw, as_user_tagged=True)
+    ctx.record.stats["user_tags"] = {**ctx.user_tags.summary(), "peak_bytes": mine.mem.peak_bytes,
+                                     "saved_bytes": mine.mem.saved_bytes}
+    ctx.record.notes.append(f"{ctx.user_tags.describe()}; with them the graph peaks at {mine.mem.peak_bytes} B "
+                            f"and saves {mine.mem.saved_bytes} B: lynx's plan stays within that "
+                            "(or within the budget, where it is lower)")
+    return mine
 
 
 def _budget_flags(config: LynxConfig) -> str:

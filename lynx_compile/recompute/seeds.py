@@ -38,6 +38,9 @@ from lynx_compile.recompute.baselines import baseline_decisions
 log = logging.getLogger("lynx_compile")
 
 BASELINES = ("full", "selective")
+USER = "user"
+"""The candidate that is the user's own checkpoint regions and SAC policies
+(``PassContext.user_tags``), partitioned as torch.compile partitions them."""
 TORCH_BUDGET_LADDER = (1.0, 0.5)
 """torch's min-cut is tried at these multiples of the requested budget fraction: its budget
 counts saved bytes, not the peak, so a lower setting may be the one that fits."""
@@ -206,7 +209,7 @@ def seed_with_baselines(joint, ctx: PassContext, kw: dict, budget: int, referenc
     with _compat.eager_dispatch():
         failed_somewhere = any(gather_values(outcome is None))
     settings = TORCH_SETTINGS if failed_somewhere else ()
-    policies = BASELINES if ctx.record.blocks else ()
+    policies = (*user_candidate(ctx), *(BASELINES if ctx.record.blocks else ()))
     # the candidates of every budget the optimizer does not reach, whatever the budget's fraction
     floor = {*policies, *(f"torch@{s:g}" for s in settings)} if failed_somewhere else set()
     # where lynx's plan fits, a baseline that exposes at least as much cannot win: not realized
@@ -330,14 +333,15 @@ def baseline_candidates(joint: fx.GraphModule, ctx: PassContext, kw: dict, polic
         if beat is not None and (policy == "torch" or not several):  # a choice that cannot win is not extracted
             check = _compat.min_cut_checks_choice(functools.partial(_check_choice, joint, ctx, beat, budget, storages))
         if policy != "torch":
-            decisions = baseline_decisions(joint, sub, policy)
-            floor = exposed_floor(joint, ctx, decisions) if beat is not None else None
+            user = policy == USER
+            decisions = Decisions(policy=USER) if user else baseline_decisions(joint, sub, policy)
+            floor = exposed_floor(joint, ctx, decisions) if beat is not None and not user else None
             if floor is not None and floor >= beat:
                 yield name, Skipped(exposed_at_least_s=floor)
                 continue
             try:
                 with check:
-                    applied = realize(joint, sub, decisions, kw)
+                    applied = realize(joint, sub, decisions, kw, as_user_tagged=user)
             except _CannotWin as no:
                 clear_decision_tags(joint)
                 applied = no.skipped
@@ -373,6 +377,11 @@ def _check_choice(joint: fx.GraphModule, ctx: PassContext, beat: float, budget: 
     held = saved_floor_bytes(joint, ctx, saved, storages) if budget is not None else 0
     if budget is not None and held > budget:
         raise _CannotWin(Skipped(peak_at_least_bytes=held))
+
+
+def user_candidate(ctx: PassContext) -> tuple[str, ...]:
+    """``(USER,)`` where the joint carries the user's checkpoint tags, else ``()``."""
+    return (USER,) if ctx.user_tags is not None else ()
 
 
 def as_seed(applied: Applied) -> Applied:
