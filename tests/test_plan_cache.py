@@ -114,7 +114,7 @@ def test_fresh_process_hits_and_compiles_the_same_plan(cache_dir, budget):
 @pytest.fixture(scope="module")
 def inductor_miss(tmp_path_factory):
     """A fresh cache directory after the first Inductor step at ``BUDGET`` (a miss of every
-    cache), and that step: the state the AOTAutograd-cache tests start from. Each test takes a
+    cache), and that step: the state the Inductor-cache tests start from. Each test takes a
     copy of the directory as its own (``_start_from``), so none sees another's entries; the
     compile that fills it is made once."""
     path = tmp_path_factory.mktemp("inductor_miss") / "inductor_cache"
@@ -143,13 +143,16 @@ def test_inductor_autograd_cache_serves_the_plan(cache_dir, inductor_miss):
     assert hit["grads"] == miss["grads"]  # bit-identical to the compile that missed both caches
 
 
-def test_inductor_fx_graph_cache_serves_a_cached_plan(cache_dir):
+def test_inductor_fx_graph_cache_serves_a_cached_plan(cache_dir, inductor_miss):
     """With AOTAutograd's cache off (here by torch's own switch; lynx keeps it off for several
     planning ranks) the partitioner runs in every process, its plan from the plan cache;
     Inductor's FX-graph cache then serves both compiled graphs, and the compiled-peak estimate
-    (read from the scheduler, which a hit skips) comes from the entry."""
+    (read from the scheduler, which a hit skips) comes from the entry. The miss is the module's
+    (``inductor_miss``): a miss of every cache compiles and writes the plan's entry and both
+    FX-graph entries whether AOTAutograd's cache is on or off (it only adds its own entry), so
+    the process with that cache off starts from it rather than compiling the same miss again."""
     off = {"TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
-    miss = _step_in_subprocess(cache_dir, BUDGET, "inductor", env=off)
+    miss = _start_from(inductor_miss, cache_dir)
     assert miss["cache"] == "miss" and not miss["fx"].get("fxgraph_cache_hit")
     assert miss["compiled_peak"] is not None
     hit = _step_in_subprocess(cache_dir, BUDGET, "inductor", env=off)
