@@ -164,7 +164,8 @@ def _users_partition(joint: fx.GraphModule, ctx: PassContext, kw: dict) -> Appli
     and bounds lynx's plan (issue U: never above the memory the user's annotations give)."""
     mine = realize(joint, scratch_context(ctx, USER), Decisions(policy=USER), kw, as_user_tagged=True)
     ctx.record.stats["user_tags"] = {**ctx.user_tags.summary(), "peak_bytes": mine.mem.peak_bytes,
-                                     "saved_bytes": mine.mem.saved_bytes}
+                                     "saved_bytes": mine.mem.saved_bytes,
+                                     "must_save_names": sorted(ctx.user_tags.must_save)}
     ctx.record.notes.append(f"{ctx.user_tags.describe()}; with them the graph peaks at {mine.mem.peak_bytes} B "
                             f"and saves {mine.mem.saved_bytes} B: lynx's plan stays within that "
                             "(or within the budget, where it is lower)")
