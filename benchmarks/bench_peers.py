@@ -38,6 +38,10 @@ Peers (each row its own process, cold Inductor cache, a timeout; a failure is th
   policies, ``policy.apply(model)`` then torchtitan's per-block ``apply_compile`` (Inductor), as
   its trainer orders them; ``inductor/per-block`` is that compile with no AC. torchtitan models only;
   other models get an ``n/a`` row. torchtitan 0.3.0 has no selective-layer mode (a row says so).
+- ``checkpoint-full/lynx[@F]``, ``sac-mm/lynx[@F]`` (by ``--peers`` only): the checkpointed / SAC
+  model compiled by lynx, with no budget or at ``F``: lynx keeps the model's own checkpointing
+  (``passes/user_tags.py``), so these measure at or below the ``/inductor`` row. ``tt-ac-full/lynx``,
+  ``tt-ac-selective/lynx``: torchtitan's AC applied, then its per-block compile with lynx (no budget).
 - ``lynx@F``: ``torch.compile(model, backend=lynx_compile.backend(memory_budget=F))``, everything
   else lynx's defaults. ``lynx/per-block@F`` (by ``--peers`` only): every block compiled apart with
   that backend (torchtitan's ``apply_compile`` on its models, ``block.compile`` on the others), the
@@ -88,10 +92,14 @@ PEERS = ("eager", "inductor", "torch-budget@0.7", "torch-budget@0.5", "torch-bud
          "checkpoint-full/eager", "checkpoint-full/inductor", "sac-mm/eager", "sac-mm/inductor",
          "torch_remat-full/eager", "torch_remat-save-attn/eager", "rockmate",
          "inductor/per-block", "tt-ac-full", "tt-ac-selective", "tt-ac-memory-budget@0.5", "tt-ac-selective-layer")
-MORE_PEERS = ("torch_remat-save-attn/inductor",)  # by --peers only (one more compile per model)
+MORE_PEERS = ("torch_remat-save-attn/inductor",  # by --peers only (one more compile per model)
+              # the same checkpointing compiled by lynx (issue U): no budget, and a budget above it
+              "checkpoint-full/lynx", "checkpoint-full/lynx@0.9", "sac-mm/lynx", "sac-mm/lynx@0.9",
+              "tt-ac-full/lynx", "tt-ac-selective/lynx")
 QUICK = dict(models=("gpt-tiny",), peers=("eager", "inductor", "torch-budget@0.5", "checkpoint-full/eager",
                                           "sac-mm/eager", "torch_remat-full/eager", "rockmate"))
-TT_ONLY = ("inductor/per-block", "tt-ac-full", "tt-ac-selective", "tt-ac-memory-budget@0.5", "tt-ac-selective-layer")
+TT_ONLY = ("inductor/per-block", "tt-ac-full", "tt-ac-selective", "tt-ac-memory-budget@0.5", "tt-ac-selective-layer",
+           "tt-ac-full/lynx", "tt-ac-selective/lynx")
 NO_PAIR_ABOVE = 0.97  # a peer at >= this fraction of inductor's peak recomputes (almost) nothing
 MERGE = 0.05  # peers whose matching budgets lie this close share one lynx row (the lower budget)
 MIB = 2 ** 20
@@ -238,12 +246,17 @@ def prepare(peer: str, model: str, module: Any, budget: Optional[float]) -> tupl
     elif peer == "inductor/per-block" or peer.startswith("tt-ac-"):
         import torchtitan_models as tt
 
-        if peer.startswith("tt-ac-"):
-            apply_tt_ac(module, peer[len("tt-ac-"):])
-        tt.apply_compile(module, "inductor")
-        return module, "inductor"
+        ac, _, how = peer.partition("/")
+        if ac.startswith("tt-ac-"):
+            apply_tt_ac(module, ac[len("tt-ac-"):])
+        # "tt-ac-<mode>/lynx": torchtitan's AC, then every block compiled by lynx (no budget)
+        backend = lynx_compile.backend() if how == "lynx" else "inductor"
+        tt.apply_compile(module, backend)
+        return module, backend
     else:
         raise ValueError(f"unknown peer {peer!r}")
+    if mode.startswith("lynx"):  # the annotated model compiled by lynx: it keeps the annotations
+        return compiled(lynx_compile.backend(memory_budget=budget) if budget is not None else lynx_compile.backend())
     return compiled("inductor") if mode == "inductor" else (module, None)
 
 

@@ -154,8 +154,8 @@ def decide(config, example_inputs: list) -> GradsInGraph:
     if why and setting:
         raise _error(why)
     if not why and setting is None and _recomputes_nothing(config):
-        why = ("nothing is recomputed: the step is torch.compile's, gradients returned as it returns them "
-               "(bit for bit)")
+        why = ("no recompute of lynx's (no budget): the step is torch.compile's (with the model's own "
+               "checkpointing, if any), gradients returned as it returns them")
     if why:
         return GradsInGraph(False, False, why)
     params = [t for t in example_inputs if isinstance(t, torch.nn.Parameter) and t.requires_grad]

@@ -298,6 +298,9 @@ def _refusal(ctx: PassContext, reference_peak: int, floor: dict[str, Applied], f
         why += (": recompute cannot lower it, the bytes live there are the step's working set "
                 "(e.g. the logits, the loss, the parameter gradients the backward returns), not "
                 "saved activations")
+    if ctx.user_tags is not None and ctx.user_tags.must_save:
+        why += (f"; the {len(ctx.user_tags.must_save)} values the model's selective checkpointing policy marks "
+                "MUST_SAVE are saved in every plan (mark them PREFER_SAVE to let lynx recompute them)")
     return refuse(ctx.config.budget, reference_peak, low.peak_bytes, why)
 
 
