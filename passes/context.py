@@ -68,8 +68,8 @@ class GraphRecord:
     torch_partition: bool = False
     """The partition compiled is of the kind torch.compile makes itself: the user's own
     checkpoint tags (``passes.user_tags``) or torch's min-cut at a budget. Inductor compiles it
-    with its own defaults, as in torch.compile (its peak-memory reordering and buffer reuse hold
-    less there), not with lynx's placement settings and post-grad passes (``lynx_compile.inductor``)."""
+    with its peak-memory reordering on, as torch.compile does (it holds less there), and without
+    lynx's post-grad passes (``lynx_compile.inductor``); buffer reuse stays off (``_compat``)."""
     grads_in_graph: Any = None
     """Where the parameter gradients go (``lynx_compile.grad_in_graph.GradsInGraph``: added into
     ``.grad`` inside the backward, or returned at its end, and why), decided when the graph

@@ -49,7 +49,8 @@ def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, 
     of a recomputed kernel sharing under 1 MiB of reads (``refusing_recompute_fusion``, read
     through the package, where a benchmark rebinds it); a callable is asked at each partitioned
     graph's compile (after the partition: it may depend on it), and where it answers False that
-    graph compiles with Inductor's settings as they were when this was called (torch.compile's).
+    graph compiles with Inductor's peak-memory reordering as it was when this was called
+    (torch.compile's), buffer reuse still off.
     ``post_grad(graph)``: run
     on every post-grad graph after Inductor's own passes and the user's
     ``post_grad_custom_post_pass``, if any (``CustomGraphPass``, 2.11 and 2.13; its cache key is
@@ -75,7 +76,11 @@ def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, 
         inner_compile = sys.modules[__package__].refusing_recompute_fusion(plain)
         if callable(keep_placement):
             inner_compile = _placement_if(keep_placement, inner_compile, plain,
-                                          {k: getattr(inductor_config, k) for k in settings})
+                                          # buffer reuse stays off: lynx adds gradients into .grad
+                                          # in the graph, and with .grad None a reused buffer
+                                          # became a .grad that a later kernel overwrote (wrong
+                                          # gradients, gpt-tiny per block at 0.5)
+                                          {k: getattr(inductor_config, k) for k in settings if k != "allow_buffer_reuse"})
     if post_grad is not None:
         patches["post_grad_custom_post_pass"] = _chained_post_grad_pass(inductor_config.post_grad_custom_post_pass,
                                                                         post_grad)
