@@ -233,7 +233,8 @@ class LynxBackend:
                 hits = _compat.dynamo_counters()["aot_autograd"]["autograd_cache_hit"]
                 compiled = _compat.inductor_compile_with_partitioner(
                     gm, example_inputs, partitioner,
-                    # the user's checkpointing chosen: compiled as torch.compile compiles it
+                    # torch.compile's kind of partition chosen (the user's tags, a torch min-cut):
+                    # reordered for peak memory as torch.compile does
                     keep_placement=own_placement and (lambda: not record.torch_partition),
                     post_grad=LynxPostGrad(config, record) if own_placement else None, post_fusion=peak,
                     inner_compile=split, autograd_cache=cached)

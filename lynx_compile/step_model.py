@@ -25,6 +25,10 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable
 
+USER = "user"
+"""The candidate that is the user's own checkpoint regions and SAC policies
+(``passes.user_tags``), partitioned as torch.compile partitions them."""
+
 EXHAUSTIVE_LIMIT = 20_000
 """Choices per graph multiplied together up to this many are all tried; beyond it, the choice is
 improved one graph at a time from the least-memory one (deterministic, in graph order)."""

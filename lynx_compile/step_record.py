@@ -45,7 +45,7 @@ from lynx_compile.compiled_piece import Piece
 from lynx_compile.decisions import BudgetError
 from lynx_compile.memory.param_grads import GradWatch
 from lynx_compile.memory.step_recording import AllocatorRecording, ProfilerRecording
-from lynx_compile.step_model import Segment, StepChoice, StepModel, choose
+from lynx_compile.step_model import USER, Segment, StepChoice, StepModel, choose
 
 log = logging.getLogger("lynx_compile")
 RECORDED_STEP = 2
@@ -69,10 +69,10 @@ def _with_choices(steps) -> bool:
 
 
 def _users_pick(model: StepModel):
-    """Every call compiled as the user's own checkpoint tags (candidate ``"user"``), where every
+    """Every call compiled as the user's own checkpoint tags (candidate ``USER``), where every
     graph of the step has that candidate; None otherwise."""
     try:
-        return model.uniform({g: gc.named("user") for g, gc in model.graphs.items()})
+        return model.uniform({g: gc.named(USER) for g, gc in model.graphs.items()})
     except KeyError:
         return None
 

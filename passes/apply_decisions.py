@@ -32,13 +32,9 @@ def clear_decision_tags(gm: fx.GraphModule) -> None:
 def apply_decisions_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     decisions = ctx.decisions
     clear_decision_tags(gm)
-    if decisions is None:
-        if ctx.user_tags is not None:
-            ctx.user_tags.pin_must_save(gm)
-        return gm
     by_name = {n.name: n for n in gm.graph.nodes}
     missing = []
-    for unit, decision in decisions.recomputed():
+    for unit, decision in decisions.recomputed() if decisions is not None else ():
         for name in decisions.nodes_of(unit):
             node = by_name.get(name)
             if node is None:

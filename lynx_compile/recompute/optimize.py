@@ -39,6 +39,7 @@ from lynx_compile.recompute.apply import Applied, partition_token, realize, scra
 from lynx_compile.budget import budget_error
 from lynx_compile.config import LynxConfig
 from lynx_compile.decisions import KEEP, BudgetError, Decisions
+from lynx_compile.step_model import USER
 from lynx_compile.passes import PassContext, meta
 from lynx_compile.recompute.problem import extract_remat_problem, unit_decisions
 from lynx_compile.remat.problem import InfeasibleBudget, RematProblem
@@ -377,10 +378,10 @@ def _realize_entry(joint: fx.GraphModule, ctx: PassContext, kw: dict, entry: pla
     its setting (its decisions are a reading of that partition: applied as tags they partition
     differently), and ``ValueError`` when min-cut now recomputes other tensors."""
     decisions = entry.decisions.with_source("cache")
-    if decisions.policy == "user":  # the user's own tags won: partitioned with them again
+    if decisions.policy == USER:  # the user's own tags won: partitioned with them again
         if ctx.user_tags is None:
             raise ValueError("the plan was the user's checkpoint tags, and this graph has none")
-        applied = realize(joint, ctx, Decisions(policy="user"), kw, as_user_tagged=True)
+        applied = realize(joint, ctx, Decisions(policy=USER), kw, as_user_tagged=True)
         return dataclasses.replace(applied, decisions=decisions)
     if entry.torch_budget is None:
         return realize(joint, ctx, decisions, kw)

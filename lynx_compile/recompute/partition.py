@@ -19,7 +19,6 @@ import torch.fx as fx
 
 from lynx_compile import _compat
 from lynx_compile.recompute.apply import Applied, realize, scratch_context, untagged_partition
-from lynx_compile.recompute.seeds import USER
 from lynx_compile.budget import budget_error as refuse
 from lynx_compile.config import LynxConfig
 from lynx_compile.recompute.decide import budget_error, decide, decide_piece, smallest_reachable, step_candidate
@@ -33,7 +32,7 @@ from lynx_compile.passes.context import TakeOnce
 from lynx_compile.passes.find_blocks import WHOLE_GRAPH, structural_hash
 from lynx_compile.passes.mark_recomputed import recomputed_source
 from lynx_compile.plan import BlockSummary, RecomputePlan, TensorDecision
-from lynx_compile.step_model import GraphChoices
+from lynx_compile.step_model import USER, GraphChoices
 
 log = logging.getLogger("lynx_compile")
 __all__ = ["BudgetError", "lynx_partition", "build_plan", "segment_costs"]
@@ -93,29 +92,29 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
     if user is not None and config.policy != "lynx":
         record.notes.append(f"{user.describe()}: replaced by policy {config.policy!r}, applied as named "
                             "(policy 'lynx', the default, keeps them)")
-    mine = _users_partition(joint, ctx, kw) if ctx.user_tags is not None else None
     if piece:  # one block or a piece of a model: what adds up across graphs is what each saves
         budget = _budget_bytes(config, reference.saved_bytes)
-        if mine is not None and budget is not None:
-            budget = min(budget, mine.mem.saved_bytes)
     else:
         budget = _budget_bytes(config, reference.peak_bytes)
         if (record.step_choice or "").startswith("plan@"):  # the step's plan: a tighter peak (step_record)
             budget = int(record.step_choice[5:])
-        if mine is not None and budget is not None:
-            budget = min(budget, mine.mem.peak_bytes)
-    if mine is not None and budget is None and record.step_choice is None:
-        # no budget: the user's checkpointing, partitioned as torch.compile partitions it
-        applied, outcome = realize(joint, ctx, Decisions(policy=USER), kw, as_user_tagged=True), None
+    if ctx.user_tags is not None and budget is None and record.step_choice is None:
+        # no budget: the user's checkpointing, partitioned as torch.compile partitions it, is the plan
+        applied, outcome = _users_partition(joint, ctx, kw, scratch=False), None
         record.notes.append(f"{ctx.user_tags.describe()}: no budget given, so the graph is partitioned as "
                             "torch.compile partitions it with them (set memory_budget for lynx's plan within them)")
         if piece:
             record.step = GraphChoices(reference=step_candidate("none", 0.0, reference),
                                        choices=(step_candidate(USER, 0.0, applied.mem),), current=USER)
-    elif piece:
-        applied, outcome = decide_piece(joint, ctx, kw, budget, reference.saved_bytes)
     else:
-        applied, outcome = decide(joint, ctx, kw, budget, reference.peak_bytes)
+        if ctx.user_tags is not None:
+            mine = _users_partition(joint, ctx, kw, scratch=True).mem
+            if budget is not None:  # never above what the user's annotations hold
+                budget = min(budget, mine.saved_bytes if piece else mine.peak_bytes)
+        if piece:
+            applied, outcome = decide_piece(joint, ctx, kw, budget, reference.saved_bytes)
+        else:
+            applied, outcome = decide(joint, ctx, kw, budget, reference.peak_bytes)
     fw, bw, mem = applied.fw, applied.bw, applied.mem
     # torch.compile's own kind of partition (the user's tags, torch's min-cut at a budget): compiled as it does
     record.torch_partition = applied.decisions.policy == USER or applied.torch_budget is not None
@@ -158,11 +157,13 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
     return fw, bw
 
 
-def _users_partition(joint: fx.GraphModule, ctx: PassContext, kw: dict) -> Applied:
+def _users_partition(joint: fx.GraphModule, ctx: PassContext, kw: dict, *, scratch: bool) -> Applied:
     """The joint partitioned with the user's own checkpoint tags (torch.compile's partition of
-    the annotated model), on a scratch record; what it holds is on ``record.stats["user_tags"]``
-    and bounds lynx's plan (issue U: never above the memory the user's annotations give)."""
-    mine = realize(joint, scratch_context(ctx, USER), Decisions(policy=USER), kw, as_user_tagged=True)
+    the annotated model): the plan itself (``scratch`` False, no budget) or, on a scratch record,
+    the bound of lynx's plan (issue U: never above the memory the user's annotations give); what
+    it holds is on ``record.stats["user_tags"]``."""
+    sub = scratch_context(ctx, USER) if scratch else ctx
+    mine = realize(joint, sub, Decisions(policy=USER), kw, as_user_tagged=True)
     ctx.record.stats["user_tags"] = {**ctx.user_tags.summary(), "peak_bytes": mine.mem.peak_bytes,
                                      "saved_bytes": mine.mem.saved_bytes,
                                      "must_save_names": sorted(ctx.user_tags.must_save)}

@@ -34,13 +34,11 @@ from lynx_compile.passes.apply_decisions import clear_decision_tags
 from lynx_compile.passes.mark_recomputed import recomputed_source
 from lynx_compile.recompute.apply import Applied, partition_token, realize, scratch_context
 from lynx_compile.recompute.baselines import baseline_decisions
+from lynx_compile.step_model import USER
 
 log = logging.getLogger("lynx_compile")
 
 BASELINES = ("full", "selective")
-USER = "user"
-"""The candidate that is the user's own checkpoint regions and SAC policies
-(``PassContext.user_tags``), partitioned as torch.compile partitions them."""
 TORCH_BUDGET_LADDER = (1.0, 0.5)
 """torch's min-cut is tried at these multiples of the requested budget fraction: its budget
 counts saved bytes, not the peak, so a lower setting may be the one that fits."""
