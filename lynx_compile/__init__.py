@@ -22,15 +22,18 @@ _LAZY = {
     "make_config": "lynx_compile.config",
     "RecomputePlan": "lynx_compile.plan",
     "pipeline": "lynx_compile.pipelining",
+    "region_budget": "lynx_compile.recompute.regions",
 }
 
-__all__ = ["LynxBackend", "LynxConfig", "RecomputePlan", "backend", "make_config", "pipeline", "__version__"]
+__all__ = ["LynxBackend", "LynxConfig", "RecomputePlan", "backend", "make_config", "pipeline", "region_budget",
+           "__version__"]
 
 if TYPE_CHECKING:
     from lynx_compile.config import LynxConfig, make_config
     from lynx_compile.dynamo_backend import LynxBackend, backend
     from lynx_compile.pipelining import pipeline
     from lynx_compile.plan import RecomputePlan
+    from lynx_compile.recompute.regions import region_budget
 
 
 __getattr__, __dir__ = lazy_names(__name__, _LAZY, globals())

@@ -124,6 +124,9 @@ class PassContext:
     user_tags: "UserTags | None" = None
     """The user's checkpoint regions and SAC policies on the joint as traced (``user_tags.read``):
     ``apply_decisions_pass`` keeps their MUST_SAVE values saved under any decision."""
+    region_check: Any = None
+    """Regions of the model with their own budget (``lynx_compile.recompute.regions.RegionCheck``,
+    bound to the no-recompute partition); None: none annotated, or a policy other than lynx."""
 
 
 class TakeOnce:

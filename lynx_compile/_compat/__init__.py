@@ -116,7 +116,9 @@ from lynx_compile._compat.partitioner import (
     tag_recompute,
 )
 from lynx_compile._compat.tracing import (
+    REGION_BUDGET_KEY,
     adopt_unbacked_symbols,
+    annotate_region,
     detect_fake_mode,
     dispatch_mode_base,
     dynamo_passthrough_error,
@@ -145,7 +147,7 @@ __all__ = [
     "cpu_allocation_events", "dynamo_counters", "inductor_cache_dir", "inductor_metrics", "inductor_output_code",
     "profiler_marks", "profiler_running", "record_function_ops",
     # tracing
-    "adopt_unbacked_symbols", "detect_fake_mode", "dispatch_mode_base", "dynamo_passthrough_error",
+    "REGION_BUDGET_KEY", "adopt_unbacked_symbols", "annotate_region", "detect_fake_mode", "dispatch_mode_base", "dynamo_passthrough_error",
     "eager_dispatch", "refuse_unbacked_retrace", "static_tracing",
     # fx_utils
     "boxed", "is_inductor_seeds", "is_op_overload", "is_rng_replay", "is_sym_node", "mark_side_effect",

@@ -8,6 +8,18 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+
+REGION_BUDGET_KEY: str = getattr(fx_traceback, "MEMORY_BUDGET_ANNOTATION_KEY", "_region_activation_memory_budget")
+"""The ``meta["custom"]`` key of torch's per-region activation budget
+(``torch.autograd.graph.region_activation_memory_budget``, torch 2.13; the same string where
+torch does not define it)."""
+
+
+def annotate_region(annotation: dict[str, Any]):
+    """``torch.fx.traceback.annotate(annotation)``: dynamo puts ``annotation`` in
+    ``meta["custom"]`` of every node traced inside it (forward and backward)."""
+    return fx_traceback.annotate(annotation)
 
 
 @contextlib.contextmanager

@@ -32,6 +32,7 @@ from lynx_compile.passes.mark_recomputed import mark_recomputed_pass
 from lynx_compile.recompute import seeds
 from lynx_compile.recompute.apply import Applied, partition_joint, realize, scratch_context
 from lynx_compile.recompute.baselines import baseline_decisions
+from lynx_compile.recompute.regions import RegionBudgetError
 from lynx_compile.step_model import Candidate, GraphChoices
 
 log = logging.getLogger("lynx_compile")
@@ -67,7 +68,7 @@ def _plan_and_seed(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: in
     try:
         outcome, failure = plan_lynx(joint, ctx, *_problem_base(joint, ctx, kw), budget, kw), None
     except BudgetError as e:
-        if budget is None or cfg.plan:
+        if budget is None or cfg.plan or isinstance(e, RegionBudgetError):
             raise
         outcome, failure = None, e
     if budget is not None and not cfg.plan:
@@ -106,7 +107,8 @@ def _plan_piece(joint, ctx: PassContext, kw: dict, budget: int | None, reference
     """:func:`decide_piece`'s candidates weighed, the provisional choice made."""
     cfg = ctx.config
     scored, own = [], None
-    if budget is not None and ctx.record.reference_peak_bytes:
+    regions = ctx.region_check
+    if (budget is not None or regions is not None) and ctx.record.reference_peak_bytes:
         # lynx's optimizer too (it places recompute in communication windows): solved for the
         # same fraction of the peak, a candidate like the others when what it saves fits
         from lynx_compile.recompute.optimize import plan_lynx
@@ -116,6 +118,8 @@ def _plan_piece(joint, ctx: PassContext, kw: dict, budget: int | None, reference
                             int(frac * ctx.record.reference_peak_bytes), kw)
             scored.append(("lynx", seeds.exposed(own.applied, joint), own.applied))
         except BudgetError as e:
+            if isinstance(e, RegionBudgetError):
+                raise
             ctx.record.notes.append(f"lynx's optimizer: {e}")
             own = None
             smallest = e.smallest_bytes
@@ -142,6 +146,12 @@ def _plan_piece(joint, ctx: PassContext, kw: dict, budget: int | None, reference
         if same not in seen:  # min-cut gives the same partition at many settings
             seen.add(same)
             scored.append((name, cost, applied))
+    none = next(step_candidate(n, e, a.mem) for n, e, a in scored if n == "none")  # the budget's 100%
+    if regions is not None:  # the model's region budgets bound every candidate
+        scored = [c for c in scored if not regions.over(c[2].fw, c[2].bw)]
+        if not scored:
+            raise RegionBudgetError("lynx: no plan of this piece holds the model's region budgets "
+                                    f"({', '.join(r.name for r in regions.regions)}); raise the region budgets")
     ctx.record.stats["candidates"] = {n: {"exposed_s": e, "saved_bytes": a.mem.saved_bytes} for n, e, a in scored}
     choices = tuple(step_candidate(n, e, a.mem) for n, e, a in scored)
     fitting = [c for c in scored if budget is None or c[2].mem.saved_bytes <= budget]
@@ -156,8 +166,7 @@ def _plan_piece(joint, ctx: PassContext, kw: dict, budget: int | None, reference
         if mine is not None and mine[2].mem.saved_bytes <= budget:
             # the user's own checkpointing fits: what torch.compile would run, until the step's plan
             name, cost, applied = mine
-        ctx.record.step = GraphChoices(reference=next(c for c in choices if c.name == "none"), choices=choices,
-                                       current=name)
+        ctx.record.step = GraphChoices(reference=none, choices=choices, current=name)
         note = (f"one block or a piece of a model, planned before a step was recorded: '{name}', the candidate "
                 "saving least, until the step's pieces are planned together (lynx_compile.step_record)")
         return _piece_outcome(joint, ctx, name, cost, applied, own, note)
@@ -172,8 +181,7 @@ def _plan_piece(joint, ctx: PassContext, kw: dict, budget: int | None, reference
                "should not be separate, TORCH_LOGS=graph_breaks shows why dynamo split the model.")
         log.warning("lynx: %s", msg)
         ctx.record.notes.append(msg)
-    ctx.record.step = GraphChoices(reference=next(c for c in choices if c.name == "none"), choices=choices,
-                                   current=name)
+    ctx.record.step = GraphChoices(reference=none, choices=choices, current=name)
     note = (f"one block or a piece of a model: provisionally the budget bounds saved bytes; '{name}' chosen "
             "(the step's pieces are planned together once a step has run: lynx_compile.step_record)")
     return _piece_outcome(joint, ctx, name, cost, applied, own, note)

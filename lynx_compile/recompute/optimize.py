@@ -42,7 +42,8 @@ from lynx_compile.decisions import KEEP, BudgetError, Decisions
 from lynx_compile.step_model import USER
 from lynx_compile.passes import PassContext, meta
 from lynx_compile.recompute.problem import extract_remat_problem, unit_decisions
-from lynx_compile.remat.problem import InfeasibleBudget, RematProblem
+from lynx_compile.recompute import regions as region_budgets
+from lynx_compile.remat.problem import InfeasibleBudget, InfeasibleRegion, RematProblem
 
 log = logging.getLogger("lynx_compile")
 MAX_ROUNDS = 6
@@ -103,10 +104,10 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, base_fw: fx.GraphModule, 
     problem, index = extract_remat_problem(joint, base_fw, base_bw, ctx)
     ctx.record.problem, ctx.record.unit_index = problem, index  # kept when no plan fits, for the error
     target = budget if budget is not None else problem.reference_peak
-    key = (problem.graph_hash, budget, cfg.solver, cfg.mip_gap, cfg.compiler,
+    key = (problem.graph_hash, problem.region_caps, budget, cfg.solver, cfg.mip_gap, cfg.compiler,
            tuple(u.offload_s for u in problem.units) if cfg.offload else None)
     fixed = load_plan_decisions(cfg.plan, problem.graph_hash) if cfg.plan else None
-    if fixed is None and budget is None:  # nothing to fit: recompute nothing, solve nothing
+    if fixed is None and budget is None and not problem.region_caps:  # nothing to fit: recompute nothing
         fixed = Decisions.make("lynx", {u.name: KEEP for u in problem.units}, source="no budget")
     cached = _CACHE.get(key) if cfg.plan_cache and not fixed else None
     decisions = fixed or (cached[0].with_source("cache") if cached else None)
@@ -116,10 +117,13 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, base_fw: fx.GraphModule, 
         _, solver, status, exposed = cached
     model_peak = target
     applied = None
+    kept = None  # unit ids the last solve kept (None: decisions not solved here)
     for _ in range(MAX_ROUNDS):
         if decisions is None:
             try:
                 sol = _solve_as_rank0(problem, target, cfg)
+            except InfeasibleRegion as e:
+                raise region_budgets.refusal(e) from e
             except InfeasibleBudget as e:
                 if applied is not None:  # a re-solve round, not the budget itself
                     raise budget_error(
@@ -130,6 +134,7 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, base_fw: fx.GraphModule, 
                         f"at {applied.mem.peak_bytes} B when the rewritten graphs were simulated exactly") from e
                 raise _infeasible(cfg, e, problem) from e
             decisions, solver, status, exposed = unit_decisions(problem, index, sol), sol.solver, sol.status, sol.exposed_s
+            kept = frozenset(sol.keep)
             solve_s += sol.solve_s
             model_peak = sol.peak_bytes
             for note in sol.notes:  # a time-limited MILP is a warning; the rest is information
@@ -138,6 +143,13 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, base_fw: fx.GraphModule, 
                     ctx.record.notes.append(note)
         applied = realize(joint, ctx, decisions, kw)
         peak = applied.mem.peak_bytes
+        over = ctx.region_check.over(applied.fw, applied.bw) if ctx.region_check is not None else {}
+        if over and decisions.source != "file":  # the partition saves more in a region than the model
+            log.info("lynx: plan saves above region budget(s) %s; re-solving with their caps lowered", over)
+            if kept is not None:
+                problem = region_budgets.tightened(problem, ctx.region_check, over, kept)
+            decisions = None
+            continue
         if budget is None or peak <= budget or decisions.source == "file":  # a file plan is checked by the caller
             break
         log.info("lynx: plan peaks at %d B > budget %d B; re-solving with %d B less", peak, budget, peak - budget)
@@ -280,6 +292,9 @@ def _cache_key(joint: fx.GraphModule, ctx: PassContext, reference: int, budget: 
         fields["scope"] = scope
     if ctx.user_tags is not None:  # the user's checkpoint tags are a candidate and bound the plan
         fields["user_tags"] = hashlib.sha256(repr(ctx.user_tags).encode()).hexdigest()
+    if ctx.region_check is not None:  # the model's region budgets bound the plan
+        regions = [(r.name, r.fraction, sorted(r.nodes)) for r in ctx.region_check.regions]
+        fields["regions"] = hashlib.sha256(repr(regions).encode()).hexdigest()
     key = plan_cache.plan_key(fields)
     ctx.record.stats["plan_cache_key"] = key
     return key, fields

@@ -18,6 +18,7 @@ from typing import Any
 import torch.fx as fx
 
 from lynx_compile import _compat
+from lynx_compile.recompute import regions as region_budgets
 from lynx_compile.recompute.apply import Applied, realize, scratch_context, untagged_partition
 from lynx_compile.budget import budget_error as refuse
 from lynx_compile.config import LynxConfig
@@ -65,15 +66,18 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
     # several times (HF Llama: its causal mask once per layer, each saved: 2.6% of the step)
     joint = _compat.canonicalize_joint(joint)
     user = user_tags.read(joint)  # the user's checkpoint regions / SAC policy, before any tag is cleared
+    # regions with their own budget, taken off the joint (torch's min-cut, which lynx calls, would apply one)
+    regions = region_budgets.read_regions(joint, frozenset(_compat.forward_node_names(joint)))
     # The reference is this compiler's no-recompute step (torch.compile's own under Inductor):
     # budgets are fractions of its peak (of its saved bytes for a piece of a model).
     inductor = config.compiler == "inductor"
-    reference = None
+    reference = region_check = None
     grads = record.grads_in_graph
     if grads is not None and grads.applies:  # the reference first: fractions stay of torch.compile's step
         from lynx_compile.grad_in_graph import param_indices, rewrite_joint
 
-        *_, reference = untagged_partition(joint, joint_inputs, kw, inductor=inductor)
+        ref_fw, ref_bw, reference = untagged_partition(joint, joint_inputs, kw, inductor=inductor)
+        region_check = region_budgets.bind(regions, ref_fw, ref_bw)
         record.stats["grads_in_graph"] = rewrite_joint(
             joint, num_fwd_outputs, param_indices(joint, num_fwd_outputs, static_lifetime_input_indices),
             new_grads=grads.new_grads, may_keep=not inductor or config.policy not in ("none", "torch"))
@@ -85,6 +89,12 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
     if reference is None:  # its graphs are lynx's problem base too, taken once (decide._problem_base)
         base_fw, base_bw, reference = untagged_partition(joint, joint_inputs, kw, inductor=inductor)
         ctx.untagged = TakeOnce((base_fw, base_bw))
+        region_check = region_budgets.bind(regions, base_fw, base_bw)
+    if region_check is not None and config.policy != "lynx":
+        record.notes.append(f"{len(regions)} region budget(s) of the model: not applied by policy {config.policy!r} "
+                            "(policy 'lynx', the default, plans within them)")
+        region_check = None
+    ctx.region_check = region_check
     record.reference_peak_bytes = reference.peak_bytes
     # Hashed before any tagged partition: replaying RNG adds nodes to the joint graph in place.
     ctx.record.stats["graph_hash"] = structural_hash(list(joint.graph.nodes))
@@ -98,7 +108,7 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
         budget = _budget_bytes(config, reference.peak_bytes)
         if (record.step_choice or "").startswith("plan@"):  # the step's plan: a tighter peak (step_record)
             budget = int(record.step_choice[5:])
-    if ctx.user_tags is not None and budget is None and record.step_choice is None:
+    if ctx.user_tags is not None and budget is None and record.step_choice is None and region_check is None:
         # no budget: the user's checkpointing, partitioned as torch.compile partitions it, is the plan
         applied, outcome = _users_partition(joint, ctx, kw, scratch=False), None
         record.notes.append(f"{ctx.user_tags.describe()}: no budget given, so the graph is partitioned as "
@@ -116,6 +126,17 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
         else:
             applied, outcome = decide(joint, ctx, kw, budget, reference.peak_bytes)
     fw, bw, mem = applied.fw, applied.bw, applied.mem
+    if region_check is not None:  # the user's region budgets, and what the plan saves in each
+        record.stats["regions"] = region_check.report(fw, bw)
+        over = region_check.over(fw, bw)
+        if over:
+            raise region_budgets.RegionBudgetError(
+                f"lynx: the plan saves more than region budget(s) allow: "
+                + "; ".join(f"region {n!r} saves {s} B, above its {c} B" for n, (s, c) in over.items())
+                + ". This is a bug in lynx: please report it with the model (a larger region budget works around it)")
+        record.notes.append("region budgets of the model: " + "; ".join(
+            f"{r['name']!r} at {r['budget']:g} saves {r['saved_bytes']} B of {r['reference_bytes']} B "
+            f"(at most {r['max_bytes']} B)" for r in record.stats["regions"]))
     # torch.compile's own kind of partition (the user's tags, torch's min-cut at a budget): compiled as it does
     record.torch_partition = applied.decisions.policy == USER or applied.torch_budget is not None
     if not piece:  # planned on its own peak: the step's plan across graphs keeps it (step_record)

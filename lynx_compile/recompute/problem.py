@@ -25,6 +25,7 @@ from lynx_compile.decisions import DEMAND, KEEP, OFFLOAD, Decisions
 from lynx_compile.decisions import Window as DecisionWindow
 from lynx_compile.memory.simulate import backward_inputs, held_tangents, simulate_graph
 from lynx_compile.memory.storage import allocations, storage_keys
+from lynx_compile.recompute.regions import problem_caps
 from lynx_compile.remat.problem import CommWindow, RematProblem, Unit
 
 from lynx_compile.passes import meta
@@ -139,7 +140,8 @@ def extract_remat_problem(joint: fx.GraphModule, fw_ref: fx.GraphModule, bw_ref:
         windows=_windows(bw_nodes, joint_by_name, ctx.record.stats.get("fsdp_window_s", 0.0))
         if ctx.config.windows else (),
         block_groups=_block_groups(ctx.record.block_hashes), reference_peak=ctx.record.reference_peak_bytes or 0,
-        graph_hash=structural_hash(list(joint.graph.nodes)))
+        graph_hash=structural_hash(list(joint.graph.nodes)),
+        region_caps=problem_caps(ctx.region_check, units))
     return problem, UnitIndex(nodes=tuple(tuple(members[op]) for op in kept))
 
 

@@ -260,6 +260,9 @@ class _Weighing:
             return
         cost = exposed(applied, self.joint)
         self.scores[name] = (cost, applied.mem.peak_bytes)
+        regions = self.ctx.region_check
+        if regions is not None and regions.over(applied.fw, applied.bw):
+            return  # above one of the model's region budgets: not a plan, nor a floor
         if in_floor:
             self.floor[name] = applied
         if applied.mem.peak_bytes <= self.budget and (self.best is None or cost < self.best[1] * (1 - 1e-9)):

@@ -98,6 +98,14 @@ class ProblemArrays:
         self.fw_const = np.asarray(p.fw_base, dtype=np.int64) + np.cumsum(fw)[:self.F]
         self.bw_base = np.asarray(p.bw_base, dtype=np.int64)
         self._chains()
+        # regions with their own budget: unit positions and the most bytes they keep
+        self.region_names = tuple(c.name for c in p.region_caps)
+        self.region_units = tuple(np.array([self.index[u] for u in c.units if u in self.index], dtype=np.int64)
+                                  for c in p.region_caps)
+        self.region_max = np.array([c.max_bytes for c in p.region_caps], dtype=np.int64)
+        self.region_of = np.full(self.n, -1, dtype=np.int64)
+        for r, units in enumerate(self.region_units):
+            self.region_of[units] = r
         self.cache: dict[str, Any] = {}
         """Other modules' per-problem results (e.g. ``smallest_peak``)."""
 
@@ -213,9 +221,18 @@ class ProblemArrays:
         off = float(self.off_exposed[state == OFFLOAD].sum())
         return dem + over + off, dem + float(self.c[state == WINDOW].sum())
 
+    def region_kept(self, state: np.ndarray) -> np.ndarray:
+        """Bytes each region keeps saved on the device (``RegionCap`` order)."""
+        return np.array([int(self.m[u][state[u] == KEEP].sum()) for u in self.region_units], dtype=np.int64)
+
+    def regions_fit(self, state: np.ndarray) -> bool:
+        return not self.region_units or bool((self.region_kept(state) <= self.region_max).all())
+
     def violations(self, state: np.ndarray, win: np.ndarray) -> list[str]:
-        """Every broken rule except the budget, as readable lines."""
-        out = [f"{self.names[i]}: must_keep but not kept"
+        """Every broken rule except the step's budget (a region's budget included), as readable lines."""
+        out = [f"region {self.region_names[r]!r}: keeps {int(kept)} B, above its {int(self.region_max[r])} B"
+               for r, kept in enumerate(self.region_kept(state)) if kept > self.region_max[r]] if self.region_units else []
+        out += [f"{self.names[i]}: must_keep but not kept"
                for i in np.flatnonzero(self.must & (state != KEEP) & (state != OFFLOAD))]
         out += [f"{self.names[i]}: offloaded but not offloadable"
                 for i in np.flatnonzero((state == OFFLOAD) & ~self.can_off)]

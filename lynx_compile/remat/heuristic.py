@@ -16,6 +16,9 @@ arrays of ``evaluate.ProblemArrays``):
    at budget 0.4 / 0.5 / 0.7: 1.45 / 1.96 / 1.01 x the exact MILP's exposed time alike,
    1.001 / 1.000 / 1.000 with the best of 8 and 16 runs; 48 layers: 1.002 / 1.004 / 1.000).
 3. ``fix_inputs`` / ``cleanup``: make recomputes' inputs available, drop unread intermediates.
+3b. ``fit_regions``: while a region with its own budget keeps more than it may, switch its kept
+   unit freeing the most bytes per second of recompute to demand (or offload); later steps
+   never keep more in a region than its budget.
 4. ``repair``: while the peak exceeds the budget, switch the candidate with the best
    (bytes freed at the peak event) / (added exposed seconds) from keep (or window) to demand,
    with the input closure, or to offload (where offloadable; block-boundary tensors too); ties by unit id. Stuck: restart from everything on demand; still
@@ -41,7 +44,7 @@ import numpy as np
 
 from .evaluate import DEMAND, KEEP, NONE, OFFLOAD, WINDOW, ProblemArrays, evaluate_state, problem_arrays
 from .milp_solvers import highs_installed
-from .problem import InfeasibleBudget, RematProblem, RematSolution
+from .problem import InfeasibleBudget, RematProblem, RematSolution, check_region_caps
 from .representative import solve_positions
 
 TOP_K = 6              # candidates whose switch is scored exactly (closure included) per repair step
@@ -135,6 +138,31 @@ def repair(arr: ProblemArrays, budget: int, state: np.ndarray, win: np.ndarray):
         exposed = arr.times(state, win)[0]
 
 
+def fit_regions(arr: ProblemArrays, state: np.ndarray, win: np.ndarray):
+    """Greedy keep -> demand (or offload) inside each region over its own budget, most bytes per
+    second of added recompute first (ties by unit id); (state, win). A region left over its
+    budget (only must-keep units remain kept) is left as is: ``check_region_caps`` refuses it."""
+    for r, units in enumerate(arr.region_units):
+        while int(arr.m[units][state[units] == KEEP].sum()) > arr.region_max[r]:
+            cand = units[(state[units] == KEEP) & (~arr.must[units] | arr.can_off[units])]
+            if cand.size == 0:
+                break
+            cost = np.where(arr.must[cand], arr.off_exposed[cand], arr.c[cand])
+            ratio = arr.m[cand] / np.maximum(cost, 1e-15)
+            i = int(cand[np.lexsort((arr.ids[cand], -ratio))[0]])
+            state, win = _switch(arr, state, win, i, OFFLOAD if arr.must[i] else DEMAND)
+    return state, win
+
+
+def _region_room(arr: ProblemArrays, state: np.ndarray, i: int) -> bool:
+    """Whether keeping unit ``i`` too keeps its region (if any) within its own budget."""
+    r = int(arr.region_of[i])
+    if r < 0:
+        return True
+    units = arr.region_units[r]
+    return int(arr.m[units][state[units] == KEEP].sum()) + int(arr.m[i]) <= arr.region_max[r]
+
+
 def hide(arr: ProblemArrays, budget: int, state: np.ndarray, win: np.ndarray, tries: int = 4) -> None:
     """In place, into one of each unit's ``tries`` latest eligible windows whose inputs are kept
     or in windows no later: first demanded units (largest c first) where memory allows and the
@@ -197,6 +225,8 @@ def refill(arr: ProblemArrays, budget: int, state: np.ndarray, win: np.ndarray) 
     for i in dem[np.lexsort((arr.ids[dem], -dens))]:
         if state[i] != DEMAND or any(state[c] == WINDOW for c in arr.consumers[i]):
             continue                               # keeping is fine for them too, but stay simple
+        if not _region_room(arr, state, i):
+            continue                               # its region's own budget is spent
         m, e, f = int(arr.m[i]), int(arr.ns[i]) + int(arr.transient[i]), int(arr.fw_last[i]) + 1
         if not ((e and bw[:e].max() + m > budget) or (f < arr.F and fw[f:].max() + m > budget)):
             state[i] = KEEP
@@ -209,7 +239,7 @@ def refill(arr: ProblemArrays, budget: int, state: np.ndarray, win: np.ndarray) 
         st[i] = KEEP
         cleanup(arr, st, wn)
         f2, b2 = arr.profile(st, wn)
-        if max(f2.max(initial=0), b2.max(initial=0)) <= budget:
+        if max(f2.max(initial=0), b2.max(initial=0)) <= budget and arr.regions_fit(st):
             state[:], win[:], fw, bw = st, wn, f2, b2
 
 
@@ -278,7 +308,7 @@ def polish(arr: ProblemArrays, budget: int, state, win, blocks: list[np.ndarray]
         fix_inputs(arr, st, wn)
         cleanup(arr, st, wn)
         exp = arr.times(st, wn)[0]
-        if exp < best - 1e-15 and _peak(arr, st, wn)[2] <= budget:
+        if exp < best - 1e-15 and _peak(arr, st, wn)[2] <= budget and arr.regions_fit(st):
             state, win, best = st, wn, exp
     return state, win
 
@@ -315,6 +345,7 @@ def _solve_from(problem: RematProblem, arr: ProblemArrays, budget_bytes: int, po
         notes.append("no block groups" if not positions else "highspy missing: greedy from all-kept")
     fix_inputs(arr, state, win)
     cleanup(arr, state, win)
+    state, win = fit_regions(arr, state, win)
     state, win, peak = repair(arr, budget_bytes, state, win)
     if peak > budget_bytes:
         st2, wn2 = all_demand(arr)
@@ -346,6 +377,7 @@ def solve_heu(problem: RematProblem, budget_bytes: int, *, progress: Callable[[s
     (the lower of its stuck repair and everything-on-demand; a heuristic bound, not the exact
     minimum) exceeds the budget."""
     t0 = time.perf_counter()
+    check_region_caps(problem)
     arr = problem_arrays(problem)
     positions, notes = block_positions(problem, arr)
     depth = max((len(P) for P in positions), default=1) if highs_installed() else 1
@@ -357,7 +389,7 @@ def solve_heu(problem: RematProblem, budget_bytes: int, *, progress: Callable[[s
             failure = failure or e
             continue
         exposed, peak = arr.times(state, win)[0], _peak(arr, state, win)[2]
-        if peak <= budget_bytes and (best is None or exposed < best[0] - 1e-15):
+        if peak <= budget_bytes and arr.regions_fit(state) and (best is None or exposed < best[0] - 1e-15):
             best = (exposed, state, win, more)
     if best is None:
         raise failure or InfeasibleBudget(budget_bytes, heuristic_bound(problem), problem.reference_peak)

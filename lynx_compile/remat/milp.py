@@ -30,7 +30,7 @@ import pyomo.environ as pyo
 
 from .evaluate import DEMAND, KEEP, NONE, OFFLOAD, WINDOW, ProblemArrays, evaluate_state, problem_arrays
 from .milp_solvers import Outcome, pick_solver, require_solver, run_solver
-from .problem import InfeasibleBudget, RematProblem, RematSolution
+from .problem import InfeasibleBudget, RematProblem, RematSolution, check_region_caps
 
 TIE_BREAK = 1e-6
 SMALLEST_TIME_LIMIT_S = 60.0
@@ -183,6 +183,15 @@ def build_model(problem: RematProblem, budget_bytes: int | None, *, units: Itera
             if arr.can_off[i] and arr.off_bw_start[i] <= t:
                 terms.append(mF[i] * M.f[i])
         memory_row(base, terms)
+    # [Constraint] region caps: the units of a region with its own budget keep at most its bytes
+    M.regions = pyo.ConstraintList()
+    for units, most in zip(arr.region_units, arr.region_max.tolist()):
+        kept_fixed = int(arr.m[units][(~free[units]) & (fixed[units] == KEEP)].sum())
+        terms = [mF[i] * M.s[i] for i in units.tolist() if free[i]]
+        if terms:
+            M.regions.add(pyo.quicksum(terms) <= (most - kept_fixed) / M.scale)
+        else:
+            M.constant_over |= kept_fixed > most
     if budget_bytes is None:
         M.obj = pyo.Objective(expr=M.peak)
     else:
@@ -238,6 +247,7 @@ def solve_milp(problem: RematProblem, budget_bytes: int, *, solver: str = "highs
         raise RuntimeError(f"Lynx-OPT needs a MILP solver: {choice.reason}")
     name = choice.name
     require_solver(name)
+    check_region_caps(problem)
     arr = problem_arrays(problem)
     M = build_model(problem, budget_bytes, units=units, max_windows_per_unit=max_windows_per_unit)
     if progress:
@@ -290,6 +300,7 @@ def _smallest(problem: RematProblem, units: Iterable[int] | None, solver: str | 
     if name == "heu":
         from .heuristic import heuristic_bound
         return heuristic_bound(problem)
+    check_region_caps(problem)
     M = build_model(problem, None, units=units, windows=False)
     arr = problem_arrays(problem)
     if not len(M.s):

@@ -74,6 +74,10 @@ outputs the backward reads directly plus those a recomputable op reads; an outpu
 by ops that are never recomputed is freed after its last forward read under every plan, so it
 is in the base.
 
+[Region caps] (issue U: a region of the model with its own budget) for each region R, the
+bytes its units keep on the device for the backward: Σ_{a∈R} m_a·s_a ≤ ``max_bytes`` (an
+offloaded unit is in host memory and does not count).
+
 [Objective] minimize exposed time Σ_a c_a·r_a + Σ_w over_w + Σ_a offload_exposed_s_a·f_a.
 """
 from __future__ import annotations
@@ -134,6 +138,19 @@ class CommWindow:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RegionCap:
+    """A region of the model with its own budget: the units it saves for the backward keep at
+    most ``max_bytes`` on the device (``fraction`` of ``reference_bytes``, what the region saves
+    with no recompute)."""
+
+    name: str
+    units: tuple[int, ...]
+    max_bytes: int
+    fraction: float = 1.0
+    reference_bytes: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
 class RematProblem:
     units: tuple[Unit, ...]
     num_fw_events: int
@@ -147,6 +164,8 @@ class RematProblem:
     reference_peak: int = 0
     """Peak bytes with no recompute (the budget's 100%)."""
     graph_hash: str = ""
+    region_caps: tuple[RegionCap, ...] = ()
+    """Regions with their own budget (``RegionCap``); none: only the step's budget applies."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -160,6 +179,7 @@ class RematProblem:
         d["units"] = tuple(Unit(**{**u, "inputs": tuple(u["inputs"])}) for u in d["units"])
         d["windows"] = tuple(CommWindow(**w) for w in d.get("windows", ()))
         d["block_groups"] = tuple(tuple(g) for g in d.get("block_groups", ()))
+        d["region_caps"] = tuple(RegionCap(**{**c, "units": tuple(c["units"])}) for c in d.get("region_caps", ()))
         d["fw_base"], d["bw_base"] = tuple(d["fw_base"]), tuple(d["bw_base"])
         return cls(**d)
 
@@ -217,3 +237,33 @@ class InfeasibleBudget(ValueError):
             f"memory budget {budget} B is infeasible: the smallest reachable peak is {smallest} B{frac}; "
             f"use memory_budget >= {smallest / reference:.3f}" if reference else
             f"memory budget {budget} B is infeasible: the smallest reachable peak is {smallest} B")
+
+
+class InfeasibleRegion(ValueError):
+    """A region's budget is below what its units must keep (tensors that cannot be recomputed:
+    block-boundary tensors, collectives, impure ops); ``smallest`` is the lowest fraction of
+    the region's no-recompute saved bytes any assignment reaches."""
+
+    def __init__(self, cap: RegionCap, must_bytes: int):
+        self.cap, self.must_bytes = cap, must_bytes
+        ref = max(cap.reference_bytes, 1)
+        self.smallest = min(1.0, -(-must_bytes * 1000 // ref) / 1000)  # rounded up: asking for it fits
+        super().__init__(
+            f"region {cap.name!r}: budget {cap.fraction:g} ({cap.max_bytes} B of the {cap.reference_bytes} B it saves "
+            f"with no recompute) is below the {must_bytes} B it must keep saved (tensors no plan recomputes: "
+            f"block-boundary tensors, collectives, random or impure ops); use a region budget >= {self.smallest:.3f}")
+
+
+def region_must_bytes(problem: RematProblem, cap: RegionCap) -> int:
+    """Bytes of ``cap``'s units that every assignment keeps on the device (must_keep, not
+    offloadable)."""
+    by_id = {u.id: u for u in problem.units}
+    return sum(by_id[i].nbytes for i in cap.units if by_id[i].must_keep and by_id[i].offload_s is None)
+
+
+def check_region_caps(problem: RematProblem) -> None:
+    """Raise ``InfeasibleRegion`` for the first region whose budget no assignment meets."""
+    for cap in problem.region_caps:
+        must = region_must_bytes(problem, cap)
+        if must > cap.max_bytes:
+            raise InfeasibleRegion(cap, must)
