@@ -119,3 +119,30 @@ def test_per_microbatch_variants_match_eager(reference, compiler):
     grads = {n.removeprefix("_orig_mod."): p.grad for n, p in compiled.named_parameters()}
     for name, ref in ref_grads.items():
         assert _rel(grads[name], 2 * ref) <= 1e-5, name
+
+
+def test_region_budget_on_this_torch(reference):
+    """``lynx_compile.region_budget`` (torch's per-region annotation, which torch 2.11 lacks as a
+    function) reaches lynx on every supported torch: the region is planned and held, the step is
+    eager's."""
+    model, x, loss, grads = reference
+    model = copy.deepcopy(model)
+    mlp = model.blocks[0].mlp
+
+    class Budgeted(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = mlp
+
+        def forward(self, h):
+            with lynx_compile.region_budget(0.0, name="mlp0"):
+                return self.inner(h)
+
+    model.blocks[0].mlp = Budgeted()
+    backend = lynx_compile.LynxBackend(lynx_compile.make_config({"solver": "heu", "plan_cache": False}))
+    got_loss, got = _step(torch.compile(model, backend=backend), x)
+    assert _rel(got_loss, loss) < 1e-5
+    for name, g in grads.items():
+        assert _rel(got[name.replace("mlp.", "mlp.inner.") if name.startswith("blocks.0.mlp.") else name], g) < 1e-5
+    (region,) = backend.records[0].stats["regions"]
+    assert region["name"] == "mlp0" and region["saved_bytes"] == 0 < region["reference_bytes"]
