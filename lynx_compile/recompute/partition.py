@@ -130,10 +130,13 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
         record.stats["regions"] = region_check.report(fw, bw)
         over = region_check.over(fw, bw)
         if over:
+            fix = (f"re-plan it with the regions annotated: lynx plan --policy lynx ... --out {config.plan}"
+                   if config.plan else "this is a bug in lynx: please report it with the model (a larger region "
+                   "budget works around it)")
             raise region_budgets.RegionBudgetError(
-                f"lynx: the plan saves more than region budget(s) allow: "
-                + "; ".join(f"region {n!r} saves {s} B, above its {c} B" for n, (s, c) in over.items())
-                + ". This is a bug in lynx: please report it with the model (a larger region budget works around it)")
+                (f"lynx: the plan in {config.plan!r}" if config.plan else "lynx: the plan") + " saves more than the "
+                "region budget(s) allow: " + "; ".join(f"region {n!r} saves {s} B, above its {c} B"
+                                                      for n, (s, c) in over.items()) + f"; {fix}")
         record.notes.append("region budgets of the model: " + "; ".join(
             f"{r['name']!r} at {r['budget']:g} saves {r['saved_bytes']} B of {r['reference_bytes']} B "
             f"(at most {r['max_bytes']} B)" for r in record.stats["regions"]))
