@@ -75,10 +75,12 @@ def compiled(model: Any, style: str, backend: Any) -> Callable:
     raise ValueError(f"style {style!r}: per-block or whole")
 
 
-def step_fn(name: str, style: str, backend: Any, batch_size: int, seq: int) -> tuple[Any, Callable[[], Any]]:
+def step_fn(name: str, style: str, backend: Any, batch_size: int, seq: int,
+            layers: int | None = None) -> tuple[Any, Callable[[], Any]]:
     """(model, step): ``step()`` runs one forward, torchtitan's loss and backward, both compiled
-    with ``backend`` (None: eager), and returns the loss."""
-    model = build(name)
+    with ``backend`` (None: eager), and returns the loss. ``layers``: only the registry's first
+    ``layers`` blocks (None: all)."""
+    model = build(name, layers=layers)
     fn = compiled(model, style, backend)
     loss_of = loss(backend)
     tokens, labels = batch(batch_size, seq)
