@@ -185,3 +185,37 @@ def test_a_baseline_policy_replaces_the_tags_and_says_so():
     # no recompute: the checkpointing is gone, as asked (step 1: see test_no_budget_is_torch_compiles_step)
     assert peaks[1:] == plain[1:] and peaks[0] <= max(plain) + 64, (peaks, plain)
     assert any("replaced by policy 'none'" in n for n in backend.records[0].notes)
+
+
+def test_hf_gradient_checkpointing_is_kept(monkeypatch):
+    """A model lynx was not written for, with its own switch: HF Llama (2 layers) after
+    ``gradient_checkpointing_enable(use_reentrant=False)``: with no budget lynx's step peaks where
+    torch.compile's does on the same model (steps 2+; step 1 holds the compile), not where a step
+    without checkpointing does, and the record names the user's regions."""
+    from _reach import reach_model
+
+    def steps(backend, checkpointing=True):
+        torch._dynamo.reset()
+        model, x = reach_model("hf-llama", monkeypatch)
+        model.train()
+        if checkpointing:
+            model.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        run = torch.compile(model, backend=backend)
+        peaks = []
+        for _ in range(2):
+            for p in model.parameters():
+                p.grad.zero_()
+            peaks.append(cpu_peak_bytes(lambda: run(x).loss.backward()))
+        return peaks, [p.grad.clone() for p in model.parameters()]
+
+    backend = _lynx()
+    peaks, grads = steps(backend)
+    want, want_grads = steps("inductor")
+    plain, _ = steps("inductor", checkpointing=False)
+    assert peaks[1] == want[1] < plain[1], (peaks, want, plain)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    (record,) = backend.records
+    assert record.stats["user_tags"]["regions"] == 2 and record.torch_partition
