@@ -196,3 +196,41 @@ def test_region_budget_per_block():
 def test_bad_region_budget_names_the_fix():
     with pytest.raises(ValueError, match=r"fraction must be a number in \[0, 1\]"):
         lynx_compile.region_budget(1.5)
+
+
+_FRESH = """
+import json, sys, torch
+sys.path.insert(0, {tests!r})
+import lynx_compile
+from test_region_budgets import _model
+from lynx_compile.models import example_batch
+model = _model(("mlp", {fraction}))
+x = example_batch(model, 4, generator=torch.Generator().manual_seed(1))
+backend = lynx_compile.backend(memory_budget=0.9)
+torch.compile(model, backend=backend)(x).loss.backward()
+record = backend.records[0]
+print(json.dumps({{"regions": record.stats["regions"], "cache": record.stats.get("plan_cache")}}))
+"""
+
+
+def test_a_changed_region_budget_is_not_served_from_the_caches():
+    """The plan cache and torch's compile caches (on disk, fresh processes, the machine's own
+    cache directory): the same graph with another region budget gets its own plan, never the
+    other's (cache hits of the same options are test_plan_cache's)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+
+    def run(fraction):
+        code = _FRESH.format(tests=os.path.dirname(os.path.abspath(__file__)), fraction=fraction)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first, other, again = run(0.0), run(1.0), run(0.0)
+    assert first["regions"][0]["saved_bytes"] == again["regions"][0]["saved_bytes"] == 0
+    assert again["cache"] == "hit"
+    assert other["regions"][0]["budget"] == 1.0 and other["regions"][0]["saved_bytes"] > 0
