@@ -127,8 +127,7 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
             applied, outcome = decide(joint, ctx, kw, budget, reference.peak_bytes)
     fw, bw, mem = applied.fw, applied.bw, applied.mem
     if region_check is not None:  # the user's region budgets, and what the plan saves in each
-        record.stats["regions"] = region_check.report(fw, bw)
-        over = region_check.over(fw, bw)
+        record.stats["regions"], over = region_check.report(fw, bw)
         if over:
             fix = (f"re-plan it with the regions annotated: lynx plan --policy lynx ... --out {config.plan}"
                    if config.plan else "this is a bug in lynx: please report it with the model (a larger region "

@@ -153,16 +153,20 @@ class RegionCheck:
     def caps(self) -> tuple[int, ...]:
         return tuple(int(r.fraction * ref) for r, ref in zip(self.regions, self.reference))
 
-    def over(self, fw: fx.GraphModule, bw: fx.GraphModule) -> dict[str, tuple[int, int]]:
-        """Region name → (saved, cap) for each region the plan saves more of than its cap."""
-        saved = saved_by_region(fw, bw, self.regions)
+    def over(self, fw: fx.GraphModule, bw: fx.GraphModule,
+             saved: tuple[int, ...] | None = None) -> dict[str, tuple[int, int]]:
+        """Region name → (saved, cap) for each region the plan saves more of than its cap
+        (``saved``: ``saved_by_region`` of the plan, when already taken)."""
+        saved = saved_by_region(fw, bw, self.regions) if saved is None else saved
         return {r.name: (s, c) for r, s, c in zip(self.regions, saved, self.caps()) if s > c and r.fraction < 1.0}
 
-    def report(self, fw: fx.GraphModule, bw: fx.GraphModule) -> list[dict]:
-        """What the plan record says of each region (the user's decision, and what the plan saves)."""
+    def report(self, fw: fx.GraphModule, bw: fx.GraphModule) -> tuple[list[dict], dict[str, tuple[int, int]]]:
+        """What the plan record says of each region (the user's decision, and what the plan
+        saves), and :meth:`over` of the same plan."""
         saved = saved_by_region(fw, bw, self.regions)
-        return [{"name": r.name, "budget": r.fraction, "reference_bytes": ref, "max_bytes": cap, "saved_bytes": s}
+        rows = [{"name": r.name, "budget": r.fraction, "reference_bytes": ref, "max_bytes": cap, "saved_bytes": s}
                 for r, ref, cap, s in zip(self.regions, self.reference, self.caps(), saved)]
+        return rows, self.over(fw, bw, saved)
 
 
 def bind(regions: tuple[Region, ...], fw_ref: fx.GraphModule, bw_ref: fx.GraphModule) -> RegionCheck | None:
@@ -229,10 +233,12 @@ def unreachable(check: RegionCheck, least: dict[str, tuple[int, int]]) -> Region
     """The refusal of region budgets below what the partition keeps saved in them: ``least`` maps
     a region's name to (the fewest bytes it saves, what it saves with no recompute); the smallest
     budget named is their ratio, rounded up."""
+    from lynx_compile.remat.problem import smallest_fraction
+
     fraction = {r.name: r.fraction for r in check.regions}
     parts = []
     for name, (least_bytes, reference) in least.items():
-        smallest = min(1.0, -(-least_bytes * 1000 // max(reference, 1)) / 1000)
+        smallest = smallest_fraction(least_bytes, reference)
         parts.append(f"region {name!r}: budget {fraction[name]:g} ({int(fraction[name] * reference)} B of the "
                      f"{reference} B it saves with no recompute) is below the {least_bytes} B it keeps saved "
                      f"whatever lynx recomputes (tensors read across the region's edge, or never recomputed); "

@@ -221,9 +221,14 @@ class ProblemArrays:
         off = float(self.off_exposed[state == OFFLOAD].sum())
         return dem + over + off, dem + float(self.c[state == WINDOW].sum())
 
+    def kept_in_region(self, state: np.ndarray, r: int) -> int:
+        """Bytes region ``r`` (``RegionCap`` order) keeps saved on the device."""
+        units = self.region_units[r]
+        return int(self.m[units][state[units] == KEEP].sum())
+
     def region_kept(self, state: np.ndarray) -> np.ndarray:
         """Bytes each region keeps saved on the device (``RegionCap`` order)."""
-        return np.array([int(self.m[u][state[u] == KEEP].sum()) for u in self.region_units], dtype=np.int64)
+        return np.array([self.kept_in_region(state, r) for r in range(len(self.region_units))], dtype=np.int64)
 
     def regions_fit(self, state: np.ndarray) -> bool:
         return not self.region_units or bool((self.region_kept(state) <= self.region_max).all())

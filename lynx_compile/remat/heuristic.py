@@ -143,7 +143,7 @@ def fit_regions(arr: ProblemArrays, state: np.ndarray, win: np.ndarray):
     second of added recompute first (ties by unit id); (state, win). A region left over its
     budget (only must-keep units remain kept) is left as is: ``check_region_caps`` refuses it."""
     for r, units in enumerate(arr.region_units):
-        while int(arr.m[units][state[units] == KEEP].sum()) > arr.region_max[r]:
+        while arr.kept_in_region(state, r) > arr.region_max[r]:
             cand = units[(state[units] == KEEP) & (~arr.must[units] | arr.can_off[units])]
             if cand.size == 0:
                 break
@@ -157,10 +157,7 @@ def fit_regions(arr: ProblemArrays, state: np.ndarray, win: np.ndarray):
 def _region_room(arr: ProblemArrays, state: np.ndarray, i: int) -> bool:
     """Whether keeping unit ``i`` too keeps its region (if any) within its own budget."""
     r = int(arr.region_of[i])
-    if r < 0:
-        return True
-    units = arr.region_units[r]
-    return int(arr.m[units][state[units] == KEEP].sum()) + int(arr.m[i]) <= arr.region_max[r]
+    return r < 0 or arr.kept_in_region(state, r) + int(arr.m[i]) <= arr.region_max[r]
 
 
 def hide(arr: ProblemArrays, budget: int, state: np.ndarray, win: np.ndarray, tries: int = 4) -> None:

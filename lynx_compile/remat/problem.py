@@ -246,12 +246,17 @@ class InfeasibleRegion(ValueError):
 
     def __init__(self, cap: RegionCap, must_bytes: int):
         self.cap, self.must_bytes = cap, must_bytes
-        ref = max(cap.reference_bytes, 1)
-        self.smallest = min(1.0, -(-must_bytes * 1000 // ref) / 1000)  # rounded up: asking for it fits
+        self.smallest = smallest_fraction(must_bytes, cap.reference_bytes)
         super().__init__(
             f"region {cap.name!r}: budget {cap.fraction:g} ({cap.max_bytes} B of the {cap.reference_bytes} B it saves "
             f"with no recompute) is below the {must_bytes} B it must keep saved (tensors no plan recomputes: "
             f"block-boundary tensors, collectives, random or impure ops); use a region budget >= {self.smallest:.3f}")
+
+
+def smallest_fraction(least_bytes: int, reference_bytes: int) -> float:
+    """``least_bytes / reference_bytes`` rounded up to 3 decimals (at most 1): the smallest region
+    budget a refusal names, so that asking for it fits."""
+    return min(1.0, -(-least_bytes * 1000 // max(reference_bytes, 1)) / 1000)
 
 
 def region_must_bytes(problem: RematProblem, cap: RegionCap) -> int:
