@@ -14,8 +14,9 @@ import torch
 import lynx_compile
 from lynx_compile.config import make_config
 from lynx_compile.dynamo_backend import LynxBackend, find_backend_error
-from lynx_compile.memory.measure import cpu_peak_bytes
-from lynx_compile.models import build_model, example_batch
+from lynx_compile.models import build_model
+
+from _steps import measured_steps
 from lynx_compile.recompute.regions import RegionBudgetError
 from lynx_compile.remat import RematProblem, Unit
 from lynx_compile.remat.heuristic import solve_heu
@@ -93,20 +94,7 @@ def _model(region=None, torch_api=False):
 def _steps(backend, region=None, style="whole", steps=2, torch_api=False):
     """(peak of each step, last gradients): ``.grad`` allocated, as the peers are measured."""
     torch._dynamo.reset()
-    model = _model(region, torch_api)
-    x = example_batch(model, 4, generator=torch.Generator().manual_seed(1))
-    if style == "whole":
-        run = torch.compile(model, backend=backend)
-    else:
-        for block in model.blocks:
-            block.compile(backend=backend)
-        run = model
-    peaks = []
-    for _ in range(steps):
-        for p in model.parameters():
-            p.grad.zero_()
-        peaks.append(cpu_peak_bytes(lambda: run(x).loss.backward()))
-    return peaks, [p.grad.clone() for p in model.parameters()]
+    return measured_steps(_model(region, torch_api), backend, style, steps)
 
 
 def _lynx(**options):

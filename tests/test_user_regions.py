@@ -24,6 +24,8 @@ from lynx_compile.dynamo_backend import LynxBackend, find_backend_error
 from lynx_compile.memory.measure import cpu_peak_bytes
 from lynx_compile.models import build_model, example_batch
 
+from _steps import measured_steps
+
 aten = torch.ops.aten
 
 
@@ -60,23 +62,9 @@ def _steps(backend, sac=False, style="whole", steps=2, wrap=True):
     """(peak of each step, last step's gradients, lynx's backend or None). Per block, step 3 (the
     one lynx records) runs without a profiler of ours and is not measured."""
     torch._dynamo.reset()
-    model = _model(sac, wrap)
-    x = example_batch(model, 4, generator=torch.Generator().manual_seed(1))
-    if style == "whole":
-        run = torch.compile(model, backend=backend)
-    else:
-        for block in model.blocks:
-            block.compile(backend=backend)
-        run = model
-    peaks = []
-    for step in range(1, steps + 1):
-        for p in model.parameters():
-            p.grad.zero_()
-        if style != "whole" and step == 3:
-            run(x).loss.backward()
-            continue
-        peaks.append(cpu_peak_bytes(lambda: run(x).loss.backward()))
-    return peaks, [p.grad.clone() for p in model.parameters()], backend
+    peaks, grads = measured_steps(_model(sac, wrap), backend, style, steps,
+                                  unmeasured=() if style == "whole" else (3,))
+    return peaks, grads, backend
 
 
 def _eager_grads(sac):
