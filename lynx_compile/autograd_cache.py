@@ -53,7 +53,7 @@ def cache_key(gm: fx.GraphModule, example_inputs: list, config: LynxConfig, reco
         return None
     return plan_cache.plan_key({**graph_fields(gm, example_inputs, config, "autograd_cache"),
                                 "takes_activations": record.takes_activations, "step_choice": record.step_choice,
-                                "provisional": record.provisional,
+                                "provisional": record.provisional, "new_grad_bytes": record.new_grad_bytes,
                                 "grads_in_graph": list(record.grads_in_graph or ())})
 
 
@@ -107,7 +107,8 @@ def restore(record: GraphRecord, key: str) -> bool:
     try:
         kept = None if data is None else GraphRecord.from_dict(
             data, graph_id=record.graph_id, takes_activations=record.takes_activations,
-            step_choice=record.step_choice, grads_in_graph=record.grads_in_graph, provisional=record.provisional)
+            step_choice=record.step_choice, grads_in_graph=record.grads_in_graph, provisional=record.provisional,
+            new_grad_bytes=record.new_grad_bytes)
     except (TypeError, KeyError, ValueError) as e:
         log.warning("lynx plan cache: ignoring the record of graph %d (%s: %s)", record.graph_id,
                     type(e).__name__, e)

@@ -112,6 +112,8 @@ class LynxBackend:
             record.takes_activations = any(isinstance(t, torch.Tensor) and t.requires_grad
                                            and not isinstance(t, torch.nn.Parameter) for t in example_inputs)
             record.provisional = not self.plan_only
+            record.new_grad_bytes = sum(t.untyped_storage().nbytes() for t in example_inputs
+                                        if isinstance(t, torch.nn.Parameter) and t.requires_grad and t.grad is None)
         from lynx_compile.distributed.fsdp import comm_of
 
         fsdp = comm_of(example_inputs)  # FSDP2's collectives around this graph's backward
@@ -154,7 +156,7 @@ class LynxBackend:
         calls run two compiles)."""
         record = GraphRecord(graph_id=old.graph_id, policy=self.config.policy, step_choice=choice,
                              takes_activations=old.takes_activations, fsdp=old.fsdp,
-                             grads_in_graph=old.grads_in_graph)
+                             grads_in_graph=old.grads_in_graph, new_grad_bytes=old.new_grad_bytes)
         if "step_hint_key" in old.stats:
             record.stats["step_hint_key"] = old.stats["step_hint_key"]
         if self.config.compiler == "inductor" and not self.config.weight_split:

@@ -63,8 +63,13 @@ class GraphRecord:
     compile with it set applies that candidate as is."""
     provisional: bool = False
     """A piece's first plan, made before any step was recorded, which the step's plan across
-    graphs makes again (``step_record``): the candidate saving least, so that the steps before
-    it hold the budget (slower, never above it)."""
+    graphs makes again (``step_record``): the candidate of least memory in a step of many calls
+    (``step_model.provisional_order``), so that the steps before it hold the budget (slower,
+    never above it)."""
+    new_grad_bytes: int = 0
+    """Bytes of the graph's parameters whose ``.grad`` was None when it compiled: the ``.grad``
+    its backward leaves allocated (each call of a piece adds that much to what the step holds
+    from then on). 0 where ``.grad`` was allocated (``zero_grad(set_to_none=False)``)."""
     torch_partition: bool = False
     """The partition compiled is of the kind torch.compile makes itself: the user's own
     checkpoint tags (``passes.user_tags``) or torch's min-cut at a budget. Inductor compiles it

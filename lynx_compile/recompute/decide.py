@@ -33,7 +33,7 @@ from lynx_compile.recompute import seeds
 from lynx_compile.recompute.apply import Applied, partition_joint, realize, scratch_context
 from lynx_compile.recompute.baselines import baseline_decisions
 from lynx_compile.recompute.regions import RegionBudgetError
-from lynx_compile.step_model import Candidate, GraphChoices
+from lynx_compile.step_model import Candidate, GraphChoices, provisional_order
 
 log = logging.getLogger("lynx_compile")
 
@@ -161,14 +161,16 @@ def _plan_piece(joint, ctx: PassContext, kw: dict, budget: int | None, reference
         # hold: the least memory, whatever it costs, until the step's plan chooses (step_record).
         # (Not yet where the piece has communication windows (FSDP2, TP, EP): there lynx's own
         # plan recomputes in them at no cost, and is chosen as before.)
-        name, cost, applied = min(scored, key=lambda c: (c[2].mem.saved_bytes, c[2].mem.backward_peak_bytes, c[1]))
+        grads = ctx.record.new_grad_bytes
+        name, cost, applied = min(scored, key=lambda c: provisional_order(step_candidate(*c[:2], c[2].mem), grads))
         mine = next((c for c in scored if c[0] == seeds.USER), None)
         if mine is not None and mine[2].mem.saved_bytes <= budget:
             # the user's own checkpointing fits: what torch.compile would run, until the step's plan
             name, cost, applied = mine
         ctx.record.step = GraphChoices(reference=none, choices=choices, current=name)
         note = (f"one block or a piece of a model, planned before a step was recorded: '{name}', the candidate "
-                "saving least, until the step's pieces are planned together (lynx_compile.step_record)")
+                "of least memory in a step of many calls (step_model.provisional_order), until the step's "
+                "pieces are planned together (lynx_compile.step_record)")
         return _piece_outcome(joint, ctx, name, cost, applied, own, note)
     if fitting:
         name, cost, applied = min(fitting, key=lambda c: (c[1], c[2].mem.saved_bytes))

@@ -325,7 +325,8 @@ def with_piece_cache(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: 
         return plan()
     start = time.perf_counter()
     key, fields = _cache_key(joint, ctx, reference_saved, budget,
-                             scope="piece-provisional" if ctx.record.provisional else "piece")
+                             scope=f"piece-provisional-{ctx.record.new_grad_bytes}" if ctx.record.provisional
+                             else "piece")
     entry = plan_cache.load(key)
     hit = _apply_cached_piece(joint, ctx, kw, entry, key) if entry is not None else None
     if _every_rank_hit(hit[0] if hit is not None else None):
