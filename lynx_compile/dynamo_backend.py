@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from lynx_compile import _compat, autograd_cache
+from lynx_compile.compiled_piece import InputSpec
 from lynx_compile.config import OPTIONS_ENV, LynxConfig, make_config, options_from_env
 from lynx_compile.decisions import BudgetError
 from lynx_compile.errors import LynxOptionError, PlanningDone
@@ -134,7 +135,12 @@ class LynxBackend:
             compiled = self._compile(gm, example_inputs, record)
         except BudgetError as e:
             if record.step_choice is None:
-                raise
+                compiled = self._deferred(gm, example_inputs, record, e)
+                if compiled is None:
+                    raise
+                return self.step_recorder.piece(
+                    compiled, record, functools.partial(self._rebuild, gm, InputSpec(example_inputs)),
+                    device_type=_device_type(example_inputs))
             log.warning("lynx plan cache: step hint %s no longer applies to graph %d (%s); planning it as a "
                         "first compile does", hint_key[:12], record.graph_id, e)
             record.step_choice = None
@@ -143,11 +149,36 @@ class LynxBackend:
             record.stats["step_hint_key"] = hint_key
         if self.step_recorder is None:
             return compiled
-        from lynx_compile.compiled_piece import InputSpec
-
-        devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
         return self.step_recorder.piece(compiled, record, functools.partial(self._rebuild, gm, InputSpec(example_inputs)),
-                                        device_type="cuda" if "cuda" in devices else "cpu")
+                                        device_type=_device_type(example_inputs))
+
+    def _deferred(self, gm: fx.GraphModule, example_inputs: list, record: GraphRecord,
+                  refusal: BudgetError) -> Callable | None:
+        """A whole graph whose budget is out of reach on its own peak, where the step may hold
+        other compiled graphs (a loss compiled apart, torchtitan's trainer): compiled at its
+        smallest peak, and the refusal kept for the step to decide (``step_record``: raised at
+        the end of step 1 when no other graph with choices shares the step; otherwise the step's
+        plan across graphs names the step's own smallest budget, the one asking for which is
+        accepted). None where the refusal stands at once (no step recorder, a region budget, no
+        smallest peak named)."""
+        from lynx_compile.recompute.regions import RegionBudgetError
+
+        if (self.step_recorder is None or record.takes_activations or isinstance(refusal, RegionBudgetError)
+                or refusal.smallest_bytes is None):
+            return None
+        record.step_choice = f"plan@{refusal.smallest_bytes}"
+        try:
+            compiled = self._compile(gm, example_inputs, record)
+        except BudgetError:
+            record.step_choice = None
+            return None
+        self.step_recorder.defer(record, refusal)
+        note = (f"{str(refusal).split('. Use ')[0]}: compiled at its smallest peak ({refusal.smallest_bytes} B) "
+                "until the step shows whether other compiled graphs share it (step_record): refused at the end "
+                "of step 1 if none does")
+        record.notes.append(note)
+        log.info("lynx: graph %d: %s", record.graph_id, note)
+        return compiled
 
     def _rebuild(self, gm: fx.GraphModule, inputs, old: GraphRecord, choice: str, *,
                  replace: bool = True) -> tuple[Callable, GraphRecord]:
@@ -404,3 +435,9 @@ def lynx_backend(gm: fx.GraphModule, example_inputs: list, *, options: dict | No
         raise LynxOptionError(f"backend 'lynx' got options={options!r} and {OPTIONS_ENV} is set too; "
                               f"unset {OPTIONS_ENV} or drop options=")
     return backend(**(options or env_options or {}))(gm, example_inputs)
+
+
+def _device_type(example_inputs: list) -> str:
+    """Where a graph compiled with ``example_inputs`` runs, as the step's recorder tells them apart."""
+    devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
+    return "cuda" if "cuda" in devices else "cpu"

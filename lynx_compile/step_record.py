@@ -50,6 +50,10 @@ from lynx_compile.step_model import USER, Segment, StepChoice, StepModel, choose
 log = logging.getLogger("lynx_compile")
 RECORDED_STEP = 2
 """Which step is recorded (see the module docstring for why not the first)."""
+NOISE = 1000
+"""A plan predicted above the budget by at most 1/NOISE of the step's reference is accepted: the
+recorded step's measure moves by that little between runs, and a refusal names its budget to the
+third digit (``budget.budget_error``), so asking for the named budget is accepted."""
 
 
 def _backward_node(out: Any) -> Any:
@@ -101,6 +105,8 @@ class StepRecorder:
         self.budget_bytes: int | None = None
         self._key: str | None = None  # the plan cache's key of the step's plan
         self._cached = False  # the step's plan came from the plan cache
+        self.refusals: dict[int, BudgetError] = {}
+        """Per graph id: a whole graph's budget refused on its own peak (``defer``)."""
 
     @property
     def tracking(self) -> bool:
@@ -115,6 +121,29 @@ class StepRecorder:
         if self.state == "done":  # a graph new since the plan (another model, a recompile): again
             self.state, self.steps_seen = "warming", 0
         return p
+
+    def defer(self, record: Any, refusal: BudgetError) -> None:
+        """A whole graph's budget was out of reach on its own peak; the graph runs at its smallest
+        peak. The budget is of the step: where the step holds other compiled graphs with choices
+        (a loss compiled apart), the step's plan decides and names the step's own smallest budget
+        (``_apply``); where it holds none, ``refusal`` is raised at the end of step 1."""
+        self.refusals[record.graph_id] = refusal
+
+    def _refuse_alone(self) -> None:
+        """At the end of step 1: the deferred refusal of a whole graph, raised when no other graph
+        with choices shared the step (the refusal on its own peak was the step's)."""
+        deferred = [p for p in self.calls if p.record.graph_id in self.refusals]
+        if not deferred:
+            return
+        others = _with_choices(p.record.step for p in self.calls if p.record.graph_id not in self.refusals)
+        if not others:
+            refusal = self.refusals[deferred[0].record.graph_id]
+            self.refusals.clear()
+            raise refusal
+        log.info("lynx: graph(s) %s out of reach on their own peak share the step with other compiled graphs: "
+                 "the step's plan decides (step %d recorded)",
+                 ", ".join(str(i) for i in dict.fromkeys(p.record.graph_id for p in deferred)), RECORDED_STEP)
+        self.refusals.clear()
 
     # -- the step's calls --------------------------------------------------------------------
     def before_forward(self) -> None:
@@ -158,6 +187,12 @@ class StepRecorder:
         if self.open or not self.calls:
             return
         self.steps_seen += 1
+        if self.steps_seen == 1 and self.refusals:
+            try:
+                self._refuse_alone()
+            except BudgetError:
+                self.calls, self.marks, self.mark_grads = [], [], []
+                raise
         if self.state == "warming" and self.steps_seen == 1 and self._cached_step():
             self.calls, self.marks, self.mark_grads = [], [], []
             return
@@ -381,11 +416,18 @@ class StepRecorder:
             over = choice.predicted - budget
             graphs = dict(model.graphs)
             for piece in fixed:
-                target = piece.record.plan.peak_bytes - over
+                target = max(1, piece.record.plan.peak_bytes - over)  # (a fraction below 0 is torch's error)
                 try:
                     piece.compiled, piece.record = piece.rebuild(piece.record, f"plan@{target}")
-                except BudgetError:
-                    return choice  # that graph reaches no lower peak
+                except BudgetError as e:  # that graph reaches no lower peak: its smallest, once
+                    floor = f"plan@{e.smallest_bytes}"
+                    if e.smallest_bytes is None or piece.record.step_choice == floor:
+                        return choice
+                    try:
+                        piece.compiled, piece.record = piece.rebuild(piece.record, floor)
+                    except BudgetError:
+                        return choice
+                    fixed = [f for f in fixed if f is not piece]
                 graphs[piece.key] = dataclasses.replace(graphs[piece.key], choices=piece.record.step.choices)
             model = dataclasses.replace(model, graphs=graphs)
             choice = choose(model, budget, self.outside)
@@ -402,6 +444,13 @@ class StepRecorder:
                    + (f"; {self.grads_note}" if self.grads_note else ""))
         if not choice.fits:
             choice = self._tighten(choice)
+        if not choice.fits and choice.predicted <= self.budget_bytes + self.reference // NOISE:
+            # within what the recorded step's measure moves between runs (seen: 512 B of 2.7 MB), less
+            # than the last digit of the budget a refusal names: the budget named is accepted
+            log.info("lynx: the step's plan predicts %s, %d B above the budget (%s): within the measure's noise "
+                     "(1/%d of the step), accepted", format_bytes(choice.predicted),
+                     choice.predicted - self.budget_bytes, format_bytes(self.budget_bytes), NOISE)
+            choice = dataclasses.replace(choice, fits=True)
         if not choice.fits:
             config = self.backend.config
             raise budget_error(config.budget, self.reference, choice.predicted,

@@ -7,7 +7,9 @@ recompute (``backend="inductor"``, the budget's reference), +2%:
 
 - a model compiled whole: one graph, planned on its own peak from its first compile;
 - a model compiled per block (torchtitan's ``apply_compile``): each piece is first planned with
-  the candidate saving least (``GraphRecord.provisional``), the step is recorded, and the pieces
+  the candidate of least memory in a step of many calls (``GraphRecord.provisional``,
+  ``step_model.provisional_order``; at 0.5 the candidate saving least, ``full``, measured 0.552
+  of Inductor's step at steps 1-2, the one chosen now 0.504), the step is recorded, and the pieces
   are planned together (``lynx_compile.step_record``). Steps 1-2 run the provisional plans, step 3
   is recorded (a step measured by another profiler is not: the recording waits for one without),
   steps 4-5 run the plan of the step.
@@ -69,8 +71,7 @@ def _five_steps(model, run, plain, ref, x, style, reset):
     return measured
 
 
-@pytest.mark.parametrize("style", ["whole", "per-block"])
-@pytest.mark.parametrize("budget", [0.6, 0.7])
+@pytest.mark.parametrize("style,budget", [("whole", 0.6), ("whole", 0.7), ("per-block", 0.5), ("per-block", 0.7)])
 def test_every_step_within_the_budget(style, budget):
     model, run, plain, ref, x, backend = _compiled(budget, style)
     measured = _five_steps(model, run, plain, ref, x, style, _set_none)
@@ -80,8 +81,6 @@ def test_every_step_within_the_budget(style, budget):
         recorder = backend.step_recorder
         assert recorder.state == "done"
         assert all(r.plan.budget_scope == "step" for r in backend.records[-1:])
-        # the provisional plans saved least: the plan of the step recomputes less, within the budget
-        assert measured[4][0] >= measured[1][0]
 
 
 def test_per_block_with_grads_allocated_at_every_start(caplog):

@@ -1,0 +1,138 @@
+"""One smallest budget for a model whose loss is compiled apart (issue Q item 3).
+
+torchtitan's trainer compiles the model and its loss as two graphs of one step. The model graph
+is compiled first and whole; its budget on its own peak can be out of reach while the step's is
+decided only once the step is recorded (the loss and logits beside it). Before, a budget out of
+reach on the model graph's own peak was refused at step 1 naming the model graph's smallest
+budget (gpt-tiny 4 layers: 0.550), and asking for that was accepted at step 1 and refused at step
+3 naming the step's (0.562): two numbers. Now the model graph is compiled at its smallest peak
+and the refusal is left to the step (``step_record.StepRecorder.defer``): every unreachable
+budget names the step's smallest, and asking for it is accepted.
+
+References, independent of the number named: torch.compile's (``backend="inductor"``) same
+step, measured alike (the budget's 100%), +2% (the issue's tolerance).
+
+gpt-tiny, 4 layers, batch 4, one thread: ``model.logits`` compiled whole, the next-token loss
+compiled apart, both by the same backend; ``.grad`` None at each step's start.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from lynx_compile.budget import parse_budget
+from lynx_compile.config import make_config
+from lynx_compile.decisions import BudgetError
+from lynx_compile.dynamo_backend import LynxBackend, find_backend_error
+from lynx_compile.memory.measure import cpu_peak_bytes
+from lynx_compile.models import build_model, example_batch
+from lynx_compile.models.common import lm_loss
+
+TOLERANCE = 0.02
+RECORDED = 2  # lynx_compile.step_record.RECORDED_STEP: not measured here (one profiler at a time)
+
+
+def _step(backend):
+    """(model, one training step) of gpt-tiny with its logits and its loss compiled apart."""
+    torch.manual_seed(0)
+    model = build_model("gpt-tiny", dropout=0.0, n_layers=4)
+    x = example_batch(model, 4, generator=torch.Generator().manual_seed(1))
+    logits = torch.compile(model.logits, backend=backend)
+    loss = torch.compile(lambda out, idx: lm_loss(out, idx, None), backend=backend)
+    return model, lambda: loss(logits(x), x).backward()
+
+
+def _set_none(model):
+    for p in model.parameters():
+        p.grad = None
+
+
+def _lynx(budget: float) -> LynxBackend:
+    return LynxBackend(make_config({"memory_budget": budget, "plan_cache": False}))
+
+
+def _peaks(backend, steps: int = 5) -> dict[int, int]:
+    """Measured peak of each step but the recorded one."""
+    torch._dynamo.reset()
+    model, step = _step(backend)
+    out = {}
+    for i in range(1, steps + 1):
+        _set_none(model)  # zero_grad()'s default, outside the measure
+        if i == RECORDED:
+            step()
+            continue
+        out[i] = cpu_peak_bytes(step)
+    return out
+
+
+def _refusal(budget: float) -> tuple[BudgetError, float, int]:
+    """(the error, the budget it names, the step it came at)."""
+    torch._dynamo.reset()
+    model, step = _step(_lynx(budget))
+    for i in range(1, 5):
+        _set_none(model)
+        try:
+            step()
+        except Exception as e:  # noqa: BLE001 (dynamo wraps what the backend raises)
+            err = find_backend_error(e, BudgetError)
+            assert err is not None, e
+            named = re.search(r"Use memory_budget >= ([0-9.]+)", str(err))
+            assert named, str(err)
+            return err, parse_budget(named.group(1)), i
+    raise AssertionError(f"memory_budget={budget} was not refused")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def refusals(one_thread):
+    return _refusal(0.05), _refusal(0.3)
+
+
+def test_every_refusal_names_the_steps_smallest_budget(refusals):
+    """0.05 and 0.3 (both out of reach on the model graph's own peak) name the same budget,
+    once the step is recorded: the step's, not the model graph's."""
+    (err_a, named_a, at_a), (err_b, named_b, at_b) = refusals
+    assert named_a == named_b and err_a.smallest_bytes == err_b.smallest_bytes, (str(err_a), str(err_b))
+    assert at_a == at_b == RECORDED + 1, (at_a, at_b)
+    assert "compiled pieces of this step" in str(err_a), str(err_a)
+
+
+def test_the_named_budget_is_accepted_and_held_after_the_recorded_step(refusals, one_thread):
+    """Asked for, the named budget is accepted, and steps 3-5 (the step's plan) hold it.
+
+    Step 1 does not (weaker than issue Q item 2 asks): the model graph is planned within the
+    budget's fraction of its own peak before the loss beside it is known, and measures 0.599 of
+    torch.compile's step 1 at 0.565 here (steps 3-5: 0.565, 0.541, 0.541). A rerun plans it
+    lower at once (``step_hint``)."""
+    (_, named, _), _ = refusals
+    want = _peaks("inductor")
+    got = _peaks(_lynx(named))  # a refusal raises here
+    for i, peak in got.items():
+        if i > RECORDED:
+            assert peak <= (named + TOLERANCE) * want[i], (i, {k: round(v / want[k], 3) for k, v in got.items()},
+                                                          named)
+
+
+def test_a_whole_model_alone_is_refused_at_the_end_of_step_1(one_thread):
+    """No other graph shares the step: the model graph's own refusal, as the step's backward ends
+    (its forward ran at the graph's smallest peak), naming its smallest budget."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = build_model("gpt-tiny", dropout=0.0, n_layers=2)
+    x = example_batch(model, 4, generator=torch.Generator().manual_seed(1))
+    backend = _lynx(0.05)
+    out = torch.compile(model, backend=backend)(x)  # compiled: no error yet
+    (record,) = backend.records
+    assert record.step_choice == f"plan@{record.plan.peak_bytes}" or record.step_choice.startswith("plan@")
+    assert any("until the step shows whether other compiled graphs share it" in n for n in record.notes)
+    with pytest.raises(BudgetError, match=r"Use memory_budget >= 0\.\d+"):
+        out.loss.backward()
