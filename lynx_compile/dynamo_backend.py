@@ -138,6 +138,8 @@ class LynxBackend:
                 compiled = self._deferred(gm, example_inputs, record, e)
                 if compiled is None:
                     raise
+                if hint_key is not None:  # the step's plan may plan it lower: kept for the rerun
+                    record.stats["step_hint_key"] = hint_key
                 return self.step_recorder.piece(
                     compiled, record, functools.partial(self._rebuild, gm, InputSpec(example_inputs)),
                     device_type=_device_type(example_inputs))

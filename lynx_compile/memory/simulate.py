@@ -170,6 +170,18 @@ def backward_inputs(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule) -> tuple[dict[
     return input_keys, live
 
 
+def saved_input_bytes(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, names: frozenset[str]) -> int:
+    """Bytes of the forward's inputs named ``names`` (placeholders) that the backward takes,
+    once per storage. :func:`backward_inputs` counts every input zero (in a whole graph an input
+    is alive anyway: a parameter, the batch); in a piece of a model an activation input (the
+    block's input, the logits a loss graph takes) stays alive after the forward only because
+    the backward saved it."""
+    keys = storage_keys(fw_gm, {})
+    wanted = {keys[n]: _nbytes(n.meta.get("val")) for n in fw_gm.graph.find_nodes(op="placeholder") if n.name in names}
+    input_keys, _ = backward_inputs(fw_gm, bw_gm)
+    return sum(wanted[k] for k in set(input_keys.values()) if k in wanted)
+
+
 def held_tangents(keys) -> frozenset[str]:
     """The backward inputs torch keeps alive for the whole backward call (pass them as
     ``simulate_graph(held_inputs=...)``): the output gradients (``tangents_*``, keys as given by

@@ -22,10 +22,12 @@ import logging
 import time
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from lynx_compile.budget import budget_error as refuse
 from lynx_compile.decisions import BudgetError, Decisions
+from lynx_compile.memory.simulate import saved_input_bytes
 from lynx_compile.passes import APPLY_PIPELINE, PassContext, run_passes
 from lynx_compile.passes.apply_decisions import clear_decision_tags
 from lynx_compile.passes.mark_recomputed import mark_recomputed_pass
@@ -146,14 +148,16 @@ def _plan_piece(joint, ctx: PassContext, kw: dict, budget: int | None, reference
         if same not in seen:  # min-cut gives the same partition at many settings
             seen.add(same)
             scored.append((name, cost, applied))
-    none = next(step_candidate(n, e, a.mem) for n, e, a in scored if n == "none")  # the budget's 100%
+    acts = activation_inputs(joint, kw)
+    as_candidate = lambda n, e, a: step_candidate(n, e, a.mem, saved_input_bytes(a.fw, a.bw, acts))  # noqa: E731
+    none = next(as_candidate(n, e, a) for n, e, a in scored if n == "none")  # the budget's 100%
     if regions is not None:  # the model's region budgets bound every candidate
         scored = [c for c in scored if not regions.over(c[2].fw, c[2].bw)]
         if not scored:
             raise RegionBudgetError("lynx: no plan of this piece holds the model's region budgets "
                                     f"({', '.join(r.name for r in regions.regions)}); raise the region budgets")
     ctx.record.stats["candidates"] = {n: {"exposed_s": e, "saved_bytes": a.mem.saved_bytes} for n, e, a in scored}
-    choices = tuple(step_candidate(n, e, a.mem) for n, e, a in scored)
+    choices = tuple(as_candidate(n, e, a) for n, e, a in scored)
     fitting = [c for c in scored if budget is None or c[2].mem.saved_bytes <= budget]
     windows = ctx.record.problem is not None and bool(ctx.record.problem.windows)
     if budget is not None and ctx.record.provisional and not windows:
@@ -162,7 +166,7 @@ def _plan_piece(joint, ctx: PassContext, kw: dict, budget: int | None, reference
         # (Not yet where the piece has communication windows (FSDP2, TP, EP): there lynx's own
         # plan recomputes in them at no cost, and is chosen as before.)
         grads = ctx.record.new_grad_bytes
-        name, cost, applied = min(scored, key=lambda c: provisional_order(step_candidate(*c[:2], c[2].mem), grads))
+        name, cost, applied = min(scored, key=lambda c: provisional_order(as_candidate(*c), grads))
         mine = next((c for c in scored if c[0] == seeds.USER), None)
         if mine is not None and mine[2].mem.saved_bytes <= budget:
             # the user's own checkpointing fits: what torch.compile would run, until the step's plan
@@ -233,16 +237,30 @@ def _forced_piece(joint, ctx: PassContext, kw: dict, name: str, frac: float):
     else:
         applied = next(a for _, a in seeds.baseline_candidates(joint, ctx, kw, (name,), None))
     cost = seeds.exposed(applied, joint)
-    choice = step_candidate(name, cost, applied.mem)
+    choice = step_candidate(name, cost, applied.mem,
+                            saved_input_bytes(applied.fw, applied.bw, activation_inputs(joint, kw)))
     ctx.record.step = GraphChoices(reference=choice, choices=(choice,), current=name)
     note = f"one block or a piece of a model: '{name}', chosen for the step's pieces planned together"
     return _piece_outcome(joint, ctx, name, cost, applied, own, note)
 
 
-def step_candidate(name: str, exposed_s: float, mem) -> Candidate:
-    """A compile of a graph as the step's plan across graphs weighs it (``step_model``)."""
-    return Candidate(name=name, exposed_s=exposed_s, saved_bytes=mem.saved_bytes,
-                     forward_peak_bytes=mem.forward_peak_bytes, backward_peak_bytes=mem.backward_peak_bytes)
+def step_candidate(name: str, exposed_s: float, mem, held_inputs: int = 0) -> Candidate:
+    """A compile of a graph as the step's plan across graphs weighs it (``step_model``).
+    ``held_inputs``: the bytes of activation inputs it saves (``memory.simulate.saved_input_bytes``),
+    alive from its forward to its backward only because it saves them: counted in what it saves
+    and in its backward's peak."""
+    return Candidate(name=name, exposed_s=exposed_s, saved_bytes=mem.saved_bytes + held_inputs,
+                     forward_peak_bytes=mem.forward_peak_bytes,
+                     backward_peak_bytes=mem.backward_peak_bytes + held_inputs)
+
+
+def activation_inputs(joint: fx.GraphModule, kw: dict) -> frozenset[str]:
+    """Names of the joint's primal inputs that are activations of a model in pieces: floating
+    point and not a parameter or buffer (dynamo's static-lifetime inputs)."""
+    static = set(kw.get("static_lifetime_input_indices") or ())
+    primals = [n for n in joint.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
+    return frozenset(p.name for i, p in enumerate(primals)
+                     if i not in static and isinstance(v := p.meta.get("val"), torch.Tensor) and v.is_floating_point())
 
 
 def realize_tags(joint: fx.GraphModule, ctx: PassContext, decisions: Decisions) -> None:
