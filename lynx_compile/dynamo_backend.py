@@ -21,7 +21,6 @@ import torch
 import torch.fx as fx
 
 from lynx_compile import _compat, autograd_cache
-from lynx_compile.compiled_piece import InputSpec
 from lynx_compile.config import OPTIONS_ENV, LynxConfig, make_config, options_from_env
 from lynx_compile.decisions import BudgetError
 from lynx_compile.errors import LynxOptionError, PlanningDone
@@ -134,25 +133,24 @@ class LynxBackend:
         try:
             compiled = self._compile(gm, example_inputs, record)
         except BudgetError as e:
-            if record.step_choice is None:
+            if record.step_choice is None:  # a first compile: its refusal left to the step where it can be
                 compiled = self._deferred(gm, example_inputs, record, e)
                 if compiled is None:
                     raise
-                if hint_key is not None:  # the step's plan may plan it lower: kept for the rerun
-                    record.stats["step_hint_key"] = hint_key
-                return self.step_recorder.piece(
-                    compiled, record, functools.partial(self._rebuild, gm, InputSpec(example_inputs)),
-                    device_type=_device_type(example_inputs))
-            log.warning("lynx plan cache: step hint %s no longer applies to graph %d (%s); planning it as a "
-                        "first compile does", hint_key[:12], record.graph_id, e)
-            record.step_choice = None
-            compiled = self._compile(gm, example_inputs, record)
+            else:
+                log.warning("lynx plan cache: step hint %s no longer applies to graph %d (%s); planning it as a "
+                            "first compile does", hint_key[:12], record.graph_id, e)
+                record.step_choice = None
+                compiled = self._compile(gm, example_inputs, record)
         if hint_key is not None:
             record.stats["step_hint_key"] = hint_key
         if self.step_recorder is None:
             return compiled
+        from lynx_compile.compiled_piece import InputSpec
+
+        devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
         return self.step_recorder.piece(compiled, record, functools.partial(self._rebuild, gm, InputSpec(example_inputs)),
-                                        device_type=_device_type(example_inputs))
+                                        device_type="cuda" if "cuda" in devices else "cpu")
 
     def _deferred(self, gm: fx.GraphModule, example_inputs: list, record: GraphRecord,
                   refusal: BudgetError) -> Callable | None:
@@ -437,9 +435,3 @@ def lynx_backend(gm: fx.GraphModule, example_inputs: list, *, options: dict | No
         raise LynxOptionError(f"backend 'lynx' got options={options!r} and {OPTIONS_ENV} is set too; "
                               f"unset {OPTIONS_ENV} or drop options=")
     return backend(**(options or env_options or {}))(gm, example_inputs)
-
-
-def _device_type(example_inputs: list) -> str:
-    """Where a graph compiled with ``example_inputs`` runs, as the step's recorder tells them apart."""
-    devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
-    return "cuda" if "cuda" in devices else "cpu"

@@ -132,18 +132,16 @@ class StepRecorder:
     def _refuse_alone(self) -> None:
         """At the end of step 1: the deferred refusal of a whole graph, raised when no other graph
         with choices shared the step (the refusal on its own peak was the step's)."""
-        deferred = [p for p in self.calls if p.record.graph_id in self.refusals]
+        refusals, self.refusals = self.refusals, {}
+        deferred = [p for p in self.calls if p.record.graph_id in refusals]
         if not deferred:
             return
-        others = _with_choices(p.record.step for p in self.calls if p.record.graph_id not in self.refusals)
-        if not others:
-            refusal = self.refusals[deferred[0].record.graph_id]
-            self.refusals.clear()
-            raise refusal
+        if not _with_choices(p.record.step for p in self.calls if p.record.graph_id not in refusals):
+            self.calls, self.marks, self.mark_grads = [], [], []
+            raise refusals[deferred[0].record.graph_id]
         log.info("lynx: graph(s) %s out of reach on their own peak share the step with other compiled graphs: "
                  "the step's plan decides (step %d recorded)",
                  ", ".join(str(i) for i in dict.fromkeys(p.record.graph_id for p in deferred)), RECORDED_STEP)
-        self.refusals.clear()
 
     # -- the step's calls --------------------------------------------------------------------
     def before_forward(self) -> None:
@@ -188,11 +186,7 @@ class StepRecorder:
             return
         self.steps_seen += 1
         if self.steps_seen == 1 and self.refusals:
-            try:
-                self._refuse_alone()
-            except BudgetError:
-                self.calls, self.marks, self.mark_grads = [], [], []
-                raise
+            self._refuse_alone()
         if self.state == "warming" and self.steps_seen == 1 and self._cached_step():
             self.calls, self.marks, self.mark_grads = [], [], []
             return
