@@ -72,6 +72,10 @@ class Piece:
 
     def __call__(self, *args: Any) -> Any:
         rec = self.recorder
+        if rec.tracking and _compat.detect_fake_mode(args) is not None:
+            # a call on fake tensors while dynamo compiles (DDPOptimizer runs each bucket's
+            # compiled graph on fakes to trace the next): no step's call, no backward to follow
+            return self.compiled(*args)
         rec.before_forward()
         if not rec.tracking or not torch.is_grad_enabled():
             return self._current()(*args)

@@ -118,7 +118,7 @@ _ACCUMULATORS = WeakIdKeyDictionary()
 def _remember_accumulators(params: list[torch.Tensor]) -> None:
     with torch.enable_grad():
         for p in params:
-            if p not in _ACCUMULATORS:
+            if isinstance(p, torch.Tensor) and not _compat.is_plain_fake(p) and p not in _ACCUMULATORS:
                 _ACCUMULATORS[p] = torch.autograd.graph.get_gradient_edge(p).node
 
 
@@ -159,8 +159,29 @@ def decide(config, example_inputs: list) -> GradsInGraph:
     if why:
         return GradsInGraph(False, False, why)
     params = [t for t in example_inputs if isinstance(t, torch.nn.Parameter) and t.requires_grad]
-    _remember_accumulators(params)
+    _remember_accumulators([p for p in params if not _compat.is_plain_fake(p)])
     return GradsInGraph(True, any(p.grad is None for p in params), "")
+
+
+def remembering(compiled, example_inputs: list):
+    """``compiled`` (the graph compiled for ``example_inputs``), taking at each call the
+    ``AccumulateGrad`` node of each parameter it receives as a fake one at compile time
+    (dynamo's DDPOptimizer compiles each bucket's graph on fake parameters; the real ones
+    arrive at the call). The op needs the node to follow the engine: ``backward(inputs=...)``,
+    ``torch.autograd.grad``. ``compiled`` itself where every parameter was real."""
+    at = [i for i, t in enumerate(example_inputs)
+          if isinstance(t, torch.nn.Parameter) and t.requires_grad and _compat.is_plain_fake(t)]
+    if not at:
+        return compiled
+    seen: list = []
+
+    def run(*args):  # (dynamo calls what a backend returns unboxed)
+        if len(seen) != len(at) or any(args[i] is not s for i, s in zip(at, seen)):
+            seen[:] = [args[i] for i in at]
+            _remember_accumulators(seen)
+        return compiled(*args)
+
+    return run
 
 
 def _recomputes_nothing(config) -> bool:
@@ -173,14 +194,11 @@ def _recomputes_nothing(config) -> bool:
 def _why_returned(weight_split: bool, example_inputs: list) -> str:
     if weight_split:
         return "weight_split=True defers the weight gradients to the W graph"
-    if torch.distributed.is_available() and torch.distributed.is_initialized() \
-            and torch.distributed.get_world_size() > 1:
-        return ("torch.distributed runs several ranks: DDP's and FSDP's gradient hooks hang on "
-                "AccumulateGrad in C++, where lynx cannot run them")
     for t in example_inputs:
         if not (isinstance(t, torch.nn.Parameter) and t.requires_grad):
             continue
-        if type(t) is not torch.nn.Parameter and type(t.data) is not torch.Tensor:
+        plain = (type(t) is torch.nn.Parameter and type(t.data) is torch.Tensor) or _compat.is_plain_fake(t)
+        if not plain:
             return f"a parameter is a tensor subclass ({type(t.data).__name__}, e.g. FSDP2's DTensor)"
         if t._backward_hooks:
             return ("a parameter has a tensor hook (register_hook), which autograd calls where the gradient "
@@ -253,4 +271,4 @@ def _error(why: str) -> Exception:
     return LynxOptionError(f"accumulate_grad_in_graph=True cannot apply: {why}; compile without it")
 
 
-__all__ = ["accumulate_grad", "rewrite_joint", "param_indices", "decide", "GradsInGraph"]
+__all__ = ["accumulate_grad", "rewrite_joint", "param_indices", "decide", "remembering", "GradsInGraph"]

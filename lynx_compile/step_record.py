@@ -349,9 +349,13 @@ class StepRecorder:
 
     # -- choosing and applying ---------------------------------------------------------------
     def _choose(self, as_ran: StepModel) -> None:
-        """The choice for ``self.model`` (the step that allocates its gradients); where none fits
-        the budget, for ``as_ran`` (the recorded step as it ran, ``.grad`` allocated at its start)
-        when that predicts a lower peak."""
+        """The choice for the recorded step. ``self.model`` is the step that allocates its
+        gradients (``.grad`` None at its start: ``zero_grad()``'s default, the first micro-batch),
+        ``as_ran`` the step as it ran. Where ``.grad`` was allocated as it started
+        (``zero_grad(set_to_none=False)``, a later micro-batch, DDP's buckets) a plan must hold
+        the budget in both, each a fraction of the same step with no recompute (torch.compile's
+        own step in that regime); where none does, the step is planned as it ran (within the
+        budget of that step) and the peak a step from None would reach is said (``grads_note``)."""
         from lynx_compile.distributed.agreement import gather_values, planning_group
 
         model = self.model
@@ -362,40 +366,35 @@ class StepRecorder:
                                f"{[len(o[0]) for o in everyone]}); every rank must run the same compiled pieces")
         outside = [max(col) for col in zip(*(o[0] for o in everyone))]
         outside_as_ran = [max(col) for col in zip(*(o[1] for o in everyone))]
-        # the budget's 100%: the step with no recompute, which returns its gradients at its end (a
-        # pile as large as the .grad a step starting from None allocates), in either regime
-        reference = model.reference(outside)
+        allocated = outside_as_ran != outside
+        # the budget's 100%: the step with no recompute, which returns its gradients at its end
+        # (each compiled graph's, which autograd adds into .grad once it returns), per regime
+        reference, reference_as_ran = model.reference(outside), as_ran.reference(outside_as_ran)
         budget = self.backend.config.budget
         if budget.needs_resident:
             budget = budget.with_resident(*self._resident)
-        self.budget_bytes = budget.bytes_of(reference)
-        accept = None
+        self.budget_bytes, budget_as_ran = budget.bytes_of(reference), budget.bytes_of(reference_as_ran)
         mine = _users_pick(model)
         if mine is not None:  # the user's checkpointing on every piece: never more memory than it
             # gives, in either .grad regime (issue U)
-            asked = self.budget_bytes
-            self.budget_bytes = min(asked, model.predicted(mine, outside))
-            cap = min(asked, as_ran.predicted(mine, outside_as_ran))
-            accept = lambda pick: as_ran.predicted(pick, outside_as_ran) <= cap  # noqa: E731
+            self.budget_bytes = min(self.budget_bytes, model.predicted(mine, outside))
+            budget_as_ran = min(budget_as_ran, as_ran.predicted(mine, outside_as_ran))
+        accept = (lambda pick: as_ran.predicted(pick, outside_as_ran) <= budget_as_ran) if allocated else None  # noqa: E731
         self.outside, self.reference = outside, reference
         self.choice = choose(model, self.budget_bytes, outside, accept)
-        if self.choice.fits or outside_as_ran == outside:
+        if self.choice.fits or not allocated:
             return
-        # no choice fits a step that allocates its gradients; this one started with them allocated
-        # (zero_grad(set_to_none=False), a later micro-batch): plan the step as it ran
-        if mine is not None:
-            self.budget_bytes = cap
-        ran = choose(as_ran, self.budget_bytes, outside_as_ran)
-        if ran.predicted >= self.choice.predicted:
-            return
-        held = max(a - b for a, b in zip(outside, outside_as_ran))
+        # no choice holds a step that allocates its gradients: plan the step as it ran
+        ran = choose(as_ran, budget_as_ran, outside_as_ran)
         self.grads_note = (f"parameter gradients: .grad were allocated as step {RECORDED_STEP} started, and the "
-                           f"step is planned so (a step starting with .grad None would peak at "
-                           f"{format_bytes(model.predicted(ran.pick, outside))} with this plan, up to "
-                           f"{format_bytes(held)} more: no plan fits it within the budget)")
+                           f"step is planned so, within the budget of that step with no recompute "
+                           f"({format_bytes(reference_as_ran)}); a step starting with .grad None allocates "
+                           f"them and would peak at {format_bytes(model.predicted(ran.pick, outside))} with this "
+                           f"plan (no plan fits it within {format_bytes(self.budget_bytes)})")
         if ran.fits:
             log.warning("lynx: %s", self.grads_note)
         self.model, self.outside, self.choice = as_ran, outside_as_ran, ran
+        self.reference, self.budget_bytes = reference_as_ran, budget_as_ran
 
     def _tighten(self, choice: StepChoice, rounds: int = 3) -> StepChoice:
         """When no choice of the pieces fits: the graphs planned on their own peak (whole graphs

@@ -120,6 +120,7 @@ from lynx_compile._compat.tracing import (
     adopt_unbacked_symbols,
     annotate_region,
     detect_fake_mode,
+    is_plain_fake,
     dispatch_mode_base,
     dynamo_passthrough_error,
     eager_dispatch,
@@ -147,7 +148,7 @@ __all__ = [
     "cpu_allocation_events", "dynamo_counters", "inductor_cache_dir", "inductor_metrics", "inductor_output_code",
     "profiler_marks", "profiler_running", "record_function_ops",
     # tracing
-    "REGION_BUDGET_KEY", "adopt_unbacked_symbols", "annotate_region", "detect_fake_mode", "dispatch_mode_base", "dynamo_passthrough_error",
+    "REGION_BUDGET_KEY", "adopt_unbacked_symbols", "annotate_region", "detect_fake_mode", "is_plain_fake", "dispatch_mode_base", "dynamo_passthrough_error",
     "eager_dispatch", "refuse_unbacked_retrace", "static_tracing",
     # fx_utils
     "boxed", "is_inductor_seeds", "is_op_overload", "is_rng_replay", "is_sym_node", "mark_side_effect",

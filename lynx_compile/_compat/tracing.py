@@ -93,6 +93,14 @@ def refuse_unbacked_retrace(gm: fx.GraphModule) -> None:
             "(the default)")
 
 
+def is_plain_fake(t: Any) -> bool:
+    """``t`` is a plain fake tensor (``FakeTensor``, not a wrapper subclass around fakes such as a
+    fake DTensor): dynamo's DDPOptimizer hands each bucket's graph fake parameters."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return type(t) is FakeTensor
+
+
 def detect_fake_mode(values: Any) -> Any:
     """The FakeTensorMode of ``values`` (``torch._guards.detect_fake_mode``), or None."""
     from torch._guards import detect_fake_mode as _detect
