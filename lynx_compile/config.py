@@ -146,8 +146,8 @@ class LynxConfig:
     added into ``.grad`` inside the compiled backward right after it is computed, as eager
     PyTorch does (its tensor and post-accumulate-grad hooks run there), instead of all being
     returned at the backward's end for autograd to add (the "gradient pile", which sets the
-    step's peak under heavy recompute); returned where that cannot give eager's ``.grad``:
-    several ranks (DDP/FSDP hooks), tensor-subclass parameters, a tensor hook, ``weight_split``,
+    step's peak under heavy recompute; DDP's and FSDP2's hooks read ``.grad``); returned where
+    that cannot give eager's ``.grad``: tensor-subclass parameters, a tensor hook, ``weight_split``,
     and where nothing is recomputed (policy ``none``/``torch``, no budget: torch.compile's step
     bit for bit). True: added also where nothing is recomputed, refused where it cannot be.
     False: always returned. Added in the graph,

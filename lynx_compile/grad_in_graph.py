@@ -27,11 +27,20 @@ no memory; a leaf is saved as itself):
   asks for the gradient itself, and ``create_graph=True`` raise one error naming the fix
   (``accumulate_grad_in_graph=False``).
 
+Several ranks: DDP's reducer hangs its hook on each parameter's ``AccumulateGrad`` and reads
+``.grad`` there; the engine still runs that node once the compiled backward returns (with no
+gradient), so the hook finds ``.grad`` complete and all-reduces it (``tests/test_ddp.py``:
+compiled DDP split into buckets, gradients equal Inductor's, ``gradient_as_bucket_view`` too).
+FSDP2 reads the unsharded parameters' ``.grad`` in its post-backward (``tests/test_fsdp2.py``).
+dynamo's DDPOptimizer compiles each bucket's graph on fake parameters: the ``AccumulateGrad``
+nodes are taken from the real ones at the graph's first call (:func:`remembering`). A Python
+hook registered on the node itself (``grad_fn.next_functions``'s ``register_hook``) receives
+None as the gradient: read ``.grad`` there, or compile with ``False``.
+
 When :func:`decide` keeps the gradients returned (``accumulate_grad_in_graph=None``, the
-default, where eager's ``.grad`` cannot be promised; ``True`` refuses there instead): several
-ranks (DDP's reducer and FSDP's reduce-scatter hang C++ hooks on ``AccumulateGrad``), a
-tensor-subclass parameter (FSDP2's DTensor), a tensor hook, ``weight_split`` (the weight
-gradients belong to the deferred W graph). By default also where nothing is recomputed (policy
+default, where eager's ``.grad`` cannot be promised; ``True`` refuses there instead): a
+tensor-subclass parameter (FSDP2's DTensor compiled whole, TP's DTensor), a tensor hook,
+``weight_split`` (the weight gradients belong to the deferred W graph). By default also where nothing is recomputed (policy
 ``none`` or ``torch``, ``lynx`` with no budget): the step is then torch.compile's, bit for bit
 (a tied weight's two gradients are summed in another order once the sum feeds the op), and its
 peak is at the backward's start, where the pile has not formed. The record says which

@@ -296,8 +296,9 @@ class StepRecorder:
             self._grads.stop()
             held = self._grads.held_bytes
             self.grads_note = (f"parameter gradients: {format_bytes(held)} of .grad were allocated as step "
-                               f"{RECORDED_STEP} started; planned as if the step allocates them (.grad None "
-                               "at the start, torch's zero_grad default)") if held else ""
+                               f"{RECORDED_STEP} started; planned within the budget both as it ran and for a step "
+                               "that allocates them (.grad None at the start, torch's zero_grad default), "
+                               "each of its own step with no recompute") if held else ""
         else:
             self.grads_note = (f"parameter gradients: planned as step {RECORDED_STEP} ran (another tool holds "
                                "Python's profile hook, so lynx could not see whether .grad was allocated)")
