@@ -1,8 +1,18 @@
 import logging
 import os
+import sys
+from pathlib import Path
 
-import pytest
-import torch
+# The repository's root is on sys.path under `python -m pytest` (the working directory), where
+# its top-level `kernels/` folder (installed as `lynx_compile.kernels`) shadows Hugging Face's
+# `kernels` package, which transformers >= 5 imports: "cannot import name 'CUDAProperties' from
+# 'kernels'". lynx is installed (`pip install -e .`), so the root is not needed: drop it before
+# anything imports transformers (children of tests/_dist.py take this sys.path too).
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != _ROOT]
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Kernel tests need TRITON_INTERPRET=1 before triton is imported; test_kernels_interpreted.py
 # runs them in their own process with it set.
