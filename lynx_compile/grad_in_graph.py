@@ -40,10 +40,10 @@ None as the gradient: read ``.grad`` there, or compile with ``False``.
 When :func:`decide` keeps the gradients returned (``accumulate_grad_in_graph=None``, the
 default, where eager's ``.grad`` cannot be promised; ``True`` refuses there instead): a
 tensor-subclass parameter (FSDP2's DTensor compiled whole, TP's DTensor), a tensor hook,
-``weight_split`` (the weight gradients belong to the deferred W graph). By default also where nothing is recomputed (policy
-``none`` or ``torch``, ``lynx`` with no budget): the step is then torch.compile's, bit for bit
-(a tied weight's two gradients are summed in another order once the sum feeds the op), and its
-peak is at the backward's start, where the pile has not formed. The record says which
+``weight_split`` (the weight gradients belong to the deferred W graph). By default also where
+nothing is recomputed (policy ``none`` or ``torch``, ``lynx`` with no budget): the step is then
+torch.compile's, bit for bit (a tied weight's two gradients are summed in another order once the
+sum feeds the op), and its peak is at the backward's start, where the pile has not formed. The record says which
 (``GraphRecord.grads_in_graph``).
 
 Memory: the graph's memory model frees each gradient after its op. Where a parameter's ``.grad``
