@@ -28,6 +28,7 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 
 from _dist import run_ranks  # noqa: E402
+from _steps import step_peaks  # noqa: E402
 
 STEPS = 5
 RECORDED = 3
@@ -59,7 +60,6 @@ def _run(rank: int, world: int, name: str, options: dict | None, grads: str) -> 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import lynx_compile
-    from lynx_compile.memory.measure import cpu_peak_bytes
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -69,19 +69,9 @@ def _run(rank: int, world: int, name: str, options: dict | None, grads: str) -> 
     run = torch.compile(DDP(model, bucket_cap_mb=1), backend=backend)
     peaks, error = [], ""
     try:
-        for step in range(1, STEPS + 1):
-            for p in model.parameters():
-                if grads == "none":
-                    p.grad = None
-                elif p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                else:
-                    p.grad.zero_()
-            if step == RECORDED:
-                run(*args, **kwargs).loss.backward()
-                peaks.append(None)
-                continue
-            peaks.append(cpu_peak_bytes(lambda: run(*args, **kwargs).loss.backward()))
+        for peak in step_peaks(lambda: run(*args, **kwargs).loss.backward(), list(model.parameters()), STEPS,
+                               grads, unmeasured=(RECORDED,)):
+            peaks.append(peak)  # (kept up to a refusal)
     except Exception as e:  # noqa: BLE001 (a refusal is a result)
         error = str(e).splitlines()[0][:300]
     graphs = len(lynx_compile.backend(**options).records) if options is not None else 0

@@ -24,8 +24,8 @@ import torch
 
 import lynx_compile
 from _dist import run_ranks
+from _steps import step_peaks
 from lynx_compile.decisions import BudgetError
-from lynx_compile.memory.measure import cpu_peak_bytes
 from lynx_compile.models import build_model, example_batch
 
 BUDGET = 0.7
@@ -37,7 +37,7 @@ BUCKET_MB = 1  # (DDPOptimizer's first bucket is 1 MB; a smaller cap is refused 
 
 def _steps(rank: int, options: dict | None, grads_none: bool) -> dict:
     """STEPS compiled DDP steps of a 2-layer gpt-tiny of hidden 256 (6 MB of parameters: several
-    buckets); per step the allocator-event peak (0 for the unmeasured one), the gradients after
+    buckets); per step the allocator-event peak (None for the unmeasured one), the gradients after
     the last one, and lynx's records."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -47,20 +47,8 @@ def _steps(rank: int, options: dict | None, grads_none: bool) -> dict:
     backend = "inductor" if options is None else lynx_compile.backend(**options)
     run = torch.compile(DDP(model, bucket_cap_mb=BUCKET_MB), backend=backend)
     x = example_batch(model, 4, generator=torch.Generator().manual_seed(1 + rank))
-    peaks = []
-    for step in range(1, STEPS + 1):
-        for p in model.parameters():
-            if grads_none:
-                p.grad = None
-            elif p.grad is None:
-                p.grad = torch.zeros_like(p)
-            else:
-                p.grad.zero_()
-        if step == UNMEASURED:
-            run(x).loss.backward()
-            peaks.append(0)
-            continue
-        peaks.append(cpu_peak_bytes(lambda: run(x).loss.backward()))
+    peaks = list(step_peaks(lambda: run(x).loss.backward(), list(model.parameters()), STEPS,
+                            "none" if grads_none else "allocated", unmeasured=(UNMEASURED,)))
     out = {"peaks": peaks, "grads": [p.grad.clone() for p in model.parameters()]}
     if options is not None:
         out["records"] = [(r.graph_id, r.grads_in_graph.applies, r.grads_in_graph.why, r.step_choice,
