@@ -23,7 +23,7 @@ import torch.fx as fx
 from lynx_compile import _compat, autograd_cache
 from lynx_compile.config import OPTIONS_ENV, LynxConfig, make_config, options_from_env
 from lynx_compile.decisions import BudgetError
-from lynx_compile.errors import LynxOptionError, PlanningDone
+from lynx_compile.errors import LynxOptionError, PlanningDone, without_tracebacks
 from lynx_compile.passes import GraphRecord, check_pass_names
 from lynx_compile.recompute.partition import lynx_partition
 
@@ -134,7 +134,7 @@ class LynxBackend:
             compiled = self._compile(gm, example_inputs, record)
         except BudgetError as e:
             if record.step_choice is None:  # a first compile: its refusal left to the step where it can be
-                compiled = self._deferred(gm, example_inputs, record, e)
+                compiled = self._deferred(gm, example_inputs, record, without_tracebacks(e))
                 if compiled is None:
                     raise
             else:

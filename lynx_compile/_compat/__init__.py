@@ -88,6 +88,7 @@ from lynx_compile._compat.inductor_schedule import (
     inductor_atomic_add_falls_back,
     inductor_graph_input_names,
     inductor_preserve_node_ordering,
+    inductor_realize_thresholds,
     inductor_schedule_memory,
 )
 from lynx_compile._compat.introspection import (
@@ -142,7 +143,7 @@ __all__ = [
     # inductor_fusion
     "RECOMPUTE_FUSION_SHARED_BYTES", "refuses_horizontal_fusion", "refusing_recompute_fusion",
     # inductor_schedule
-    "inductor_atomic_add_falls_back", "inductor_graph_input_names", "inductor_preserve_node_ordering",
+    "inductor_atomic_add_falls_back", "inductor_graph_input_names", "inductor_preserve_node_ordering", "inductor_realize_thresholds",
     "inductor_schedule_memory",
     # introspection
     "cpu_allocation_events", "dynamo_counters", "inductor_cache_dir", "inductor_metrics", "inductor_output_code",

@@ -88,3 +88,20 @@ def inductor_atomic_add_falls_back(dtype: torch.dtype) -> bool:
     from torch._inductor.utils import needs_fallback_due_to_atomic_add_limitations
 
     return needs_fallback_due_to_atomic_add_limitations(dtype)
+
+
+def inductor_realize_thresholds(device_type: str) -> tuple[int, int]:
+    """``(reads on reuse, accumulated reads)``: Inductor's lowering keeps a pointwise value
+    inlined into its readers until it reads more buffers than the first while read by more than one
+    node (``StorageBox.should_realize_on_reuse``: ``config.realize_reads_threshold``), or more
+    than the second at all (``has_exceeded_max_reads``: ``config.realize_acc_reads_threshold``,
+    unset by default: ``realize_cpu_acc_reads_threshold`` on CPU, else
+    ``_realize_acc_reads_threshold_default``). Read now, so a user's setting counts (2.11 and
+    2.13 alike: 4 and 12 on CPU, 4 and 8 elsewhere)."""
+    from torch._inductor import config
+
+    acc = getattr(config, "realize_acc_reads_threshold", None)
+    if acc is None:
+        acc = (getattr(config, "realize_cpu_acc_reads_threshold", 12) if device_type == "cpu"
+               else getattr(config, "_realize_acc_reads_threshold_default", 8))
+    return int(getattr(config, "realize_reads_threshold", 4)), int(acc)

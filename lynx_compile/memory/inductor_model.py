@@ -26,9 +26,14 @@ A first-order model of the code Inductor generates for a graph (lynx's Inductor 
 * the backward's saved tensors that AOTAutograd donates take a kernel's output in place once they
   die (``donated_inputs``).
 
-Not modelled under Inductor: values it realizes although they feed only loop kernels (one read
-by several kernels with more than ``realize_reads_threshold`` reads or an ``exp`` on CPU), other
-fusions that move a kernel (reductions, kernels of other sizes, reads shared below 1 MiB).
+* a value that would be computed inside its readers but that Inductor's lowering writes out
+  (read by several nodes that cannot be one kernel, with more than 4 buffer reads in its loop
+  body or, on CPU, an ``exp``/``log``/``sigmoid``/``tanh`` in it; or more than 12 reads on CPU, 8
+  elsewhere) is a buffer where it stands (``realized_on_reuse``): HF Llama's recomputed residual
+  stream, read by the final norm and by a block's norm later.
+
+Not modelled under Inductor: its op-count limit on inlining, other fusions that move a kernel
+(reductions, kernels of other sizes, reads shared below 1 MiB).
 Measured on CPU (``tests/test_compiled_peak.py``, docs/memory_budget.md
 """
 from __future__ import annotations
@@ -44,7 +49,18 @@ from lynx_compile.memory.storage import HOST_OUTPUT_OPS, _bytes, _value, aliased
 
 
 INDEX_OPS = frozenset({torch.ops.aten.index.Tensor, torch.ops.aten._unsafe_index.Tensor})
-LOOP_OPS = INDEX_OPS | {torch.ops.aten.slice_scatter.default, torch.ops.aten.select_scatter.default}
+LOOP_OPS = INDEX_OPS | {torch.ops.aten.slice_scatter.default, torch.ops.aten.select_scatter.default,
+                        torch.ops.aten.embedding.default}
+"""Ops Inductor lowers as loop kernels besides pointwise ones: gathers (an embedding's forward
+is an indirect load of its weight, a ``Pointwise`` in Inductor's ``lowering.py``; its sparse
+form falls back to aten) and scatters into a copy."""
+
+HEAVY_CPU_OPS = frozenset(getattr(torch.ops.aten, name).default for name in (
+    "exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh", "silu", "softplus"))
+"""Ops whose loop body holds what Inductor calls a heavy op on CPU (``exp``, ``log``, ``log10``,
+``log1p``, ``log2``, ``sigmoid``, ``tanh``: ``StorageBox.should_realize_on_reuse``; ``silu``
+lowers to ``x * sigmoid(x)``, ``softplus`` to ``log1p(exp(x))``): a CPU value computed with one is
+written out once it has more than one reader."""
 
 
 def _tags(node: fx.Node) -> tuple:
@@ -68,6 +84,8 @@ def _is_loop(node: fx.Node) -> bool:
         return True
     if node.target not in LOOP_OPS:
         return False
+    if node.target is torch.ops.aten.embedding.default:
+        return not (node.args[4] if len(node.args) > 4 else node.kwargs.get("sparse", False))
     indices = node.args[1] if node.target in INDEX_OPS else ()
     return not any(isinstance(i, fx.Node) and getattr(i.meta.get("val"), "dtype", None) == torch.bool
                    for i in indices)
@@ -192,12 +210,103 @@ def late_addmms(nodes: list[fx.Node]) -> set[fx.Node]:
 
 
 def interior_nodes(nodes: list[fx.Node]) -> set[fx.Node]:
-    """The nodes Inductor computes inside a later kernel: the ``fused_interior`` ones, and the
-    matmuls of :func:`late_addmms` (computed in their ``addmm``, whose add reads its addend
-    from a buffer: that addend is no interior value)."""
+    """The nodes Inductor computes inside a later kernel: the ``fused_interior`` ones that its
+    lowering does not write out (:func:`realized_on_reuse`), and the matmuls of
+    :func:`late_addmms` (computed in their ``addmm``, whose add reads its addend from a buffer:
+    that addend is no interior value)."""
     late = late_addmms(nodes)
     addmm_adds = frozenset(u for mm in late for u in mm.users)
-    return {n for n in nodes if fused_interior(n, addmm_adds)} | late
+    return realized_on_reuse(nodes, {n for n in nodes if fused_interior(n, addmm_adds)}) | late
+
+
+def _fanout(node: fx.Node) -> int:
+    """The most readers Inductor's lowering sees the value of ``node`` reused by: its own, or
+    those of a view of it (a view's reuse realizes the value it views)."""
+    out = len(node.users)
+    for u in node.users:
+        if _is_view(u):
+            out = max(out, _fanout(u))
+    return out
+
+
+def _readers(node: fx.Node) -> list[fx.Node]:
+    """The nodes reading ``node``'s value, through views of it."""
+    out = []
+    for u in node.users:
+        out.extend(_readers(u) if _is_view(u) else [u])
+    return out
+
+
+def _is_barrier(n: fx.Node) -> bool:
+    """A node that is no loop kernel and none of their parts (a matmul, an extern kernel)."""
+    return n.op == "call_function" and not (_is_loop(n) or _is_view(n) or _is_constant(n)
+                                            or torch.Tag.reduction in _tags(n))
+
+
+def _readers_apart(node: fx.Node, pos: dict[fx.Node, int], barriers: list[int]) -> bool:
+    """Whether ``node``'s readers cannot all be one kernel: a :func:`_is_barrier` node runs
+    between the first and the last (``barriers[i]``: how many come before position ``i``).
+    Where they can, a value Inductor writes out is read inside that kernel and never allocated
+    (a SwiGLU backward's ``silu(gate)``, read by the two products of the output gradient that
+    Inductor fuses)."""
+    at = sorted(pos[u] for u in _readers(node) if u in pos)
+    return len(at) > 1 and barriers[at[-1]] > barriers[at[0] + 1]
+
+
+def realized_on_reuse(nodes: list[fx.Node], fused: set[fx.Node]) -> set[fx.Node]:
+    """Of the ``fused`` candidates (``fused_interior`` values), those Inductor's lowering leaves
+    unrealized, computed inside their readers' kernels; the others it writes out as buffers
+    where they stand (``GraphLowering.run_node``, in graph order):
+
+    - a value read by more than one node (directly or through a view of it) whose loop body reads
+      more than ``realize_reads_threshold`` buffers (4), or, on CPU, computes a heavy op
+      (:data:`HEAVY_CPU_OPS`): HF Llama's recomputed residual stream ``embedding + mm + mm + ...``
+      feeds the final norm at the backward's start and a block's norm much later: written out at
+      the start, it lives there to the block;
+    - any value whose loop body reads more than the accumulated-reads threshold (12 on CPU, 8
+      elsewhere).
+
+    Only where the readers are apart (:func:`_readers_apart`): readers that can be one kernel
+    read the written-out value inside it. A value's loop body reads what its unrealized inputs
+    read (through views), and each written-out input or graph input once. Not modelled: Inductor's op-count limit (a loop body of
+    more than 50 ops on CPU, 30 elsewhere) and reads counted per index rather than per buffer."""
+    reads: dict[fx.Node, frozenset] = {}
+    heavy: dict[fx.Node, bool] = {}
+    kept: set[fx.Node] = set()
+    pos = {n: i for i, n in enumerate(nodes)}
+    barriers = [0]
+    for n in nodes:
+        barriers.append(barriers[-1] + _is_barrier(n))
+
+    def source(x: fx.Node) -> fx.Node:
+        while _is_view(x) and x not in kept:
+            base = aliased_input(x)
+            if not isinstance(base, fx.Node):
+                break
+            x = base
+        return x
+
+    for node in nodes:
+        if node not in fused:
+            continue
+        r: set = set()
+        h = node.target in HEAVY_CPU_OPS
+        for i in node.all_input_nodes:
+            src = source(i)
+            if src in kept:
+                r |= reads[src]
+                h = h or heavy[src]
+            elif not _is_constant(src):
+                r.add(src)
+        val = node.meta.get("val")
+        device = getattr(getattr(val, "device", None), "type", "cpu")
+        on_reuse, accumulated = _compat.inductor_realize_thresholds(device)
+        if len(r) > accumulated or (_fanout(node) > 1 and (len(r) > on_reuse or (device == "cpu" and h))
+                                    and _readers_apart(node, pos, barriers)):
+            continue  # written out: a buffer where it stands
+        kept.add(node)
+        reads[node], heavy[node] = frozenset(r), h
+    return kept
 
 
 def kernel_positions(nodes: list[fx.Node], interior: set[fx.Node]) -> dict[fx.Node, int]:

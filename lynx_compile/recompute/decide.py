@@ -27,6 +27,7 @@ import torch.fx as fx
 
 from lynx_compile.budget import budget_error as refuse
 from lynx_compile.decisions import BudgetError, Decisions
+from lynx_compile.errors import without_tracebacks
 from lynx_compile.memory.simulate import saved_input_bytes
 from lynx_compile.passes import APPLY_PIPELINE, PassContext, run_passes
 from lynx_compile.passes.apply_decisions import clear_decision_tags
@@ -72,7 +73,7 @@ def _plan_and_seed(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: in
     except BudgetError as e:
         if budget is None or cfg.plan or isinstance(e, RegionBudgetError):
             raise
-        outcome, failure = None, e
+        outcome, failure = None, without_tracebacks(e)
     if budget is not None and not cfg.plan:
         outcome = seeds.seed_with_baselines(joint, ctx, kw, budget, reference_peak, outcome, failure)
         # the plan time a user sees covers the baselines tried as seeds (and a failed solve)

@@ -383,7 +383,7 @@ def solve_heu(problem: RematProblem, budget_bytes: int, *, progress: Callable[[s
         try:
             state, win, more = _solve_from(problem, arr, budget_bytes, positions, chunks)
         except InfeasibleBudget as e:
-            failure = failure or e
+            failure = failure or e.with_traceback(None)  # kept past the except: no frame cycle
             continue
         exposed, peak = arr.times(state, win)[0], _peak(arr, state, win)[2]
         if peak <= budget_bytes and arr.regions_fit(state) and (best is None or exposed < best[0] - 1e-15):
