@@ -134,7 +134,7 @@ class LynxBackend:
             compiled = self._compile(gm, example_inputs, record)
         except BudgetError as e:
             if record.step_choice is None:  # a first compile: its refusal left to the step where it can be
-                compiled = self._deferred(gm, example_inputs, record, without_tracebacks(e))
+                compiled = self._deferred(gm, example_inputs, record, e)
                 if compiled is None:
                     raise
             else:
@@ -174,7 +174,7 @@ class LynxBackend:
         except BudgetError:
             record.step_choice = None
             return None
-        self.step_recorder.defer(record, refusal)
+        self.step_recorder.defer(record, without_tracebacks(refusal))  # kept: no frames with it
         note = (f"{str(refusal).split('. Use ')[0]}: compiled at its smallest peak ({refusal.smallest_bytes} B) "
                 "until the step shows whether other compiled graphs share it (step_record): refused at the end "
                 "of step 1 if none does")
