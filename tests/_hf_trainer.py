@@ -14,6 +14,11 @@ import sys
 
 import torch
 
+import lynx_compile  # registers backend="lynx"
+from lynx_compile.config import options_from_env
+from lynx_compile.distributed.agreement import plan_fingerprint
+from lynx_compile.memory.measure import cpu_peak_bytes
+
 UNMEASURED_DEFAULT = (3,)
 """The step lynx records (a step lynx records must have no other profiler around it)."""
 
@@ -49,8 +54,6 @@ def train(backend: str, options: dict | None = None, steps: int = 5, unmeasured=
     each graph's (peak fraction, budget, plan fingerprint)."""
     from transformers import Trainer, TrainingArguments
 
-    from lynx_compile.memory.measure import cpu_peak_bytes
-
     peaks: list = []
 
     class MeasuredTrainer(Trainer):
@@ -65,8 +68,6 @@ def train(backend: str, options: dict | None = None, steps: int = 5, unmeasured=
     torch._dynamo.reset()
     model = tiny_llama()
     if backend == "lynx":
-        import lynx_compile
-
         model.compile(backend="lynx", **({} if options is None else {"options": options}))
     else:
         model.compile(backend="inductor")
@@ -78,14 +79,9 @@ def train(backend: str, options: dict | None = None, steps: int = 5, unmeasured=
     trainer.train()
     out = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h], "peaks": peaks}
     if backend == "lynx":
-        import lynx_compile
-        from lynx_compile.distributed.agreement import plan_fingerprint
-
-        bound = lynx_compile.backend(**(options if options is not None
-                                        else json.loads(os.environ.get("LYNX_OPTIONS", "{}"))))
+        bound = lynx_compile.backend(**(options if options is not None else options_from_env() or {}))
         out["plans"] = [(r.plan.peak_fraction, r.plan.budget_bytes, plan_fingerprint(r.plan))
                         for r in bound.records]
-        out["step"] = bound.step_recorder.state
     return out
 
 

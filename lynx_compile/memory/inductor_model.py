@@ -273,13 +273,14 @@ def realized_on_reuse(nodes: list[fx.Node], fused: set[fx.Node]) -> set[fx.Node]
     reads: dict[fx.Node, frozenset] = {}
     heavy: dict[fx.Node, bool] = {}
     kept: set[fx.Node] = set()
+    thresholds: dict[str, tuple[int, int]] = {}
     pos = {n: i for i, n in enumerate(nodes)}
     barriers = [0]
     for n in nodes:
         barriers.append(barriers[-1] + _is_barrier(n))
 
-    def source(x: fx.Node) -> fx.Node:
-        while _is_view(x) and x not in kept:
+    def source(x: fx.Node) -> fx.Node:  # the value a chain of views reads
+        while _is_view(x):
             base = aliased_input(x)
             if not isinstance(base, fx.Node):
                 break
@@ -298,9 +299,10 @@ def realized_on_reuse(nodes: list[fx.Node], fused: set[fx.Node]) -> set[fx.Node]
                 h = h or heavy[src]
             elif not _is_constant(src):
                 r.add(src)
-        val = node.meta.get("val")
-        device = getattr(getattr(val, "device", None), "type", "cpu")
-        on_reuse, accumulated = _compat.inductor_realize_thresholds(device)
+        device = getattr(getattr(node.meta.get("val"), "device", None), "type", "cpu")
+        if device not in thresholds:  # (Inductor's config, read once per device and graph)
+            thresholds[device] = _compat.inductor_realize_thresholds(device)
+        on_reuse, accumulated = thresholds[device]
         if len(r) > accumulated or (_fanout(node) > 1 and (len(r) > on_reuse or (device == "cpu" and h))
                                     and _readers_apart(node, pos, barriers)):
             continue  # written out: a buffer where it stands
