@@ -271,6 +271,7 @@ class LynxBackend:
                     # torch.compile's kind of partition chosen (the user's tags, a torch min-cut):
                     # reordered for peak memory as torch.compile does
                     keep_placement=own_placement and (lambda: not record.torch_partition),
+                    keep_recompute_apart=lambda: record.keep_recompute_apart,
                     post_grad=LynxPostGrad(config, record) if own_placement else None, post_fusion=peak,
                     inner_compile=split, autograd_cache=cached)
                 served = _compat.dynamo_counters()["aot_autograd"]["autograd_cache_hit"] > hits

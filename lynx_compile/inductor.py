@@ -199,8 +199,8 @@ class LynxPostGrad:
         of the passes that run. They read nothing else of ``config``; a pass that does must add
         it here."""
         names = map(pass_name, POST_GRAD_PIPELINE)
-        if self.record.torch_partition:
-            return ("torch_partition",)
+        if self.record.torch_partition:  # (the fusion refusal is in no other cache key)
+            return ("torch_partition", "recompute_apart") if self.record.keep_recompute_apart else ("torch_partition",)
         return tuple(name for name in names if name not in self.config.disable_passes)
 
 

@@ -75,6 +75,11 @@ class GraphRecord:
     checkpoint tags (``passes.user_tags``) or torch's min-cut at a budget. Inductor compiles it
     with its peak-memory reordering on, as torch.compile does (it holds less there), and without
     lynx's post-grad passes (``lynx_compile.inductor``); buffer reuse stays off (``_compat``)."""
+    keep_recompute_apart: bool = False
+    """Of a ``torch_partition``: a min-cut candidate that policy lynx chose for a graph planned on
+    its own peak. Compiled as torch.compile compiles it, but with no horizontal fusion of a
+    recomputed kernel sharing under 1 MiB of reads (``_compat.refusing_recompute_fusion``), the
+    fusion that put a block's recomputed norm at the backward's start above the simulated peak."""
     grads_in_graph: Any = None
     """Where the parameter gradients go (``lynx_compile.grad_in_graph.GradsInGraph``: added into
     ``.grad`` inside the backward, or returned at its end, and why), decided when the graph

@@ -37,6 +37,7 @@ def inductor_partitioner_base() -> type:
 
 def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, partitioner: Any,
                                       keep_placement: bool | Callable[[], bool] = True,
+                                      keep_recompute_apart: Callable[[], bool] | None = None,
                                       post_grad: Callable | None = None,
                                       post_fusion: Callable | None = None,
                                       inner_compile: Callable | None = None,
@@ -50,7 +51,8 @@ def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, 
     through the package, where a benchmark rebinds it); a callable is asked at each partitioned
     graph's compile (after the partition: it may depend on it), and where it answers False that
     graph compiles with Inductor's peak-memory reordering as it was when this was called
-    (torch.compile's), buffer reuse still off.
+    (torch.compile's), buffer reuse still off, and, where ``keep_recompute_apart()`` answers True,
+    still no horizontal fusion of a recomputed kernel sharing under 1 MiB of reads.
     ``post_grad(graph)``: run
     on every post-grad graph after Inductor's own passes and the user's
     ``post_grad_custom_post_pass``, if any (``CustomGraphPass``, 2.11 and 2.13; its cache key is
@@ -75,7 +77,7 @@ def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, 
         plain = inner_compile or compile_fx_inner
         inner_compile = sys.modules[__package__].refusing_recompute_fusion(plain)
         if callable(keep_placement):
-            inner_compile = _placement_if(keep_placement, inner_compile, plain,
+            inner_compile = _placement_if(keep_placement, inner_compile, plain, keep_recompute_apart,
                                           # buffer reuse stays off: lynx adds gradients into .grad
                                           # in the graph, and with .grad None a reused buffer
                                           # became a .grad that a later kernel overwrote (wrong
@@ -123,9 +125,11 @@ def _cacheable_rng_replay() -> dict:
     return {"unsafe_marked_cacheable_functions": marked}
 
 
-def _placement_if(keep: Callable[[], bool], keeping: Callable, plain: Callable, defaults: dict) -> Callable:
+def _placement_if(keep: Callable[[], bool], keeping: Callable, plain: Callable, apart: Callable[[], bool] | None,
+                  defaults: dict) -> Callable:
     """An inner compile that is ``keeping`` where ``keep()``, else ``plain`` under ``defaults``
-    (the settings ``_keep_placement`` changes, as they were before)."""
+    (the settings ``_keep_placement`` changes, as they were before), refusing the recompute's
+    horizontal fusions too where ``apart()``."""
 
     from torch._inductor import config as inductor_config
 
@@ -134,6 +138,8 @@ def _placement_if(keep: Callable[[], bool], keeping: Callable, plain: Callable, 
         if keep():
             return keeping(*args, **kwargs)
         with inductor_config.patch(defaults):
+            if apart is not None and apart():
+                return sys.modules[__package__].refusing_recompute_fusion(plain)(*args, **kwargs)
             return plain(*args, **kwargs)
 
     return compile_inner

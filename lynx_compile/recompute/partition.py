@@ -139,17 +139,19 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
         record.notes.append("region budgets of the model: " + "; ".join(
             f"{r['name']!r} at {r['budget']:g} saves {r['saved_bytes']} B of {r['reference_bytes']} B "
             f"(at most {r['max_bytes']} B)" for r in record.stats["regions"]))
-    # torch.compile's own partitions (the user's tags; torch's min-cut at a budget): compiled as it
-    # compiles them, except a min-cut candidate that policy lynx chose for a graph planned on its
-    # own peak: compiled as lynx's own placements are (no peak-memory reordering, no horizontal
-    # fusion moving a recompute), the code whose simulated peak held the budget. HF Llama (2
-    # layers, batch 4 x 32, .grad None, 0.7): torch@0.2 chosen, predicted 760064 B; compiled as
-    # torch.compile does, Inductor fused a block's recomputed norm into the backward's first
-    # kernel: 924168 B (0.777 of the step); as lynx's, 760072 B (0.639). A piece (budgeted on the
-    # bytes it saves) keeps torch.compile's: per block under the user's checkpointing, lynx's
-    # placement of the candidate the step's plan chose measured 833800 B against 821512 B.
-    record.torch_partition = applied.decisions.policy == USER or (
-        applied.torch_budget is not None and (config.policy == "torch" or piece))
+    # torch.compile's own kind of partition (the user's tags, torch's min-cut at a budget): compiled as it does.
+    # A min-cut candidate that policy lynx chose for a graph planned on its own peak keeps its
+    # recompute apart from independent kernels: HF Llama (2 layers, batch 4 x 32, .grad None,
+    # 0.7): torch@0.2 chosen, predicted 760064 B; Inductor fused a block's recomputed norm (sharing
+    # the residual stream's reads) into the backward's first kernel: 924168 B (0.777 of the step);
+    # with that fusion refused, 760072 B (0.639). Compiled wholly as lynx's placements (no
+    # reordering) it measured the same but ran 1.7x torch.compile's step (HF Llama 4 layers at
+    # 0.69, bench_peers.py); a piece (budgeted on the bytes it saves) under the
+    # user's checkpointing measured 833800 B against 821512 B with the fusion refused, so pieces
+    # keep torch.compile's compile.
+    record.torch_partition = applied.decisions.policy == USER or applied.torch_budget is not None
+    record.keep_recompute_apart = (applied.torch_budget is not None and applied.decisions.policy != USER
+                                   and config.policy == "lynx" and not piece)
     if not piece:  # planned on its own peak: the step's plan across graphs keeps it (step_record)
         name = record.step_choice or "plan"
         record.step = GraphChoices(reference=step_candidate("none", 0.0, reference),
