@@ -30,6 +30,17 @@ def backward_roots(frame: Any) -> Any:
     return frame.f_locals.get("t_outputs", ())
 
 
+def python_backward_code(node: Any) -> Any:
+    """The code object of the Python ``backward`` that autograd node ``node`` runs (the
+    ``torch.autograd.Function`` it belongs to: AOTAutograd's ``CompiledFunction`` for a compiled
+    graph), or None for a node without one. That frame's return is the node's end, seen without a
+    post hook (``Node.register_hook``), which makes the engine hold the node's incoming gradients
+    until it returns."""
+    cls = getattr(node, "_forward_cls", None)
+    backward = getattr(cls, "backward", None)
+    return getattr(backward, "__code__", None)
+
+
 def queue_backward_callback(fn: Callable[[], None]) -> None:
     """Run ``fn`` once the backward pass now executing ends (call from inside it: a hook)."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)
