@@ -112,7 +112,7 @@ def test_the_named_budget_is_accepted_and_held_after_the_recorded_step(refusals,
     Step 1 does not (weaker than issue Q item 2 asks), on a CPU: the loss graph compiles inside
     step 1 with the model's activations alive, and torch's min-cut knapsack, run for lynx's
     ``torch@`` candidates, allocates its DP table as CPU tensors (on a GPU, host memory): 0.597 of
-    torch.compile's step 1 at 0.565 here, all of it that table (steps 2-5: 0.541). Until session
+    torch.compile's step 1 at 0.565 here, all of it that table (steps 3-5: 0.541). Until session
     20 it also held the logits' gradient through the model's backward (a post hook of the step's
     recorder: +0.024)."""
     (_, named, _), _ = refusals
