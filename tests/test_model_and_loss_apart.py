@@ -22,6 +22,7 @@ import re
 import pytest
 import torch
 
+from _steps import step_peaks
 from lynx_compile.budget import parse_budget
 from lynx_compile.config import make_config
 from lynx_compile.decisions import BudgetError
@@ -146,15 +147,6 @@ def test_a_whole_model_alone_is_refused_at_the_end_of_step_1(one_thread):
         out.loss.backward()
 
 
-def _zero(model):
-    """``zero_grad(set_to_none=False)``: ``.grad`` allocated at every step's start."""
-    for p in model.parameters():
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        else:
-            p.grad.zero_()
-
-
 def test_with_grads_allocated_the_smallest_budget_is_policy_fulls_measured_step(one_thread):
     """The recorded step counts what the step holds, not what lynx's watching holds: the end of a
     piece's backward was seen by a post hook on its autograd node, with which the engine holds
@@ -167,14 +159,10 @@ def test_with_grads_allocated_the_smallest_budget_is_policy_fulls_measured_step(
     def measured(backend) -> int:
         torch._dynamo.reset()
         model, step = _step(backend)
-        peaks = []
-        for i in range(1, 5):
-            _zero(model)
-            if i <= RECORDED:  # (the recorded step: no profiler of ours around it)
-                step()
-            else:
-                peaks.append(cpu_peak_bytes(step))
-        return max(peaks)
+        # .grad allocated at every start; steps 1-2 unmeasured (the recorded step: no profiler
+        # of ours around it)
+        return max(p for p in step_peaks(step, list(model.parameters()), 4, "allocated",
+                                         unmeasured=range(1, RECORDED + 1)) if p is not None)
 
     full = measured(LynxBackend(make_config({"policy": "full", "plan_cache": False})))
     with pytest.raises(Exception) as info:
