@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
-import sys
 from typing import Any, Callable
 
 import torch
@@ -190,17 +189,9 @@ class StepRecorder:
         lynx named 0.413 of the step as its smallest budget where ``full`` measures 0.349).
         Where another tool holds the profile hook, the post hook (that memory counted: the plan
         errs low)."""
-        code = _compat.python_backward_code(node)
-        if code is None or sys.getprofile() is not None:
+        if not _compat.watch_frame(_compat.python_backward_code(node), "return",
+                                   lambda frame: self._end_backward(call)):
             node.register_hook(lambda grads_in, grads_out: self._end_backward(call))
-            return
-
-        def watch(frame, event, arg):
-            if event == "return" and frame.f_code is code:
-                sys.setprofile(None)
-                self._end_backward(call)
-
-        sys.setprofile(watch)
 
     def _end_backward(self, call: int) -> None:
         self._mark(call, "bw1")

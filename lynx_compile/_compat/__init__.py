@@ -43,6 +43,7 @@ from lynx_compile._compat.autograd_engine import (
     engine_run_backward_code,
     python_backward_code,
     queue_backward_callback,
+    watch_frame,
 )
 from lynx_compile._compat.distributed import (
     c10d_bindings,
@@ -157,7 +158,7 @@ __all__ = [
     "node_is_random", "optimization_hint", "qualified_op_name", "rename_node", "tree_leaves",
     # autograd_engine
     "backward_donates_saved", "backward_holds_grad_inputs", "backward_roots", "engine_run_backward_code",
-    "python_backward_code", "queue_backward_callback",
+    "python_backward_code", "queue_backward_callback", "watch_frame",
     # distributed
     "c10d_bindings", "default_store", "dtensor_layout", "dtensor_stand_in", "fake_store", "fsdp2_groups_holding",
     "functional_all_gather", "functional_all_reduce", "functional_reduce_scatter", "pipeline_schedule_actions",

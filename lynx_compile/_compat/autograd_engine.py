@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from typing import Any, Callable
 
 import torch
@@ -39,6 +40,23 @@ def python_backward_code(node: Any) -> Any:
     cls = getattr(node, "_forward_cls", None)
     backward = getattr(cls, "backward", None)
     return getattr(backward, "__code__", None)
+
+
+def watch_frame(code: Any, event: str, fn: Callable[[Any], None]) -> bool:
+    """Call ``fn(frame)`` at the next ``event`` (``"call"`` or ``"return"``) of a frame running
+    ``code`` in this thread, once, through Python's profile hook (which is removed then). False,
+    and nothing set, where ``code`` is None or another tool holds the profile hook; the caller
+    removes a watch that never fired with ``sys.setprofile(None)``."""
+    if code is None or sys.getprofile() is not None:
+        return False
+
+    def watch(frame: Any, ev: str, arg: Any) -> None:
+        if ev == event and frame.f_code is code:
+            sys.setprofile(None)
+            fn(frame)
+
+    sys.setprofile(watch)
+    return True
 
 
 def queue_backward_callback(fn: Callable[[], None]) -> None:

@@ -66,23 +66,13 @@ class GradWatch:
         its gradients itself, nothing to add)."""
         self.watching = False
         self._handles: list[Any] = []
-        self._code = None
 
     def start(self) -> bool:
         """Watch for the next backward call; False when the profile hook is taken (another tool:
         the step is then planned for the regime it ran in, which the caller says)."""
-        self._code = _compat.engine_run_backward_code()
-        if self._code is None or sys.getprofile() is not None:
-            return False
-
-        def watch(frame, event, arg):
-            if event == "call" and frame.f_code is self._code:
-                sys.setprofile(None)
-                self._on_backward(_compat.backward_roots(frame))
-
-        sys.setprofile(watch)
-        self.watching = True
-        return True
+        self.watching = _compat.watch_frame(_compat.engine_run_backward_code(), "call",
+                                            lambda frame: self._on_backward(_compat.backward_roots(frame)))
+        return self.watching
 
     def _on_backward(self, roots: Any) -> None:
         self.watching = False

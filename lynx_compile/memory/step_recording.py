@@ -10,7 +10,6 @@ inside the backward that ends the step: ``then()`` once it can be read), ``finis
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Callable
 
 import torch
@@ -52,16 +51,7 @@ class ProfilerRecording:
             pass
 
     def stop_after_backward(self, then: Callable[[], None]) -> None:
-        code = _compat.engine_run_backward_code()
-        if code is None or sys.getprofile() is not None:
-            return
-
-        def watch(frame, event, arg):
-            if event == "return" and frame.f_code is code:
-                sys.setprofile(None)
-                then()
-
-        sys.setprofile(watch)
+        _compat.watch_frame(_compat.engine_run_backward_code(), "return", lambda frame: then())
 
     def finish(self, n_marks: int) -> list[int | None]:
         from lynx_compile.memory.measure import without_kineto_log
