@@ -18,6 +18,7 @@ from torch._functorch import partitioners as _partitioners
 from torch.utils.checkpoint import CheckpointPolicy
 
 from lynx_compile._compat.fx_utils import is_sym_node
+from lynx_compile._compat.knapsack import knapsack_off_the_allocator
 from lynx_compile._compat.tracing import refuse_unbacked_retrace
 
 
@@ -95,9 +96,13 @@ def min_cut_partition(joint_gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_ou
 
     On a joint :func:`canonicalize_joint` merged, torch's own merging of common subexpressions
     (``functorch.config.cse``, a rebuild of the whole graph on every call) is skipped: it would
-    give the same graph (lynx partitions one joint up to ~15 times while planning)."""
+    give the same graph (lynx partitions one joint up to ~15 times while planning).
+
+    Its knapsack runs off torch's allocator (:func:`knapsack_off_the_allocator`): a graph planned
+    inside a step would otherwise allocate torch's DP table beside the step's activations."""
     cse = _functorch_config.cse and not _merged_already(joint_gm.graph)
-    with _functorch_config.patch(activation_memory_budget=float(memory_budget), cse=cse):
+    with _functorch_config.patch(activation_memory_budget=float(memory_budget), cse=cse), \
+            knapsack_off_the_allocator():
         fw, bw = _call_by_keyword(
             _partitioners.min_cut_rematerialization_partition, joint_gm, joint_inputs,
             num_fwd_outputs=num_fwd_outputs, compiler=compiler,
