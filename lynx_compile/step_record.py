@@ -97,6 +97,9 @@ class StepRecorder:
         self.mark_grads: list[int] = []  # per mark: .grad bytes accumulated into so far (GradWatch)
         self._grads: GradWatch | None = None
         self.grads_note = ""
+        self.measured_note = ""
+        """The transients of the candidates that ran, where the recording measured them other
+        than lynx's memory model (``StepModel.measured``), for the step's log line."""
         self._queued = False
         self._recording: ProfilerRecording | AllocatorRecording | None = None
         self._device_type = "cpu"
@@ -312,7 +315,7 @@ class StepRecorder:
     def _finish_recording(self) -> None:
         if self.state != "ending":
             return
-        peaks = self._recording.finish(len(self.marks))
+        peaks, levels = self._recording.finish(len(self.marks))
         self._recording = None
         if self._grads is not None:
             self._grads.stop()
@@ -326,7 +329,7 @@ class StepRecorder:
                                "Python's profile hook, so lynx could not see whether .grad was allocated)")
             self.mark_grads = [0] * len(self.marks)
         self._grads = None
-        self.model, as_ran = self._model(peaks)
+        self.model, as_ran = self._model(peaks, levels)
         if not _with_choices(self.model.graphs.values()):
             # the step called whole graphs only (another model compiled whole with the same
             # options, after one compiled in pieces): each keeps the plan it has alone
@@ -336,26 +339,31 @@ class StepRecorder:
         self.state = "recorded"
         self._store_step()
 
-    def _model(self, peaks: list[int | None]) -> tuple[StepModel, StepModel]:
+    def _model(self, peaks: list[int | None], levels: list[int | None]) -> tuple[StepModel, StepModel]:
         """The recorded step as segments: ``peaks[i]`` is the highest bytes measured between
-        mark ``i - 1`` and mark ``i`` (None: mark ``i`` was not seen). Two models: the step as if
-        it allocated its parameter gradients (``.grad`` None at its start), and as it ran (the
-        same when it did)."""
+        mark ``i - 1`` and mark ``i``, ``levels[i]`` the bytes at mark ``i`` (None: mark ``i``
+        was not seen). Two models: the step as if it allocated its parameter gradients (``.grad``
+        None at its start), and as it ran (the same when it did); in both, the candidates that
+        ran have the transients measured (``StepModel.measured``, said in ``self.measured_note``)."""
         calls, marks, self.calls, self.marks = self.calls, self.marks, [], []
         grads, self.mark_grads = self.mark_grads, []
         segments: list[Segment] = []
         as_ran: list[Segment] = []
         alive: set[int] = set()
         running: tuple[int, str] | None = None
-        for (call, kind), peak, held in zip(marks, peaks, [0, *grads[:-1]]):
+        start: int | None = 0  # the level the recording starts from
+        for (call, kind), peak, level, held in zip(marks, peaks, levels, [0, *grads[:-1]]):
             if peak is None:
+                start = None
                 continue
             # + the gradients accumulated into an allocated .grad before this segment started,
             # which a step starting with .grad None holds (memory.param_grads). One accumulated
             # within the segment was in its measured peak until then (the backward's output that
             # autograd adds into .grad and frees), so it counts from the next segment on.
-            segments.append(Segment(peak=peak + held, alive=tuple(sorted(alive)), running=running))
-            as_ran.append(Segment(peak=peak, alive=tuple(sorted(alive)), running=running))
+            segments.append(Segment(peak=peak + held, alive=tuple(sorted(alive)), running=running,
+                                    start=None if start is None else start + held))
+            as_ran.append(Segment(peak=peak, alive=tuple(sorted(alive)), running=running, start=start))
+            start = level
             if kind == "fw0":
                 running = (call, "fw")
             elif kind == "fw1":
@@ -368,7 +376,16 @@ class StepRecorder:
                 running = None
         model = StepModel(graphs={p.key: p.record.step for p in calls}, calls=tuple(p.key for p in calls),
                           segments=tuple(segments))
-        return model, dataclasses.replace(model, segments=tuple(as_ran))
+        # the transients as the step ran them; a step that allocates its gradients holds, in a
+        # piece's backward, the gradients it accumulates there too, which a step that ran with
+        # .grad allocated did not measure: that one keeps the model's
+        as_ran, changes = dataclasses.replace(model, segments=tuple(as_ran)).measured()
+        if not any(grads):
+            model = as_ran
+        self.measured_note = "; ".join(
+            f"graph {g} '{model.graphs[g].current}' {kind} peak {format_bytes(new)} as measured "
+            f"(lynx's memory model: {format_bytes(old)})" for g, kind, old, new in changes)
+        return model, as_ran
 
     # -- choosing and applying ---------------------------------------------------------------
     def _choose(self, as_ran: StepModel) -> None:
@@ -401,8 +418,8 @@ class StepRecorder:
         if mine is not None:  # the user's checkpointing on every piece: never more memory than it
             # gives, in either .grad regime (issue U)
             self.budget_bytes = min(self.budget_bytes, model.predicted(mine, outside))
-            budget_as_ran = min(budget_as_ran, as_ran.predicted(mine, outside_as_ran))
-        accept = (lambda pick: as_ran.predicted(pick, outside_as_ran) <= budget_as_ran) if allocated else None  # noqa: E731
+            budget_as_ran = min(budget_as_ran, as_ran.predicted(as_ran.own(mine), outside_as_ran))
+        accept = (lambda pick: as_ran.predicted(as_ran.own(pick), outside_as_ran) <= budget_as_ran) if allocated else None  # noqa: E731
         self.outside, self.reference = outside, reference
         self.choice = choose(model, self.budget_bytes, outside, accept)
         if self.choice.fits or not allocated:
@@ -412,7 +429,7 @@ class StepRecorder:
         self.grads_note = (f"parameter gradients: .grad were allocated as step {RECORDED_STEP} started, and the "
                            f"step is planned so, within the budget of that step with no recompute "
                            f"({format_bytes(reference_as_ran)}); a step starting with .grad None allocates "
-                           f"them and would peak at {format_bytes(model.predicted(ran.pick, outside))} with this "
+                           f"them and would peak at {format_bytes(model.predicted(model.own(ran.pick), outside))} with this "
                            f"plan (no plan fits it within {format_bytes(self.budget_bytes)})")
         if ran.fits:
             log.warning("lynx: %s", self.grads_note)
@@ -457,7 +474,8 @@ class StepRecorder:
         summary = (f"{seen}: {len(model.calls)} piece calls of {len(model.graphs)} "
                    f"graph(s); outside the compiled pieces up to {format_bytes(outside_peak)}; the step with no "
                    f"piece recomputing peaks at {format_bytes(self.reference)}"
-                   + (f"; {self.grads_note}" if self.grads_note else ""))
+                   + (f"; {self.grads_note}" if self.grads_note else "")
+                   + (f"; {self.measured_note}" if self.measured_note else ""))
         if not choice.fits:
             choice = self._tighten(choice)
         if not choice.fits and choice.predicted <= self.budget_bytes + self.reference // NOISE:

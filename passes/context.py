@@ -72,9 +72,11 @@ class GraphRecord:
     from then on). 0 where ``.grad`` was allocated (``zero_grad(set_to_none=False)``)."""
     torch_partition: bool = False
     """The partition compiled is of the kind torch.compile makes itself: the user's own
-    checkpoint tags (``passes.user_tags``) or torch's min-cut at a budget. Inductor compiles it
-    with its peak-memory reordering on, as torch.compile does (it holds less there), and without
-    lynx's post-grad passes (``lynx_compile.inductor``); buffer reuse stays off (``_compat``)."""
+    checkpoint tags (``passes.user_tags``) or torch's min-cut at a budget for a graph planned on
+    its own peak (a piece's min-cut candidates compile as lynx's placements: the step's plan
+    weighs them by lynx's memory model of that compile). Inductor compiles it with its
+    peak-memory reordering on, as torch.compile does (it holds less there), and without lynx's
+    post-grad passes (``lynx_compile.inductor``); buffer reuse stays off (``_compat``)."""
     keep_recompute_apart: bool = False
     """Of a ``torch_partition``: a min-cut candidate that policy lynx chose for a graph planned on
     its own peak. Compiled as torch.compile compiles it, but with no horizontal fusion of a

@@ -76,6 +76,45 @@ def test_a_fixed_graph_keeps_its_plan_and_the_piece_takes_the_rest():
     assert got.pick[0][0].name == "plan" and got.pick[1] == (HALF,) and got.predicted == 170
 
 
+def test_the_transients_that_ran_are_taken_as_measured():
+    """The model says the candidate that ran (``half``) peaks 30 B above what it does in its
+    backward and 5 B in its forward. Taken as modelled, ``outside`` would come out low by as much
+    and every other candidate be predicted low by it; taken as measured (the peak above the
+    segment's start, plus what of the call is alive there: what it saved, the 7 B gradient it
+    receives), another candidate's prediction is its model on the true outside. Hand-computed."""
+    half = _c("half", 1.0, 50, fw=60, bw=90)  # truly: forward 55, backward 60
+    graphs = {0: GraphChoices(reference=NONE, choices=(NONE, half, FULL), current="half", incoming_bytes=7)}
+    outside = 20
+    # one call: forward, alive, backward (its saved 50 + incoming 7 at the start, 60 at its peak)
+    segs = (Segment(peak=outside + 55, alive=(), running=(0, "fw"), start=outside),
+            Segment(peak=outside + 50, alive=(0,), running=None, start=outside + 50),
+            Segment(peak=outside + 60, alive=(), running=(0, "bw"), start=outside + 57))
+    model = StepModel(graphs=graphs, calls=(0,), segments=segs)
+    assert model.outside() == [15, 20, -10]  # the modelled transients: low by 5 and by 30
+    measured, changes = model.measured()
+    assert changes == [(0, "backward", 90, 60), (0, "forward", 60, 55)]
+    assert measured.outside() == [20, 20, 20]
+    assert measured.graphs[0].named("half").backward_peak_bytes == 60
+    late = _c("late", 2.0, 10, fw=20, bw=100)  # another candidate, peaking in its backward
+    assert measured.predicted(measured.uniform({0: late})) == outside + 100
+    assert model.predicted(model.uniform({0: late})) == outside + 100 - 30  # what it was
+    # without the incoming bytes a backward's transient is left as modelled
+    unknown = StepModel(graphs={0: GraphChoices(reference=NONE, choices=(NONE, half, FULL), current="half")},
+                        calls=(0,), segments=segs)
+    assert unknown.measured()[1] == [(0, "forward", 60, 55)]
+
+
+def test_a_recording_gives_each_marks_peak_and_level():
+    """Allocator events (time, address, bytes) cut at marks: per mark the highest live bytes since
+    the previous mark and the live bytes at it. Hand-computed."""
+    from lynx_compile.memory.step_recording import segment_memory
+
+    events = [(1, 10, 100), (2, 11, 50), (3, 10, -100), (5, 12, 30), (6, 11, -50), (8, 13, 10)]
+    peaks, levels = segment_memory(events, [4, None, 7, 9])
+    assert peaks == [150, None, 80, 40]
+    assert levels == [50, None, 30, 40]
+
+
 def _per_block(model, options):
     backend = LynxBackend(make_config({**options, "plan_cache": False}))
     for block in model.blocks:

@@ -1,11 +1,13 @@
 """Memory over one training step, between marks the caller places (``lynx_compile.step_record``
 marks every piece boundary of a model compiled in pieces): per mark, the highest bytes allocated
-since the previous one.
+since the previous one, and the bytes allocated at the mark itself (its level: where the segment
+after it starts, ``step_model.Segment.start``).
 
 ``ProfilerRecording`` (CPU: the allocator has no counters) reads a memory-profiling profiler's
 allocator events; ``AllocatorRecording`` (CUDA) the caching allocator's peak statistics. Both:
 ``start()`` (False when it cannot start), ``mark(i)``, ``stop_after_backward(then)`` (called from
-inside the backward that ends the step: ``then()`` once it can be read), ``finish(n_marks)``.
+inside the backward that ends the step: ``then()`` once it can be read), ``finish(n_marks)`` (per
+mark: its segment's peak and its level, None for a mark not seen).
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ class ProfilerRecording:
     def stop_after_backward(self, then: Callable[[], None]) -> None:
         _compat.watch_frame(_compat.engine_run_backward_code(), "return", lambda frame: then())
 
-    def finish(self, n_marks: int) -> list[int | None]:
+    def finish(self, n_marks: int) -> tuple[list[int | None], list[int | None]]:
         from lynx_compile.memory.measure import without_kineto_log
 
         with without_kineto_log():
@@ -61,14 +63,16 @@ class ProfilerRecording:
         prof, self._profiler = self._profiler, None
         events = _compat.cpu_allocation_events(prof, "cpu")
         times = _compat.profiler_marks(prof, MARK)
-        return segment_peaks(events, [times.get(f"{MARK}{i}") for i in range(n_marks)])
+        return segment_memory(events, [times.get(f"{MARK}{i}") for i in range(n_marks)])
 
 
-def segment_peaks(events: list[tuple[int, int, int]], mark_times: list[int | None]) -> list[int | None]:
-    """Per mark, the highest live bytes between the previous mark and it, from allocator
-    ``events`` (time, address, signed bytes) relative to the first event's start; None for a
-    mark with no time. A free of an address not allocated in the window is of a tensor live from
-    the start (CUDA's allocator reports those; the CPU allocator knows no size and reports none)."""
+def segment_memory(events: list[tuple[int, int, int]],
+                   mark_times: list[int | None]) -> tuple[list[int | None], list[int | None]]:
+    """Per mark, the highest live bytes between the previous mark and it, and the live bytes at
+    the mark, from allocator ``events`` (time, address, signed bytes) relative to the first
+    event's start; None for a mark with no time. A free of an address not allocated in the window
+    is of a tensor live from the start (CUDA's allocator reports those; the CPU allocator knows no
+    size and reports none)."""
     seen: set[int] = set()
     live = 0
     for _, ptr, size in events:
@@ -80,15 +84,16 @@ def segment_peaks(events: list[tuple[int, int, int]], mark_times: list[int | Non
             live -= size
     order = sorted((t, i) for i, t in enumerate(mark_times) if t is not None)
     out: list[int | None] = [None] * len(mark_times)
+    levels: list[int | None] = [None] * len(mark_times)
     peak, e = live, 0
     for t, i in order:
         while e < len(events) and events[e][0] < t:
             live += events[e][2]
             peak = max(peak, live)
             e += 1
-        out[i] = peak
+        out[i], levels[i] = peak, live
         peak = live
-    return out
+    return out, levels
 
 
 class AllocatorRecording:
@@ -101,14 +106,17 @@ class AllocatorRecording:
         self._base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         self._peaks: list[int] = []
+        self._levels: list[int] = []
         return True
 
     def mark(self, i: int) -> None:
         self._peaks.append(torch.cuda.max_memory_allocated() - self._base)
+        self._levels.append(torch.cuda.memory_allocated() - self._base)
         torch.cuda.reset_peak_memory_stats()
 
     def stop_after_backward(self, then: Callable[[], None]) -> None:
         then()
 
-    def finish(self, n_marks: int) -> list[int | None]:
-        return [*self._peaks, *([None] * (n_marks - len(self._peaks)))][:n_marks]
+    def finish(self, n_marks: int) -> tuple[list[int | None], list[int | None]]:
+        pad = lambda xs: [*xs, *([None] * (n_marks - len(xs)))][:n_marks]  # noqa: E731
+        return pad(self._peaks), pad(self._levels)

@@ -172,7 +172,8 @@ def _plan_piece(joint, ctx: PassContext, kw: dict, budget: int | None, reference
         if mine is not None and mine[2].mem.saved_bytes <= budget:
             # the user's own checkpointing fits: what torch.compile would run, until the step's plan
             name, cost, applied = mine
-        ctx.record.step = GraphChoices(reference=none, choices=choices, current=name)
+        ctx.record.step = GraphChoices(reference=none, choices=choices, current=name,
+                                       incoming_bytes=incoming_bytes(joint))
         note = (f"one block or a piece of a model, planned before a step was recorded: '{name}', the candidate "
                 "of least memory in a step of many calls (step_model.provisional_order), until the step's "
                 "pieces are planned together (lynx_compile.step_record)")
@@ -188,7 +189,8 @@ def _plan_piece(joint, ctx: PassContext, kw: dict, budget: int | None, reference
                "should not be separate, TORCH_LOGS=graph_breaks shows why dynamo split the model.")
         log.warning("lynx: %s", msg)
         ctx.record.notes.append(msg)
-    ctx.record.step = GraphChoices(reference=none, choices=choices, current=name)
+    ctx.record.step = GraphChoices(reference=none, choices=choices, current=name,
+                                   incoming_bytes=incoming_bytes(joint))
     note = (f"one block or a piece of a model: provisionally the budget bounds saved bytes; '{name}' chosen "
             "(the step's pieces are planned together once a step has run: lynx_compile.step_record)")
     return _piece_outcome(joint, ctx, name, cost, applied, own, note)
@@ -240,7 +242,8 @@ def _forced_piece(joint, ctx: PassContext, kw: dict, name: str, frac: float):
     cost = seeds.exposed(applied, joint)
     choice = step_candidate(name, cost, applied.mem,
                             saved_input_bytes(applied.fw, applied.bw, activation_inputs(joint, kw)))
-    ctx.record.step = GraphChoices(reference=choice, choices=(choice,), current=name)
+    ctx.record.step = GraphChoices(reference=choice, choices=(choice,), current=name,
+                                   incoming_bytes=incoming_bytes(joint))
     note = f"one block or a piece of a model: '{name}', chosen for the step's pieces planned together"
     return _piece_outcome(joint, ctx, name, cost, applied, own, note)
 
@@ -253,6 +256,15 @@ def step_candidate(name: str, exposed_s: float, mem, held_inputs: int = 0) -> Ca
     return Candidate(name=name, exposed_s=exposed_s, saved_bytes=mem.saved_bytes + held_inputs,
                      forward_peak_bytes=mem.forward_peak_bytes,
                      backward_peak_bytes=mem.backward_peak_bytes + held_inputs)
+
+
+def incoming_bytes(joint: fx.GraphModule) -> int:
+    """Bytes of the gradients the graph's backward receives (the joint's ``tangents_*``):
+    ``step_model.GraphChoices.incoming_bytes``."""
+    from lynx_compile.memory.storage import _nbytes
+
+    return sum(_nbytes(n.meta.get("val")) for n in joint.graph.find_nodes(op="placeholder")
+               if n.name.startswith("tangents"))
 
 
 def activation_inputs(joint: fx.GraphModule, kw: dict) -> frozenset[str]:

@@ -22,7 +22,7 @@ from lynx_compile.recompute import regions as region_budgets
 from lynx_compile.recompute.apply import Applied, realize, scratch_context, untagged_partition
 from lynx_compile.budget import budget_error as refuse
 from lynx_compile.config import LynxConfig
-from lynx_compile.recompute.decide import budget_error, decide, decide_piece, smallest_reachable, step_candidate
+from lynx_compile.recompute.decide import budget_error, decide, decide_piece, incoming_bytes, smallest_reachable, step_candidate
 from lynx_compile.decisions import BudgetError, Decisions
 from lynx_compile.distributed.agreement import check_plan_agreement
 from lynx_compile.memory.simulate import backward_inputs
@@ -115,7 +115,8 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
                             "torch.compile partitions it with them (set memory_budget for lynx's plan within them)")
         if piece:
             record.step = GraphChoices(reference=step_candidate("none", 0.0, reference),
-                                       choices=(step_candidate(USER, 0.0, applied.mem),), current=USER)
+                                       choices=(step_candidate(USER, 0.0, applied.mem),), current=USER,
+                                       incoming_bytes=incoming_bytes(joint))
     else:
         if ctx.user_tags is not None:
             mine = _users_partition(joint, ctx, kw, scratch=True).mem
@@ -148,14 +149,21 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
     # reordering) it measured the same but ran 1.7x torch.compile's step (HF Llama 4 layers at
     # 0.69, bench_peers.py); a piece (budgeted on the bytes it saves) under the
     # user's checkpointing measured 833800 B against 821512 B with the fusion refused, so pieces
-    # keep torch.compile's compile.
-    record.torch_partition = applied.decisions.policy == USER or applied.torch_budget is not None
+    # keep torch.compile's compile for the user's checkpointing.
+    # A piece's min-cut candidate is compiled as lynx's own placements (no peak-memory reordering,
+    # lynx's post-grad passes), the compile lynx's memory model describes: the step's plan weighs
+    # every candidate by that model, the one that ran by the recorded step. With Inductor's
+    # reordering (it does not know the .grad a backward keeps) gpt-tiny per block at 0.47 ran
+    # torch@0.1 at 0.490 of the step where the model said 0.467, and the step's plan, torch@0.3,
+    # measured 0.491 (model: 0.460); compiled as modelled, both measure what the model says.
+    record.torch_partition = applied.decisions.policy == USER or (applied.torch_budget is not None and not piece)
     record.keep_recompute_apart = (applied.torch_budget is not None and applied.decisions.policy != USER
                                    and config.policy == "lynx" and not piece)
     if not piece:  # planned on its own peak: the step's plan across graphs keeps it (step_record)
         name = record.step_choice or "plan"
         record.step = GraphChoices(reference=step_candidate("none", 0.0, reference),
-                                   choices=(step_candidate(name, 0.0, mem),), current=name)
+                                   choices=(step_candidate(name, 0.0, mem),), current=name,
+                                   incoming_bytes=incoming_bytes(joint))
     record.plan = build_plan(config.policy, joint, applied, ctx, budget, outcome,
                              budget_scope="saved" if piece else "peak")
     record.saved_names = tuple(p.name for p in bw.graph.find_nodes(op="placeholder")
