@@ -79,7 +79,7 @@ class Piece:
         rec.before_forward()
         if not rec.tracking or not torch.is_grad_enabled():
             return self._current()(*args)
-        call = rec.begin_forward(self)
+        call = rec.begin_forward(self, args)
         out = self.compiled(*args)
         rec.end_forward(call, out)
         return out

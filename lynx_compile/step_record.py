@@ -67,6 +67,23 @@ def _backward_node(out: Any) -> Any:
     return None
 
 
+def _activation_bytes(args: tuple) -> int:
+    """Bytes of the distinct storages of ``args``' tensors that are activations: not parameters
+    and with gradients on (a buffer passed to every block, torchtitan's ``freqs_cis``, was
+    allocated before the step; the embedding's output feeding the first block, in it)."""
+    seen: dict[int, int] = {}
+    for t in _compat.tree_leaves(args):
+        if isinstance(t, torch.Tensor) and t.requires_grad and not isinstance(t, torch.nn.Parameter) \
+                and t.device.type != "meta":
+            local = getattr(t, "_local_tensor", t)  # a DTensor (TP): its shard on this rank
+            try:
+                storage = local.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # another tensor subclass: not counted
+                continue
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
 def _with_choices(steps) -> bool:
     """Some graph's ``GraphChoices`` (None for a graph with none) offers more than one candidate:
     there is something to plan together."""
@@ -98,6 +115,9 @@ class StepRecorder:
         self._grads: GradWatch | None = None
         self.grads_note = ""
         self.measured_note = ""
+        self._before = 0
+        """Bytes the recorded step allocated before its first piece call and the recording: that
+        call's activation inputs (the embedding's output), added to every segment."""
         """The transients of the candidates that ran, where the recording measured them other
         than lynx's memory model (``StepModel.measured``), for the step's log line."""
         self._queued = False
@@ -157,8 +177,10 @@ class StepRecorder:
               and torch.is_grad_enabled()):
             self._start_recording()
 
-    def begin_forward(self, piece: Piece) -> int:
+    def begin_forward(self, piece: Piece, args: tuple = ()) -> int:
         call = len(self.calls)
+        if call == 0 and self.state == "recording":
+            self._before = _activation_bytes(args)
         self.calls.append(piece)
         self.open.add(call)
         self._mark(call, "fw0")
@@ -351,11 +373,17 @@ class StepRecorder:
         as_ran: list[Segment] = []
         alive: set[int] = set()
         running: tuple[int, str] | None = None
-        start: int | None = 0  # the level the recording starts from
+        # what the step allocated before the recording started (the first call's activation
+        # inputs): in every segment. On CPU the allocator does not report the free of a block
+        # allocated before the recording; on CUDA the recording's base holds it
+        before, self._before = self._before, 0
+        start: int | None = before  # the level the recording starts from
         for (call, kind), peak, level, held in zip(marks, peaks, levels, [0, *grads[:-1]]):
             if peak is None:
                 start = None
                 continue
+            peak += before
+            level = None if level is None else level + before
             # + the gradients accumulated into an allocated .grad before this segment started,
             # which a step starting with .grad None holds (memory.param_grads). One accumulated
             # within the segment was in its measured peak until then (the backward's output that

@@ -36,7 +36,7 @@ from lynx_compile.recompute import seeds
 from lynx_compile.recompute.apply import Applied, partition_joint, realize, scratch_context
 from lynx_compile.recompute.baselines import baseline_decisions
 from lynx_compile.recompute.regions import RegionBudgetError
-from lynx_compile.step_model import Candidate, GraphChoices, provisional_order
+from lynx_compile.step_model import Candidate, GraphChoices, provisional_pick
 
 log = logging.getLogger("lynx_compile")
 
@@ -167,7 +167,8 @@ def _plan_piece(joint, ctx: PassContext, kw: dict, budget: int | None, reference
         # (Not yet where the piece has communication windows (FSDP2, TP, EP): there lynx's own
         # plan recomputes in them at no cost, and is chosen as before.)
         grads = ctx.record.new_grad_bytes
-        name, cost, applied = min(scored, key=lambda c: provisional_order(as_candidate(*c), grads))
+        pick = provisional_pick(choices, grads)
+        name, cost, applied = next(c for c in scored if c[0] == pick.name)
         mine = next((c for c in scored if c[0] == seeds.USER), None)
         if mine is not None and mine[2].mem.saved_bytes <= budget:
             # the user's own checkpointing fits: what torch.compile would run, until the step's plan
@@ -175,7 +176,7 @@ def _plan_piece(joint, ctx: PassContext, kw: dict, budget: int | None, reference
         ctx.record.step = GraphChoices(reference=none, choices=choices, current=name,
                                        incoming_bytes=incoming_bytes(joint))
         note = (f"one block or a piece of a model, planned before a step was recorded: '{name}', the candidate "
-                "of least memory in a step of many calls (step_model.provisional_order), until the step's "
+                "of least memory in a step of any number of calls (step_model.provisional_pick), until the step's "
                 "pieces are planned together (lynx_compile.step_record)")
         return _piece_outcome(joint, ctx, name, cost, applied, own, note)
     if fitting:
