@@ -76,10 +76,9 @@ def _activation_bytes(args: tuple) -> int:
         if isinstance(t, torch.Tensor) and t.requires_grad and not isinstance(t, torch.nn.Parameter) \
                 and t.device.type != "meta":
             local = getattr(t, "_local_tensor", t)  # a DTensor (TP): its shard on this rank
-            try:
-                storage = local.untyped_storage()
-            except (RuntimeError, NotImplementedError):  # another tensor subclass: not counted
+            if type(local) is not torch.Tensor:  # another subclass (an async collective's result): not counted
                 continue
+            storage = local.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
 

@@ -223,10 +223,13 @@ def test_expert_parallel_all_to_alls_are_windows_with_recompute_and_one_process_
         # and Inductor's backward runs them there: at step 1, the fused bf16 casts of the local
         # experts' w1 / w3 inside the combine's all-to-all, a zero fill inside the dispatch's
         assert r["kernels_in_all_to_alls"] > 0, r["report"]
-        # the MoE graph compiled again for one of its calls (the step's plan): a retrace of a graph
-        # with unbacked SymInts in a ShapeEnv of its own (_compat.adopt_unbacked_symbols)
-        moe = {w.graph_id for w in r["windows"]}
-        assert any(g in moe and choice is not None for g, choice in r["choices"]), r["choices"]
+        # the step's plan planned every graph: the loss graph compiled again ('full' -> 'none');
+        # the MoE graph keeps its first plan (recompute inside the all-to-alls, measured below
+        # lynx's model of it since session 21). Until then the plan compiled the MoE graph again
+        # too; a retrace of a graph with unbacked SymInts in a ShapeEnv of its own
+        # (_compat.adopt_unbacked_symbols) is tested one-process below
+        # (test_a_graph_with_unbacked_sizes_compiles_again_under_inductor)
+        assert any(choice is not None for _, choice in r["choices"]), r["choices"]
     assert results[0]["fingerprints"] == results[1]["fingerprints"]
     assert results[0]["windows"] == results[1]["windows"]
     print(results[0]["report"], results[0]["choices"], max(results[0]["lynx"].values()))
