@@ -17,7 +17,9 @@ CUDA: the copies run on one dedicated copy stream into pinned host memory (``non
 each records an event the ``*_wait`` op makes the current stream wait on, and the source
 tensor is ``record_stream``-ed on the copy stream so the caching allocator never reuses it
 early. CPU: "host" is a second CPU buffer (a real copy, so ordering and gradients are
-exercised), the waits are no-ops. The references (``offload_reference`` / ``reload_reference``)
+exercised) that numpy allocates, outside torch's CPU allocator: the step's measured peak (the
+allocator's events, ``memory.measure``) counts device bytes only, as a GPU's does and as lynx's
+simulation predicts; the waits are no-ops. The references (``offload_reference`` / ``reload_reference``)
 are what the ops compute: a copy of the values, on another device.
 """
 from __future__ import annotations
@@ -50,11 +52,22 @@ def _copy_stream(device: torch.device) -> "torch.cuda.Stream":
     return _STREAM[device]
 
 
+def _cpu_host_copy(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of CPU tensor ``x`` in memory numpy allocates (host memory's stand-in:
+    torch's CPU allocator, whose events a step's measure reads, never sees it)."""
+    import numpy as np
+
+    raw = torch.from_numpy(np.empty(x.numel() * x.element_size(), dtype=np.uint8))
+    host = raw.view(x.dtype).view(x.shape)
+    host.copy_(x.detach())
+    return host
+
+
 @torch.library.custom_op("lynx::offload", mutates_args=())
 def offload(x: torch.Tensor) -> torch.Tensor:
     """Start copying ``x`` to host memory; returns the host tensor (complete after ``offload_wait``)."""
     if x.device.type != "cuda":
-        return x.detach().clone(memory_format=torch.contiguous_format)
+        return _cpu_host_copy(x)
     stream = _copy_stream(x.device)
     host = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=True)
     stream.wait_stream(torch.cuda.current_stream(x.device))  # x is written on the compute stream
