@@ -43,7 +43,9 @@ Peers (each row its own process, cold Inductor cache, a timeout; a failure is th
   (``passes/user_tags.py``), so these measure at or below the ``/inductor`` row. ``tt-ac-full/lynx``,
   ``tt-ac-selective/lynx``: torchtitan's AC applied, then its per-block compile with lynx (no budget).
 - ``lynx@F``: ``torch.compile(model, backend=lynx_compile.backend(memory_budget=F))``, everything
-  else lynx's defaults. ``lynx/per-block@F`` (by ``--peers`` only): every block compiled apart with
+  else lynx's defaults. ``lynx+offload@F`` (by ``--peers`` only): the same with ``offload=True``
+  (a CPU's host copies are numpy's memory, outside the allocator the measure reads: device bytes
+  only, as on a GPU). ``lynx/per-block@F`` (by ``--peers`` only): every block compiled apart with
   that backend (torchtitan's ``apply_compile`` on its models, ``block.compile`` on the others), the
   loss too, as torchtitan's trainer does; measured after the step is recorded and planned whole. For every peer row that measured a fraction f < 0.97 of ``inductor``'s peak
   a lynx row at F = f rounded down to 0.01 (F's within 0.05 above one lynx measured share its row:
@@ -226,6 +228,8 @@ def prepare(peer: str, model: str, module: Any, budget: Optional[float]) -> tupl
         return compiled(_compat.inductor_at_activation_budget(budget))
     if peer.startswith("lynx@"):
         return compiled(lynx_compile.backend(memory_budget=budget))
+    if peer.startswith("lynx+offload@"):  # saved activations may also go to host memory
+        return compiled(lynx_compile.backend(memory_budget=budget, offload=True))
     if peer.startswith("lynx/per-block@"):  # as torchtitan compiles: every block apart, the loss too
         backend = lynx_compile.backend(memory_budget=budget)
         if model == "tt-llama3":
@@ -612,7 +616,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="gpt-tiny; eager, inductor, torch@0.5, checkpoint, SAC, "
                    "torch_remat (eager), rockmate; lynx pairs")
     p.add_argument("--models", type=lambda v: v.split(","), default=None, help=f"comma list of {', '.join(MODELS)}")
-    p.add_argument("--peers", type=lambda v: v.split(","), default=None, help=f"comma list of {', '.join(PEERS + MORE_PEERS)}, lynx/per-block@F")
+    p.add_argument("--peers", type=lambda v: v.split(","), default=None, help=f"comma list of {', '.join(PEERS + MORE_PEERS)}, lynx/per-block@F, lynx+offload@F")
     p.add_argument("--no-lynx", action="store_true", help="peers only, no lynx rows")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS)
@@ -677,7 +681,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if x not in MODELS:
             raise SystemExit(f"unknown model {x!r}: {', '.join(MODELS)}")
     for x in peers:
-        if x.startswith("lynx/per-block@") and _is_fraction(x.split("@")[1]):
+        if x.startswith(("lynx/per-block@", "lynx+offload@")) and _is_fraction(x.split("@")[1]):
             continue
         if x not in PEERS + MORE_PEERS:
             raise SystemExit(f"unknown peer {x!r}: {', '.join(PEERS + MORE_PEERS)}")
