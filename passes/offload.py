@@ -76,7 +76,11 @@ def _tensor_before(node: fx.Node, stop: fx.Node | None, fused: frozenset = froze
     from lynx_compile.memory.inductor_model import _is_view
 
     while node is not None and node.op == "call_function" and node is not stop:
-        if isinstance(node.meta.get("val"), torch.Tensor) and meta.OFFLOAD not in node.meta \
+        val = node.meta.get("val")
+        # a floating-point value: a functionalized RNG op's saved state (uint8, 5056 B on CPU)
+        # reaches Inductor's lowering as a real tensor, and a copy op reading it failed there
+        # ("convert all Tensors to FakeTensors"; HF Llama's SDPA)
+        if isinstance(val, torch.Tensor) and val.is_floating_point() and meta.OFFLOAD not in node.meta \
                 and node not in fused and not _is_view(node):
             return node
         node = node.prev
@@ -84,12 +88,21 @@ def _tensor_before(node: fx.Node, stop: fx.Node | None, fused: frozenset = froze
 
 
 def _fused(gm: fx.GraphModule, ctx: PassContext) -> frozenset:
-    """The values Inductor computes inside other kernels, where it compiles this graph."""
-    if ctx.config.compiler != "inductor":
-        return frozenset()
-    from lynx_compile.memory.inductor_model import interior_nodes
+    """Nodes a copy op must not read to be ordered: values computed from no graph input (a
+    compiler may fold them into a constant: Inductor folded HF Llama's causal mask, and the wait
+    reading it got a real tensor among fake ones) and, under Inductor, the values it computes
+    inside other kernels."""
+    nodes = list(gm.graph.nodes)
+    fed: set[fx.Node] = set()
+    for n in nodes:
+        if n.op == "placeholder" or any(a in fed for a in n.all_input_nodes):
+            fed.add(n)
+    out = {n for n in nodes if n not in fed}
+    if ctx.config.compiler == "inductor":
+        from lynx_compile.memory.inductor_model import interior_nodes
 
-    return frozenset(interior_nodes(list(gm.graph.nodes)))
+        out |= interior_nodes(nodes)
+    return frozenset(out)
 
 
 def _offloaded_names(ctx: PassContext) -> set[str]:
