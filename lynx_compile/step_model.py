@@ -149,19 +149,18 @@ class StepModel:
         calls is taken (it keeps each segment's prediction at or above what it measured, and any
         other candidate's no lower than that candidate's model). Unchanged where segments have
         no start, a backward's incoming bytes are not known, or a graph has no such segment."""
-        pos = self.positions
-        ran = self.uniform({g: gc.named(gc.current) for g, gc in self.graphs.items()})
         seen: dict[tuple[int, str], int] = {}
         for s in self.segments:
             if s.start is None or s.running is None:
                 continue
             call, kind = s.running
             g = self.calls[call]
+            gc = self.graphs[g]
             own = s.peak - s.start
             if kind == "bw":
-                if self.graphs[g].incoming_bytes is None:
+                if gc.incoming_bytes is None:
                     continue
-                own += ran[g][pos[call]].saved_bytes + self.graphs[g].incoming_bytes
+                own += gc.named(gc.current).saved_bytes + gc.incoming_bytes
             seen[g, kind] = min(own, seen.get((g, kind), own))
         graphs, changes = dict(self.graphs), []
         for (g, kind), own in sorted(seen.items()):

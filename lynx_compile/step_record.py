@@ -114,11 +114,11 @@ class StepRecorder:
         self._grads: GradWatch | None = None
         self.grads_note = ""
         self.measured_note = ""
+        """The transients of the candidates that ran, where the recording measured them other
+        than lynx's memory model (``StepModel.measured``), for the step's log line."""
         self._before = 0
         """Bytes the recorded step allocated before its first piece call and the recording: that
         call's activation inputs (the embedding's output), added to every segment."""
-        """The transients of the candidates that ran, where the recording measured them other
-        than lynx's memory model (``StepModel.measured``), for the step's log line."""
         self._queued = False
         self._recording: ProfilerRecording | AllocatorRecording | None = None
         self._device_type = "cpu"

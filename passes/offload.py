@@ -63,13 +63,13 @@ def _cost(node: fx.Node) -> float:
     return c.runtime_s if c is not None else 0.0
 
 
-def _tensor_before(node: fx.Node, stop: fx.Node | None, fused: frozenset = frozenset()) -> fx.Node | None:
+def _tensor_before(node: fx.Node, stop: fx.Node | None, excluded: frozenset = frozenset()) -> fx.Node | None:
     """``node``, or the nearest op before it, whose value is one tensor and that is no copy op
     (the ``after`` argument of a wait or a reload: read so that a compiler keeps the copy op
     behind it); None when the walk reaches ``stop`` or the placeholders first. Not a node of
-    ``fused`` (values Inductor computes inside the kernels reading them,
-    ``memory.inductor_model.interior_nodes``) nor a view: a copy op reading one makes Inductor
-    write it out (gpt-tiny at 0.3 with offload: the MLP's ``0.5 * x`` beside its GELU, 128 KB
+    ``excluded`` (:func:`_not_anchors`: among them the values Inductor computes inside the kernels
+    reading them, ``memory.inductor_model.interior_nodes``) nor a view: a copy op reading one
+    makes Inductor write it out (gpt-tiny at 0.3 with offload: the MLP's ``0.5 * x`` beside its GELU, 128 KB
     above the plan's peak)."""
     import torch
 
@@ -81,17 +81,17 @@ def _tensor_before(node: fx.Node, stop: fx.Node | None, fused: frozenset = froze
         # reaches Inductor's lowering as a real tensor, and a copy op reading it failed there
         # ("convert all Tensors to FakeTensors"; HF Llama's SDPA)
         if isinstance(val, torch.Tensor) and val.is_floating_point() and meta.OFFLOAD not in node.meta \
-                and node not in fused and not _is_view(node):
+                and node not in excluded and not _is_view(node):
             return node
         node = node.prev
     return node if node is stop and node is not None and isinstance(node.meta.get("val"), torch.Tensor) else None
 
 
-def _fused(gm: fx.GraphModule, ctx: PassContext) -> frozenset:
-    """Nodes a copy op must not read to be ordered: values computed from no graph input (a
-    compiler may fold them into a constant: Inductor folded HF Llama's causal mask, and the wait
-    reading it got a real tensor among fake ones) and, under Inductor, the values it computes
-    inside other kernels."""
+def _not_anchors(gm: fx.GraphModule, ctx: PassContext) -> frozenset:
+    """Nodes a copy op must not read to be ordered (:func:`_tensor_before`): values computed from
+    no graph input (a compiler may fold them into a constant, which would reach the copy op as a
+    real tensor, as a saved RNG state did) and, under Inductor, the values it computes inside
+    other kernels."""
     nodes = list(gm.graph.nodes)
     fed: set[fx.Node] = set()
     for n in nodes:
@@ -128,7 +128,7 @@ def offload_forward_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     summary = {"units": len(list(ctx.decisions.offloaded())), "tensors": 0, "bytes": 0, "copy_s": 0.0,
                "exposed_fw_s": 0.0}
     pos = {n: i for i, n in enumerate(nodes)}
-    fused = _fused(gm, ctx)
+    excluded = _not_anchors(gm, ctx)
     for j in range(ctx.num_fwd_outputs, len(outs)):
         x = outs[j]
         if not isinstance(x, fx.Node) or x.name not in names or x.op == "placeholder":
@@ -144,7 +144,7 @@ def offload_forward_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
         k, exposed = cover_after([_cost(n) for n in after], copy_s)
         anchor = after[k - 1] if k else host
         with gm.graph.inserting_after(anchor):
-            wait = gm.graph.call_function(OFFLOAD_WAIT, (host, x, _tensor_before(anchor, stop=host, fused=fused)))
+            wait = gm.graph.call_function(OFFLOAD_WAIT, (host, x, _tensor_before(anchor, stop=host, excluded=excluded)))
         wait.meta[meta.OFFLOAD] = "offload_wait"
         outs[j] = host
         summary["tensors"] += 1
@@ -165,7 +165,7 @@ def offload_backward_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
         return gm
     bw_s = host_link_bytes_per_s(ctx)
     exposed_total = 0.0
-    fused = _fused(gm, ctx)
+    excluded = _not_anchors(gm, ctx)
     for ph in list(gm.graph.find_nodes(op="placeholder")):
         if ph.name not in names or not ph.users:
             continue
@@ -185,7 +185,7 @@ def offload_backward_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
         anchor = before[k - 1] if k else first
         val = ph.meta.get("val")
         users = list(host.users)
-        prev = _tensor_before(anchor.prev, stop=None, fused=fused) if anchor.prev.op != "placeholder" else None
+        prev = _tensor_before(anchor.prev, stop=None, excluded=excluded) if anchor.prev.op != "placeholder" else None
         with gm.graph.inserting_before(anchor):
             reloaded = gm.graph.create_node("call_function", RELOAD, (host, val.device, prev), name=f"{ph.name}_reload")
         with gm.graph.inserting_before(first):

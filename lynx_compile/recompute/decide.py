@@ -29,6 +29,7 @@ from lynx_compile.budget import budget_error as refuse
 from lynx_compile.decisions import BudgetError, Decisions
 from lynx_compile.errors import without_tracebacks
 from lynx_compile.memory.simulate import saved_input_bytes
+from lynx_compile.memory.storage import _nbytes
 from lynx_compile.passes import APPLY_PIPELINE, PassContext, run_passes
 from lynx_compile.passes.apply_decisions import clear_decision_tags
 from lynx_compile.passes.mark_recomputed import mark_recomputed_pass
@@ -262,8 +263,6 @@ def step_candidate(name: str, exposed_s: float, mem, held_inputs: int = 0) -> Ca
 def incoming_bytes(joint: fx.GraphModule) -> int:
     """Bytes of the gradients the graph's backward receives (the joint's ``tangents_*``):
     ``step_model.GraphChoices.incoming_bytes``."""
-    from lynx_compile.memory.storage import _nbytes
-
     return sum(_nbytes(n.meta.get("val")) for n in joint.graph.find_nodes(op="placeholder")
                if n.name.startswith("tangents"))
 
