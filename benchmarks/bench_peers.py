@@ -616,7 +616,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="gpt-tiny; eager, inductor, torch@0.5, checkpoint, SAC, "
                    "torch_remat (eager), rockmate; lynx pairs")
     p.add_argument("--models", type=lambda v: v.split(","), default=None, help=f"comma list of {', '.join(MODELS)}")
-    p.add_argument("--peers", type=lambda v: v.split(","), default=None, help=f"comma list of {', '.join(PEERS + MORE_PEERS)}, lynx/per-block@F, lynx+offload@F")
+    p.add_argument("--peers", type=lambda v: v.split(","), default=None, help=f"comma list of {', '.join(PEERS + MORE_PEERS)}, lynx/per-block@F, lynx+offload@F, torch-budget@F")
     p.add_argument("--no-lynx", action="store_true", help="peers only, no lynx rows")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS)
@@ -682,6 +682,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise SystemExit(f"unknown model {x!r}: {', '.join(MODELS)}")
     for x in peers:
         if x.startswith(("lynx/per-block@", "lynx+offload@")) and _is_fraction(x.split("@")[1]):
+            continue
+        if x.startswith("torch-budget@") and (x.split("@")[1] == "0" or _is_fraction(x.split("@")[1])):
             continue
         if x not in PEERS + MORE_PEERS:
             raise SystemExit(f"unknown peer {x!r}: {', '.join(PEERS + MORE_PEERS)}")
