@@ -3,7 +3,8 @@
 Reads ``config.cost_source``, ``config.hardware``, ``config.link`` (prices collectives, calibrated
 only for a graph with collectives or FSDP2 windows; see
 ``lynx_compile.distributed.link``), ``config.measure_repeats``. Writes
-``meta.COST`` (a ``lynx_compile.costs.NodeCost``) on every node, and the totals into the record.
+``meta.COST`` (a ``lynx_compile.costs.NodeCost``) on every node, the totals into the record, and
+``meta.KERNEL_PROFILE`` on the graph where Inductor compiles it with analytic costs.
 """
 from __future__ import annotations
 
@@ -37,6 +38,10 @@ def annotate_costs_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             costs = rank0_value(costs)
     for node in gm.graph.nodes:
         node.meta[meta.COST] = costs[node.name]
+    # Inductor fuses what a recompute adds into kernels: priced by kernel where costs are analytic
+    gm.meta.pop(meta.KERNEL_PROFILE, None)
+    if cfg.compiler == "inductor" and cfg.cost_source == "analytic":
+        gm.meta[meta.KERNEL_PROFILE] = profile
     fwd = ctx.forward_names
     ctx.record.stats["cost_source"] = cfg.cost_source
     ctx.record.stats["hardware"] = profile.name

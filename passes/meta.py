@@ -27,3 +27,7 @@ CAUSAL_MASK = "lynx_causal_mask"
 #: ``str`` on nodes ``offload_pass`` inserts: ``"offload"`` / ``"offload_wait"`` (forward),
 #: ``"host"`` (the backward input holding the host copy), ``"reload"`` / ``"reload_wait"``.
 OFFLOAD = "lynx_offload"
+#: ``lynx_compile.costs.HardwareProfile`` in a joint ``GraphModule``'s own ``meta`` (the graph's,
+#: not a node's), set by ``annotate_costs_pass`` where Inductor compiles the graph and costs are
+#: analytic: recompute is then priced by kernel (``lynx_compile.costs.inductor_kernels``).
+KERNEL_PROFILE = "lynx_kernel_profile"

@@ -83,6 +83,8 @@ from lynx_compile._compat.inductor import (
 )
 from lynx_compile._compat.inductor_fusion import (
     RECOMPUTE_FUSION_SHARED_BYTES,
+    CompiledKernels,
+    recording_kernels,
     refuses_horizontal_fusion,
     refusing_recompute_fusion,
 )
@@ -143,7 +145,8 @@ __all__ = [
     "INDUCTOR_KEEP_PLACEMENT", "inductor_at_activation_budget", "inductor_compile_graph", "load_inductor_compiler",
     "inductor_compile_with_partitioner", "inductor_donated_inputs", "inductor_partitioner_base",
     # inductor_fusion
-    "RECOMPUTE_FUSION_SHARED_BYTES", "refuses_horizontal_fusion", "refusing_recompute_fusion",
+    "RECOMPUTE_FUSION_SHARED_BYTES", "CompiledKernels", "recording_kernels", "refuses_horizontal_fusion",
+    "refusing_recompute_fusion",
     # inductor_schedule
     "inductor_atomic_add_falls_back", "inductor_graph_input_names", "inductor_preserve_node_ordering", "inductor_realize_thresholds",
     "inductor_schedule_memory",

@@ -40,6 +40,7 @@ with ``post_grad_custom_post_pass`` keyed on lynx's passes), other compiles neve
 benchmark that compiles one graph with and without it turns the cache off or uses a cold one."""
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable
 
@@ -100,3 +101,41 @@ def refusing_recompute_fusion(inner_compile: Callable) -> Callable:
             return inner_compile(*args, **kwargs)
 
     return compile_keeping_recompute_apart
+
+
+class CompiledKernels:
+    """What one Inductor compile generated: ``graph`` (the FX graph it lowered, after its
+    post-grad passes) and ``kernels``: per scheduler node in run order, the names of the FX nodes
+    it was lowered from and whether it is a loop kernel (not an extern kernel: a matmul, a
+    fallback)."""
+
+    def __init__(self, graph: Any, kernels: list[tuple[frozenset[str], bool]]):
+        self.graph, self.kernels = graph, kernels
+
+
+@contextlib.contextmanager
+def recording_kernels():
+    """Yields a list that receives a :class:`CompiledKernels` for every graph Inductor compiles
+    inside the block (the forward and, once it runs, the backward). Reads the scheduler's nodes
+    when it generates code (``Scheduler.codegen``, torch 2.11-2.13): fusion is done by then."""
+    from torch._inductor import scheduler as _scheduler
+    from torch._inductor.virtualized import V
+
+    seen: list[CompiledKernels] = []
+    original = _scheduler.Scheduler.codegen
+
+    def codegen(self: Any) -> Any:
+        kernels = []
+        for snode in self.nodes:
+            names = frozenset(n.name for n in _origins(snode) if getattr(n, "op", None) == "call_function")
+            extern = isinstance(snode, _scheduler.ExternKernelSchedulerNode)
+            if names:
+                kernels.append((names, not extern and not isinstance(snode, _scheduler.NopKernelSchedulerNode)))
+        seen.append(CompiledKernels(V.graph.graph, kernels))
+        return original(self)
+
+    _scheduler.Scheduler.codegen = codegen
+    try:
+        yield seen
+    finally:
+        _scheduler.Scheduler.codegen = original

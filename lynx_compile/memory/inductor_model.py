@@ -140,6 +140,27 @@ def _reads_in_loop(node: fx.Node, producer: fx.Node, extern: frozenset = frozens
     return _is_view(node) and bool(node.users) and all(_reads_in_loop(u, node, extern) for u in node.users)
 
 
+def view_source(node: fx.Node) -> fx.Node:
+    """The value a chain of views of ``node`` reads (``node`` itself when it is no view)."""
+    while _is_view(node):
+        base = aliased_input(node)
+        if not isinstance(base, fx.Node):
+            break
+        node = base
+    return node
+
+
+def is_loop_kernel(node: fx.Node) -> bool:
+    """``node`` is lowered as (part of) a loop kernel: a pointwise op, a gather, a reduction or a
+    constant; not a matmul, attention, a collective or another extern kernel or fallback."""
+    return node.op == "call_function" and not _is_barrier(node) and not _is_view(node)
+
+
+def reads_in_loop(node: fx.Node, producer: fx.Node) -> bool:
+    """``node`` reads ``producer`` inside a loop kernel, directly or through views of it."""
+    return _reads_in_loop(node, producer)
+
+
 def _is_constant(node: fx.Node) -> bool:
     """A deterministic op with no tensor inputs (``full``, ``arange``, ``scalar_tensor``)."""
     return (node.op == "call_function" and not node.all_input_nodes and node.target not in HOST_OUTPUT_OPS
@@ -229,11 +250,11 @@ def _fanout(node: fx.Node) -> int:
     return out
 
 
-def _readers(node: fx.Node) -> list[fx.Node]:
+def value_readers(node: fx.Node) -> list[fx.Node]:
     """The nodes reading ``node``'s value, through views of it."""
     out = []
     for u in node.users:
-        out.extend(_readers(u) if _is_view(u) else [u])
+        out.extend(value_readers(u) if _is_view(u) else [u])
     return out
 
 
@@ -249,7 +270,7 @@ def _readers_apart(node: fx.Node, pos: dict[fx.Node, int], barriers: list[int]) 
     Where they can, a value Inductor writes out is read inside that kernel and never allocated
     (a SwiGLU backward's ``silu(gate)``, read by the two products of the output gradient that
     Inductor fuses)."""
-    at = sorted(pos[u] for u in _readers(node) if u in pos)
+    at = sorted(pos[u] for u in value_readers(node) if u in pos)
     return len(at) > 1 and barriers[at[-1]] > barriers[at[0] + 1]
 
 
@@ -279,21 +300,13 @@ def realized_on_reuse(nodes: list[fx.Node], fused: set[fx.Node]) -> set[fx.Node]
     for n in nodes:
         barriers.append(barriers[-1] + _is_barrier(n))
 
-    def source(x: fx.Node) -> fx.Node:  # the value a chain of views reads
-        while _is_view(x):
-            base = aliased_input(x)
-            if not isinstance(base, fx.Node):
-                break
-            x = base
-        return x
-
     for node in nodes:
         if node not in fused:
             continue
         r: set = set()
         h = node.target in HEAVY_CPU_OPS
         for i in node.all_input_nodes:
-            src = source(i)
+            src = view_source(i)
             if src in kept:
                 r |= reads[src]
                 h = h or heavy[src]

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from lynx_compile.costs import is_collective_node, is_wait_node
+from lynx_compile.costs import is_collective_node, is_free_node, is_wait_node, tensor_bytes_of
+from lynx_compile.memory.inductor_model import is_loop_kernel, reads_in_loop
 from lynx_compile.decisions import DEMAND, KEEP, OFFLOAD, Decisions
 from lynx_compile.decisions import Window as DecisionWindow
 from lynx_compile.memory.simulate import backward_inputs, held_tangents, simulate_graph
@@ -83,12 +84,14 @@ def extract_remat_problem(joint: fx.GraphModule, fw_ref: fx.GraphModule, bw_ref:
     input_keys, _ = backward_inputs(fw_ref, bw_ref)
     bw_keys = storage_keys(bw_ref, input_keys)
     uses: dict[fx.Node, list[int]] = defaultdict(list)
+    bw_reads: dict[fx.Node, list[tuple[fx.Node, fx.Node]]] = defaultdict(list)  # (reader, value read)
     bw_read: set[str] = set()
     for p, n in enumerate(bw_nodes[:-1]):
         for a in n.all_input_nodes:
             src = owner.get(bw_keys[a])
             if src is not None:
                 uses[src].append(p)
+                bw_reads[src].append((n, a))
                 bw_read.add(bw_keys[a])
 
     region = {op: joint_by_name[op.name].meta.get(meta.BLOCK) if op.name in joint_by_name else None
@@ -104,10 +107,22 @@ def extract_remat_problem(joint: fx.GraphModule, fw_ref: fx.GraphModule, bw_ref:
     # inputs in the forward only: it does not make them needed in the backward
     fixed = {op for op in unit_ops if not _recomputable(joint_by_name.get(op.name), ctx)}
     need = _need_intervals(unit_ops, {op: ins for op, ins in local_inputs.items() if op not in fixed}, uses)
+    # a boundary tensor the backward does not read that a unit's recompute reads (the residual
+    # stream a block's first norm is recomputed from) is a unit too, held: kept when a
+    # recomputed unit reads it, else dropped; never recomputed (block-local recompute)
+    held = set()
+    for op in [op for op in unit_ops if op in need and op not in fixed]:
+        for i in inputs[op]:
+            if region[i] != region[op] and (i not in need or i in held):
+                start, end = need[op]
+                need[i] = (min(start, need[i][0]), max(end, need[i][1])) if i in held else (start, end)
+                held.add(i)
     kept = [op for op in unit_ops if op in need]
     ids = {op: i for i, op in enumerate(kept)}
-    must = {op: op in boundary or not _recomputable(joint_by_name.get(op.name), ctx) for op in kept}
+    must = {op: (op in boundary and op not in held) or not _recomputable(joint_by_name.get(op.name), ctx)
+            for op in kept}
     parts = {op: _output_bytes(op, fw_keys, fw_nodes, bw_read, readers, must, joint_by_name, ctx) for op in kept}
+    profile = joint.meta.get(meta.KERNEL_PROFILE)  # Inductor: priced by kernel
     units = []
     for op in kept:
         joint_node = joint_by_name.get(op.name)
@@ -115,11 +130,11 @@ def extract_remat_problem(joint: fx.GraphModule, fw_ref: fx.GraphModule, bw_ref:
         units.append(Unit(
             id=ids[op], name=op.name,
             nbytes=sum(parts[op]),
-            compute_s=sum(_cost(joint_by_name.get(m)) for m in dict.fromkeys(members[op])),
+            compute_s=_unit_seconds(op, members[op], joint_by_name, bw_reads[op], profile),
             inputs=tuple(sorted(ids[i] for i in inputs[op] if i in ids)),
             block=region[op], fw_pos=pos_fw[op], fw_last=fw_last[op],
             first_use=min(uses[op]) if uses[op] else None, need_start=start, need_end=end,
-            must_keep=must[op]))
+            must_keep=must[op], recomputable=op not in held))
     if ctx.config.offload:
         units = _price_offload(units, kept, fw_nodes, bw_nodes, joint_by_name, host_link_bytes_per_s(ctx))
 
@@ -187,6 +202,27 @@ def _price_offload(units, ops, fw_nodes, bw_nodes, joint_by_name, link_bytes_per
                                        offload_fw_end=max(u.fw_last, u.fw_pos + k_fw),
                                        offload_bw_start=u.need_start - k_bw))
     return out
+
+
+def _unit_seconds(op: fx.Node, members: list[str], joint_by_name: dict[str, fx.Node],
+                  bw_reads: list[tuple[fx.Node, fx.Node]], profile) -> float:
+    """Seconds recomputing unit ``op`` (its nodes: ``members``) costs: the sum of its nodes'
+    costs, or, priced by kernel (``profile``: Inductor compiles the graph), a unit of loop ops
+    costs what ``costs.inductor_kernels.fused_unit_seconds`` says: what it adds to the kernels
+    reading it where every backward reader reads it in a loop kernel, else one
+    kernel of its own (``bw_reads``: each backward node reading it, and the value it reads). Its recomputed forward readers are not known here: a matmul among them
+    reads it from a buffer, which this price leaves out."""
+    nodes = [n for m in dict.fromkeys(members) if (n := joint_by_name.get(m)) is not None]
+    if profile is None or not nodes or not all(is_loop_kernel(n) or is_free_node(n) for n in nodes):
+        return sum(_cost(n) for n in nodes)
+    from lynx_compile.costs.inductor_kernels import fused_unit_seconds
+
+    inside = set(nodes)
+    external = [i for n in nodes for i in n.all_input_nodes if i not in inside]
+    out = joint_by_name.get(op.name, op)
+    in_loop = bool(bw_reads) and all(reads_in_loop(r, a) for r, a in bw_reads)
+    return fused_unit_seconds([n for n in nodes if not is_free_node(n)], external,
+                              tensor_bytes_of(out), in_loop, profile)
 
 
 def _fold_fused(unit_ops, inputs, uses, region, members, joint_by_name) -> list[fx.Node]:

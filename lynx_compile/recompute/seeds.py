@@ -25,9 +25,12 @@ import torch.fx as fx
 
 from lynx_compile import _compat
 from lynx_compile.budget import budget_error as refuse
+from lynx_compile.costs.analytic import is_free_node
 from lynx_compile.costs.comm import is_collective_node, is_wait_node
 from lynx_compile.decisions import Decisions, Window
 from lynx_compile.distributed.agreement import gather_values, planning_world_size
+from lynx_compile.costs.inductor_kernels import recompute_seconds, written_seconds
+from lynx_compile.memory.inductor_model import is_loop_kernel, value_readers
 from lynx_compile.memory.storage import allocations, storage_keys
 from lynx_compile.passes import PassContext, meta
 from lynx_compile.passes.apply_decisions import clear_decision_tags
@@ -72,15 +75,21 @@ def exposed(applied: Applied, joint: fx.GraphModule) -> float:
 
 def exposed_s(bw: fx.GraphModule, joint: fx.GraphModule) -> float:
     """Seconds of recompute the backward runs on demand (not inside a communication window),
-    from the cost model."""
+    from the cost model: by kernel where Inductor compiles it (``costs.inductor_kernels``: a
+    recomputed pointwise value inside a kernel that runs anyway costs what it adds to it), else
+    per recomputed node."""
     joint_nodes = {n.name: n for n in joint.graph.nodes}
-    total = 0.0
-    for node in bw.graph.nodes:
-        if not node.meta.get(meta.RECOMPUTED) or isinstance(node.meta.get(meta.DECISION), Window):
-            continue
+
+    def seconds(node: fx.Node) -> float:
         cost = (recomputed_source(node, joint_nodes) or node).meta.get(meta.COST)
-        total += cost.runtime_s if cost else 0.0
-    return total
+        return cost.runtime_s if cost else 0.0
+
+    on_demand = [n for n in bw.graph.nodes
+                 if n.meta.get(meta.RECOMPUTED) and not isinstance(n.meta.get(meta.DECISION), Window)]
+    profile = joint.meta.get(meta.KERNEL_PROFILE)
+    if profile is not None and on_demand:
+        return recompute_seconds(bw.graph.nodes, on_demand, profile, node_seconds=seconds)
+    return sum((seconds(n) for n in on_demand), 0.0)
 
 
 def exposed_floor(joint: fx.GraphModule, ctx: PassContext, decisions: Decisions) -> float:
@@ -113,8 +122,7 @@ def exposed_floor(joint: fx.GraphModule, ctx: PassContext, decisions: Decisions)
             continue
         seen.add(n)
         stack.extend(a for a in n.all_input_nodes if surely_recomputed(a))
-    # summed in graph order: a float sum in set order differs between processes in its last bit
-    return sum((c.runtime_s for n in joint.graph.nodes if n in seen and (c := n.meta.get(meta.COST)) is not None), 0.0)
+    return _least_seconds(joint, seen)
 
 
 ACCUMULATE_GRAD = "lynx.accumulate_grad.default"  # (lynx_compile.grad_in_graph's op, by name: no arrow up)
@@ -141,10 +149,27 @@ def min_cut_floor(joint: fx.GraphModule, ctx: PassContext, saved: frozenset) -> 
             continue
         seen.add(n)
         stack.extend(n.all_input_nodes)
-    # summed in graph order (a float sum in set order differs between processes in its last bit)
-    return sum((c.runtime_s for n in joint.graph.nodes if n in seen and n.name in forward
-                and not isinstance(n.meta.get(meta.DECISION), Window) and (c := n.meta.get(meta.COST)) is not None),
-               0.0)
+    return _least_seconds(joint, {n for n in seen if n.name in forward
+                                  and not isinstance(n.meta.get(meta.DECISION), Window)})
+
+
+def _least_seconds(joint: fx.GraphModule, recomputed: set[fx.Node]) -> float:
+    """The least seconds that recomputing ``recomputed`` (joint nodes, all of them recomputed on
+    demand) exposes: their costs, or priced by kernel (``costs.inductor_kernels``) the kernels of
+    their own among them (matmuls, attention, fallbacks) and, for each loop value one of those
+    reads, a kernel writing it (its launch and bytes); a loop op may add nothing to a kernel it
+    joins. Summed in graph order: a float sum in set order differs between processes in its
+    last bit."""
+    profile = joint.meta.get(meta.KERNEL_PROFILE)
+    total = 0.0
+    for n in joint.graph.nodes:
+        if n not in recomputed or (c := n.meta.get(meta.COST)) is None:
+            continue
+        if profile is None or not is_loop_kernel(n):
+            total += c.runtime_s
+        elif any(r in recomputed and not is_loop_kernel(r) and not is_free_node(r) for r in value_readers(n)):
+            total += written_seconds(n, profile)
+    return total
 
 
 def saved_floor_bytes(joint: fx.GraphModule, ctx: PassContext, saved: frozenset, memo: dict | None = None) -> int:

@@ -67,6 +67,8 @@ class ProblemArrays:
         self.ne = np.array([u.need_end for u in us], dtype=np.int64)
         self.needed = np.array([u.first_use is not None for u in us], dtype=bool)
         self.must = np.array([u.must_keep for u in us], dtype=bool)
+        self.hold = np.array([not u.recomputable for u in us], dtype=bool)
+        """Units that are kept or dropped, never recomputed (``Unit.recomputable`` False)."""
         self.can_off = np.array([u.offload_s is not None for u in us], dtype=bool)
         self.off_s = np.array([u.offload_s or 0.0 for u in us], dtype=np.float64)
         self.off_exposed = np.array([u.offload_exposed_s for u in us], dtype=np.float64)
@@ -239,6 +241,8 @@ class ProblemArrays:
                for r, kept in enumerate(self.region_kept(state)) if kept > self.region_max[r]] if self.region_units else []
         out += [f"{self.names[i]}: must_keep but not kept"
                for i in np.flatnonzero(self.must & (state != KEEP) & (state != OFFLOAD))]
+        out += [f"{self.names[i]}: recomputed but not recomputable"
+                for i in np.flatnonzero(self.hold & ((state == DEMAND) | (state == WINDOW)))]
         out += [f"{self.names[i]}: offloaded but not offloadable"
                 for i in np.flatnonzero((state == OFFLOAD) & ~self.can_off)]
         out += [f"{self.names[i]}: read by the backward but neither kept nor recomputed"

@@ -69,7 +69,7 @@ def fix_inputs(arr: ProblemArrays, state: np.ndarray, win: np.ndarray) -> None:
         bad_a = (state[a] == WINDOW) & ~((state[b] == KEEP) | ((state[b] == WINDOW) & (win[b] <= win[a])))
         if not need_b.any() and not bad_a.any():
             return
-        state[b[need_b]] = DEMAND
+        state[b[need_b]] = np.where(arr.hold[b[need_b]], KEEP, DEMAND)
         state[a[bad_a]], win[a[bad_a]] = DEMAND, -1
 
 
@@ -113,7 +113,7 @@ def repair(arr: ProblemArrays, budget: int, state: np.ndarray, win: np.ndarray):
             ws = arr.win_start[np.maximum(win, 0)] if arr.W else np.zeros(arr.n, dtype=np.int64)
             freed = m * ((state == KEEP) & (t < arr.ns))
             freed += m * ((state == WINDOW) & (ws <= t) & (t < arr.ns))
-        freed[arr.must & ~arr.can_off] = 0
+        freed[(arr.must | arr.hold) & ~arr.can_off] = 0
         cand = np.flatnonzero(freed > 0)
         if cand.size == 0:
             return state, win, peak
@@ -123,7 +123,7 @@ def repair(arr: ProblemArrays, budget: int, state: np.ndarray, win: np.ndarray):
         order = cand[np.lexsort((arr.ids[cand], -ratio))][:TOP_K]
         best = None
         for i in order:
-            kinds = ([] if arr.must[i] else [DEMAND]) + ([OFFLOAD] if arr.can_off[i] else [])
+            kinds = ([] if arr.must[i] or arr.hold[i] else [DEMAND]) + ([OFFLOAD] if arr.can_off[i] else [])
             for to in kinds:
                 st, wn = _switch(arr, state, win, i, to)
                 f2, b2 = arr.profile(st, wn)
@@ -144,7 +144,7 @@ def fit_regions(arr: ProblemArrays, state: np.ndarray, win: np.ndarray):
     budget (only must-keep units remain kept) is left as is: ``check_region_caps`` refuses it."""
     for r, units in enumerate(arr.region_units):
         while arr.kept_in_region(state, r) > arr.region_max[r]:
-            cand = units[(state[units] == KEEP) & (~arr.must[units] | arr.can_off[units])]
+            cand = units[(state[units] == KEEP) & ((~arr.must[units] & ~arr.hold[units]) | arr.can_off[units])]
             if cand.size == 0:
                 break
             cost = np.where(arr.must[cand], arr.off_exposed[cand], arr.c[cand])
@@ -171,7 +171,7 @@ def hide(arr: ProblemArrays, budget: int, state: np.ndarray, win: np.ndarray, tr
     _, bw = arr.profile(state, win)
     left = arr.win_tau - arr.window_load(state, win)
     for kind in (DEMAND, KEEP):
-        units = np.flatnonzero((state == kind) & ~arr.must)
+        units = np.flatnonzero((state == kind) & ~arr.must & ~arr.hold)
         key = -arr.c[units] if kind == DEMAND else -arr.m[units].astype(np.float64)
         for i in units[np.lexsort((arr.ids[units], key))]:
             load, ins = arr.kappa * arr.c[i], arr.inputs[i]
@@ -243,7 +243,7 @@ def refill(arr: ProblemArrays, budget: int, state: np.ndarray, win: np.ndarray) 
 def all_demand(arr: ProblemArrays) -> tuple[np.ndarray, np.ndarray]:
     """Everything recomputable on demand (inputs closed, unread intermediates none)."""
     state, win = initial_state(arr)
-    state[(state == KEEP) & ~arr.must] = DEMAND
+    state[(state == KEEP) & ~arr.must & ~arr.hold] = DEMAND
     fix_inputs(arr, state, win)
     cleanup(arr, state, win)
     return state, win

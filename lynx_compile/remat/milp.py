@@ -111,7 +111,7 @@ def build_model(problem: RematProblem, budget_bytes: int | None, *, units: Itera
     free, fixed = _fixed_state(arr, units)
     fe, fc, be, bc, dropped = _rows(arr, free, fixed, budget_bytes)
     F = np.flatnonzero(free).tolist()
-    pairs = [(i, int(w)) for i in F if not arr.must[i]
+    pairs = [(i, int(w)) for i in F if not arr.must[i] and not arr.hold[i]
              for w in (arr.eligible[i] if windows else ())[:max_windows_per_unit]]
     M = pyo.ConcreteModel("lynx_opt")
     M.scale = float(max(int(arr.m.max(initial=1)), 1))   # memory rows in units of the largest unit
@@ -121,8 +121,8 @@ def build_model(problem: RematProblem, budget_bytes: int | None, *, units: Itera
     OFF = [i for i in F if arr.can_off[i]]
     M.f = pyo.Var(OFF, domain=pyo.Binary)        # f[a] = 1: a is saved in host memory (offload)
     for i in F:
-        if arr.must[i]:
-            M.r[i].fix(0)                        # must be saved: kept or offloaded
+        if arr.must[i] or arr.hold[i]:
+            M.r[i].fix(0)                        # must be saved (kept or offloaded), or kept or dropped
     W = sorted({w for _, w in pairs})
     M.over = pyo.Var(W, domain=pyo.NonNegativeReals)   # over[w]: seconds window w overflows by
     by_unit: dict[int, list[int]] = {i: [] for i in F}

@@ -110,6 +110,10 @@ class Unit:
     need_end: int = 0
     """Last backward event at which it must exist (direct reads and recomputed consumers)."""
     must_keep: bool = False
+    recomputable: bool = True
+    """False: a tensor recomputes read that is never recomputed itself (a block's input the
+    backward does not read, which a recompute of the block's first norm reads): kept when a
+    recomputed unit reads it, else dropped, never demanded."""
     offload_s: float | None = None
     """One-way host copy time (bytes / host link bytes/s) when the unit may be offloaded; None:
     it may not (offload off, not read by the backward, not a device tensor)."""

@@ -42,6 +42,9 @@ def _columns(arr: ProblemArrays, positions: list[np.ndarray]):
         lead = int(units[0])
         if arr.must[lead]:
             continue
+        if arr.hold[lead]:  # kept or dropped, never recomputed
+            cols.append(("s", p, -1))
+            continue
         cols += [("s", p, -1), ("r", p, -1)]
         cols += [("o", p, rho) for rho in range(min(RANKS, arr.eligible[lead].size))]
     return cols

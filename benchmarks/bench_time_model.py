@@ -1,0 +1,217 @@
+"""lynx's recompute time model against the backward times Inductor's code measures (issue R, item 3).
+
+    python benchmarks/bench_time_model.py                         # gpt-tiny, HF Llama, post-LN GQA; 4 layers
+    python benchmarks/bench_time_model.py --model gpt-tiny --rounds 9
+
+For each model (``bench_step.build``: zoo preset, ``hf-llama:<preset>``, ``gqa:<preset>``; fp32,
+one thread, batch ``--batch`` x ``--seq``), every candidate is compiled by lynx with Inductor in
+one process, each on its own copy of the model (``lynx_compile.variants.prepare``):
+``lynx-none``, ``lynx-full``, ``lynx-selective``, torch's min-cut at ``--torch-budgets``
+(``lynx-torch-b<B>``) and lynx's own choice at ``--budgets`` (``lynx-b<B>``; a refused budget is a
+row saying so). Then ``--rounds`` rounds run one step per candidate, the order rotating each
+round, and time the backward alone (``loss.backward()``, the forward untimed): drift on a shared
+machine falls on every candidate alike.
+
+Per candidate: ``predicted_ms``, the recompute its plans expose on demand in lynx's model
+(``RecomputePlan.exposed_s`` summed over the compiled graphs: what candidates compete on);
+``measured_ms``, its median backward time minus ``lynx-none``'s (what the recompute costs as
+Inductor runs it; the error is taken on ``predicted_ms`` minus ``lynx-none``'s, as Inductor's own
+partition recomputes cheap pointwise ops too); ``peak``: the plans' predicted peak as a fraction of the no-recompute one.
+Per model: Spearman's rank correlation of predicted against measured over the candidates, and
+the mean absolute error; per budget: lynx's pick against the fastest measured candidate whose
+predicted peak fits the budget.
+
+Run it with another checkout's package first on ``PYTHONPATH`` to measure that code's model
+(the script uses only public APIs): the plans of ``none``, ``full``, ``selective`` and torch's
+min-cut are the same, only their prices differ.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from typing import Sequence
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+
+RESULTS = os.path.join(HERE, "results")
+MODELS = ("gpt-tiny", "hf-llama:gpt-tiny", "gqa:gpt-tiny")
+TORCH_BUDGETS = (0.9, 0.7, 0.5, 0.3, 0.1)
+BUDGETS = (0.9, 0.8, 0.7, 0.6, 0.5)
+
+
+def candidates(torch_budgets: Sequence[float], budgets: Sequence[float]) -> list[str]:
+    return (["lynx-none", "lynx-full", "lynx-selective"] + [f"lynx-torch-b{b:g}" for b in torch_budgets]
+            + [f"lynx-b{b:g}" for b in budgets])
+
+
+def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties)."""
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    num = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    den = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return num / den if den else float("nan")
+
+
+def run_model(model_name: str, args: argparse.Namespace) -> list[dict]:
+    import lynx_compile
+    from bench_step import Settings, build
+    from lynx_compile import variants
+    from lynx_compile.decisions import BudgetError
+
+    torch.set_num_threads(args.threads)
+    # every candidate compiles the same code on its own copy: past dynamo's recompile limit (8)
+    # the later ones would silently run eager
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 256)
+    s = Settings(model=model_name, layers=args.layers, batch=args.batch, seq=args.seq, solver="auto")
+    base, loss_of = build(s)
+    ready, rows = {}, []
+    for name in candidates(args.torch_budgets, args.budgets):
+        options = variants.lynx_options(name, solver="auto", compiler="inductor")
+        backend = lynx_compile.backend(**options)
+        before = len(backend.plans)
+        model = copy.deepcopy(base)
+        fn = variants.prepare(name, model, solver="auto", compiler="inductor")
+        row = {"model": model_name, "candidate": name}
+        t0 = time.perf_counter()
+        try:
+            for _ in range(2):  # the first compiles the forward and (at its backward) the backward
+                loss_of(fn).backward()
+        except BudgetError as e:
+            row["status"] = "refused: " + str(e).split(". ")[1][:60]
+            rows.append(row)
+            print(f"{model_name} {name}: {row['status']}", flush=True)
+            continue
+        plans = backend.plans[before:]
+        row.update(status="ok", compile_s=round(time.perf_counter() - t0, 1),
+                   predicted_ms=sum(p.exposed_s for p in plans) * 1e3,
+                   peak=max((p.peak_fraction for p in plans), default=1.0),
+                   solver=",".join(sorted({p.solver for p in plans})))
+        ready[name] = (fn, model)
+        rows.append(row)
+        print(f"{model_name} {name}: predicted {row['predicted_ms']:.3f} ms, peak {row['peak']:.3f} "
+              f"({row['solver']})", flush=True)
+    times = {n: [] for n in ready}
+    names = list(ready)
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn, model = ready[name]
+            loss = loss_of(fn)
+            t0 = time.perf_counter()
+            loss.backward()
+            times[name].append(time.perf_counter() - t0)
+            for p in model.parameters():
+                p.grad = None
+    none = statistics.median(times["lynx-none"]) * 1e3
+    for row in rows:
+        if row["candidate"] in times:
+            row["bw_ms"] = statistics.median(times[row["candidate"]]) * 1e3
+            row["measured_ms"] = row["bw_ms"] - none
+    return rows
+
+
+def summarize(rows: list[dict], budgets: Sequence[float]) -> list[str]:
+    lines = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        ok = [r for r in rows if r["model"] == model and "measured_ms" in r]
+        fixed = [r for r in ok if not r["candidate"].startswith("lynx-b")]
+        none = next(r["predicted_ms"] for r in ok if r["candidate"] == "lynx-none")
+        # both relative to lynx-none (Inductor's own partition recomputes cheap pointwise ops too)
+        pred, meas = [r["predicted_ms"] - none for r in ok], [r["measured_ms"] for r in ok]
+        mae = statistics.fmean(abs(p - m) for p, m in zip(pred, meas))
+        lines.append(f"- {model}: Spearman {spearman(pred, meas):.2f} over {len(ok)} candidates "
+                     f"({spearman([r['predicted_ms'] for r in fixed], [r['measured_ms'] for r in fixed]):.2f} "
+                     f"over the {len(fixed)} fixed policies); mean |predicted - measured| {mae:.3f} ms")
+        for b in budgets:
+            pick = next((r for r in ok if r["candidate"] == f"lynx-b{b:g}"), None)
+            fits = [r for r in ok if r["peak"] <= b + 1e-9]
+            if pick is None or not fits:
+                continue
+            best = min(fits, key=lambda r: r["bw_ms"])
+            lines.append(f"  - budget {b:g}: lynx picks {pick['solver']} ({pick['bw_ms']:.2f} ms backward); fastest "
+                         f"fitting {best['candidate']} ({best['bw_ms']:.2f} ms): {pick['bw_ms'] / best['bw_ms']:.3f}x")
+    return lines
+
+
+def write(rows: list[dict], lines: list[str], args: argparse.Namespace, argv: Sequence[str]) -> str:
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, args.stem)
+    keys = ["model", "candidate", "status", "solver", "peak", "predicted_ms", "measured_ms", "bw_ms", "compile_s"]
+    with open(stem + ".csv", "w", newline="") as f:
+        w = csv.DictWriter(f, keys, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
+                              text=True).stdout.strip()
+    except OSError:
+        head = "?"
+    import lynx_compile
+
+    md = [f"# Recompute time model vs measured backward (CPU, Inductor)", "",
+          f"{datetime.date.today()}; {platform.processor() or platform.machine()} ({os.cpu_count()} cores, shared); "
+          f"torch {torch.__version__}; python {platform.python_version()}; {args.threads} thread(s); "
+          f"git HEAD {head}; lynx_compile from {os.path.dirname(lynx_compile.__file__)}.", "",
+          f"Command: `python benchmarks/bench_time_model.py {' '.join(argv)}`", "",
+          "| model | candidate | status | solver | peak | predicted_ms | measured_ms | bw_ms |",
+          "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        md.append("| " + " | ".join(f"{r[k]:.3f}" if isinstance(r.get(k), float) else str(r.get(k, "-"))
+                                     for k in keys[:-1]) + " |")
+    md += ["", "Summary:", "", *lines, ""]
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(md))
+    return stem + ".md"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", type=lambda v: v.split(","), default=list(MODELS))
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--torch-budgets", type=lambda v: [float(x) for x in v.split(",")], default=list(TORCH_BUDGETS))
+    p.add_argument("--budgets", type=lambda v: [float(x) for x in v.split(",")], default=list(BUDGETS))
+    p.add_argument("--out", default=RESULTS)
+    p.add_argument("--stem", default="time_model")
+    args = p.parse_args(argv)
+    rows = []
+    for m in args.model:
+        rows += run_model(m, args)
+    lines = summarize(rows, args.budgets)
+    print("\n".join(lines))
+    print(write(rows, lines, args, sys.argv[1:] if argv is None else argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

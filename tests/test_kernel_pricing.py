@@ -1,0 +1,146 @@
+"""Recompute priced by kernel, as Inductor runs it (issue R item 1; ``costs.inductor_kernels``).
+
+1. The rule on hand-built graphs, against the roofline formula computed by hand: a recomputed
+   pointwise value read only by a loop kernel that runs anyway adds its FLOPs (and the bytes it
+   reads beyond the saved value's read) to that kernel, no launch; read by a matmul, it is a
+   kernel of its own (its reads, its write, a launch).
+2. The kernels the model sees against the ones Inductor generated: an MLP model recomputed whole
+   (policy ``full``) and compiled by Inductor; for every value the model computes inside another
+   node's kernel, Inductor's scheduler lowered it into a kernel together with that node
+   (``_compat.recording_kernels``: the FX origins of each scheduler node after fusion).
+3. Candidates compete on it: lynx's own plan on gpt-tiny at 0.9 recomputes the GELU (read by a
+   matmul: a kernel of its own) and the fc1 matmul, and its exposed recompute as the optimizer
+   priced it equals the realized plan's, priced on its compiled backward.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import lynx_compile
+from lynx_compile import _compat
+from lynx_compile.costs.hardware import HardwareProfile
+from lynx_compile.costs.inductor_kernels import kernels, recompute_seconds
+from lynx_compile.passes import meta
+
+N = 4096  # elements of each pointwise value (float32)
+
+# round numbers: compute-bound when FLOPs are slow, memory-bound when bytes are
+SLOW_FLOPS = HardwareProfile(name="t", peak_flops={"float32": 1e9}, memory_bandwidth_bytes_per_s=1e12,
+                             memory_capacity_bytes=1 << 30, launch_overhead_s=1e-5, default_link="pcie4",
+                             matmul_efficiency=0.5, memory_efficiency=0.5)
+SLOW_BYTES = HardwareProfile(name="t", peak_flops={"float32": 1e15}, memory_bandwidth_bytes_per_s=1e9,
+                             memory_capacity_bytes=1 << 30, launch_overhead_s=1e-5, default_link="pcie4",
+                             matmul_efficiency=0.5, memory_efficiency=0.5)
+
+
+def _graph(fn, *shapes):
+    gm = make_fx(fn)(*(torch.randn(s) for s in shapes))
+    return list(gm.graph.nodes), {n.name: n for n in gm.graph.nodes}
+
+
+def _pointwise_read_by_pointwise(x):
+    y = x * 2.0      # recomputed
+    return y + 1.0   # a kernel that runs anyway
+
+
+def _pointwise_read_by_matmul(x, w):
+    y = x * 2.0      # recomputed
+    return y @ w     # an extern kernel reads it from a buffer
+
+
+def test_a_pointwise_recompute_inside_a_kernel_that_runs_anyway_adds_its_flops_and_no_launch():
+    nodes, by = _graph(_pointwise_read_by_pointwise, (N,))
+    y = by["mul"]
+    # the add's kernel computes x * 2 inside it: reads x instead of y (the same bytes)
+    assert [k.node.name for k in kernels(nodes)] == ["add"]
+    # compute-bound: N more FLOPs at 1e9 * 0.5
+    assert recompute_seconds(nodes, {y}, SLOW_FLOPS) == pytest.approx(N / (1e9 * 0.5), rel=1e-12)
+    # memory-bound: the kernel reads x instead of y and writes the same: nothing added
+    assert recompute_seconds(nodes, {y}, SLOW_BYTES) == 0.0
+
+
+def test_a_pointwise_recompute_a_matmul_reads_is_a_kernel_of_its_own():
+    nodes, by = _graph(_pointwise_read_by_matmul, (64, 64), (64, 64))
+    y = by["mul"]
+    assert {k.node.name for k in kernels(nodes)} == {"mul", "mm"}
+    nbytes = 64 * 64 * 4
+    # reads x, writes y, one launch
+    expected = max(64 * 64 / (1e15 * 0.5), 2 * nbytes / (1e9 * 0.5)) + 1e-5
+    assert recompute_seconds(nodes, {y}, SLOW_BYTES) == pytest.approx(expected, rel=1e-12)
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.ln(x))))
+
+
+class _MLP(nn.Module):
+    def __init__(self, d: int = 32, layers: int = 2):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block(d) for _ in range(layers))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x.square().mean()
+
+
+def test_values_the_model_computes_inside_a_kernel_are_in_that_kernel_in_inductors_code():
+    torch.manual_seed(0)
+    model, x = _MLP(), torch.randn(4, 16, 32)
+    compiled = torch.compile(model, backend=lynx_compile.backend(policy="full", plan_cache=False))
+    with torch._inductor.config.patch(fx_graph_cache=False), _compat.recording_kernels() as seen:
+        compiled(x).backward()
+    bw = seen[-1]  # the backward compiles last, at its first run
+    nodes = list(bw.graph.nodes)
+    recomputed = {n.name for n in nodes if n.meta.get(meta.RECOMPUTED)}
+    assert recomputed, "policy full recomputes the blocks"
+    where: dict[str, set[int]] = {}
+    for i, (names, _) in enumerate(bw.kernels):
+        for name in names:
+            where.setdefault(name, set()).add(i)
+    together, apart, inside_kept = 0, [], 0
+    for k in kernels(nodes):
+        if not k.loop:
+            continue
+        for value in k.body[1:]:
+            if value.name not in where:  # Inductor names no kernel after it: nothing to compare
+                continue
+            if where[value.name] & where.get(k.node.name, set()):
+                together += 1
+                inside_kept += value.name in recomputed and k.node.name not in recomputed
+            else:
+                apart.append((value.name, k.node.name))
+    assert not apart, apart
+    assert together >= 10, together
+    # the recompute the model prices inside kernels that run anyway (the GELU and the norm inside
+    # their gradients' kernels) is there in Inductor's code too
+    assert inside_kept >= 2, inside_kept
+
+
+def test_lynx_plans_price_the_recompute_as_it_is_compiled(monkeypatch):
+    from _reach import reach_model
+    from lynx_compile.planning import plan_model
+
+    model, x = reach_model("gpt-tiny", monkeypatch)
+    for p in model.parameters():
+        p.grad = None
+    rec, = plan_model(model, (x,), cost_source="analytic", hardware="h100-sxm", plan_cache=False,
+                      memory_budget=0.9)
+    assert rec.plan.solver == "opt-highs", rec.notes
+    lynx = rec.stats["candidates"]["lynx"]
+    # what the realized plan exposes, priced by kernel on its compiled backward, is what the
+    # optimizer's model priced (one kernel per recomputed unit here: the matmul, and the GELU
+    # a matmul reads)
+    assert lynx["exposed_s"] > 0
+    assert rec.plan.exposed_s == pytest.approx(lynx["exposed_s"], rel=1e-3)
+    assert lynx["peak_bytes"] <= 0.9 * rec.reference_peak_bytes
