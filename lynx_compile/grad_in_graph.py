@@ -68,7 +68,10 @@ OP_NAME = "lynx::accumulate_grad"
 _FIX = "compile with options={'accumulate_grad_in_graph': False} to have the backward return them"
 
 
-@torch.library.custom_op(OP_NAME, mutates_args=())
+_LIB = torch.library.Library("lynx", "FRAGMENT")
+_LIB.define("accumulate_grad(Tensor param, Tensor grad, bool keep) -> ()")
+
+
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor, keep: bool) -> None:
     """What autograd's ``AccumulateGrad`` does for ``param`` once the backward returned, done here:
     ``param.grad += grad``; where ``.grad`` is None, ``grad`` itself becomes ``.grad`` when
@@ -131,7 +134,13 @@ def _remember_accumulators(params: list[torch.Tensor]) -> None:
                 _ACCUMULATORS[p] = torch.autograd.graph.get_gradient_edge(p).node
 
 
-@accumulate_grad.register_fake
+# A plain library kernel, not ``torch.library.custom_op``: the op runs once per parameter per
+# step on the host, and custom_op's Python wrappers (its autograd layer among them) cost ~10 us a
+# call against ~3 us here (CPU, torch 2.13): gpt-tiny's 52 parameters took 1 ms of a 7 ms backward.
+_LIB.impl("accumulate_grad", accumulate_grad, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake(OP_NAME)
 def _(param: torch.Tensor, grad: torch.Tensor, keep: bool) -> None:
     return None
 
