@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from lynx_compile import _compat
 from lynx_compile.recompute import regions as region_budgets
+from lynx_compile.recompute import seeds
 from lynx_compile.recompute.apply import Applied, realize, scratch_context, untagged_partition
 from lynx_compile.budget import budget_error as refuse
 from lynx_compile.config import LynxConfig
@@ -305,7 +306,8 @@ def build_plan(policy: str, joint: fx.GraphModule, applied: Applied, ctx: PassCo
         **_device_budget_fields(ctx.config),
         notes=tuple(ctx.record.notes), decisions=applied.decisions,
         solver=outcome.solver if outcome else "", solver_status=outcome.status if outcome else "",
-        exposed_s=outcome.exposed_s if outcome else recompute_s,
+        # a policy's own plan: its on-demand recompute as candidates are priced (by kernel under Inductor)
+        exposed_s=outcome.exposed_s if outcome else seeds.exposed(applied, joint),
         offload_bytes=offload.get("bytes", 0), offload_copy_s=offload.get("copy_s", 0.0),
         offload_exposed_s=offload.get("exposed_fw_s", 0.0) + offload.get("exposed_bw_s", 0.0),
         plan_time_s=outcome.plan_time_s if outcome else 0.0, solve_s=outcome.solve_s if outcome else 0.0,
