@@ -101,8 +101,13 @@ def test_recompute_runs_inside_fsdp_prefetch_and_training_matches_eager(monkeypa
             # what lynx read off FSDP2: two ranks, one block's parameters gathered and reduced
             assert r["fsdp"] == (2, r["block_bytes"], r["block_bytes"]), (compiler, r["fsdp"])
             assert r["window_s"] > 0
-            assert r["windows"] and set(r["windows"]) == {fsdp.WINDOW}, (compiler, r["windows"])
-            assert r["moved"] > 0
+            # priced by kernel (Inductor), torch's min-cut candidates recompute pointwise work that
+            # Inductor computes inside kernels the backward runs anyway: they expose nothing to
+            # hide, and the step's plan may take one (torch@0.5 here since issue R); lynx's own
+            # plan puts its recompute in the windows
+            if compiler == "eager" or any(c.startswith(("lynx", "plan")) for c in r["choice"]):
+                assert r["windows"] and set(r["windows"]) == {fsdp.WINDOW}, (compiler, r["windows"], r["choice"])
+                assert r["moved"] > 0
         assert got[0]["windows"] == got[1]["windows"] and got[0]["choice"] == got[1]["choice"]  # ranks agree
         assert got[0]["losses"] == pytest.approx(want, rel=1e-5), compiler
     assert f"lynx::recompute[window:{fsdp.WINDOW}]" in " ".join(results[0]["eager"]["ranges"])

@@ -217,7 +217,10 @@ def problem_caps(check: RegionCheck | None, units) -> tuple:
     for region in check.regions:
         if region.fraction >= 1.0:
             continue  # 1: the region is left to the step's budget
-        mine = [u for u in units if u.name in region.nodes]
+        # a held unit (a block's input a recompute reads) is left to the check of the compiled
+        # graphs: kept whenever a unit reading it is recomputed, in the model it could make a
+        # region unreachable that the check then refuses naming the region's smallest budget
+        mine = [u for u in units if u.name in region.nodes and u.recomputable]
         ref = sum(u.nbytes for u in mine if u.first_use is not None or u.must_keep)
         caps.append(RegionCap(name=region.name, units=tuple(u.id for u in mine), max_bytes=int(region.fraction * ref),
                               fraction=region.fraction, reference_bytes=ref))
