@@ -175,7 +175,7 @@ def write(rows: list[dict], lines: list[str], args: argparse.Namespace, argv: Se
         head = "?"
     import lynx_compile
 
-    md = [f"# Recompute time model vs measured backward (CPU, Inductor)", "",
+    md = ["# Recompute time model vs measured backward (CPU, Inductor)", "",
           f"{datetime.date.today()}; {platform.processor() or platform.machine()} ({os.cpu_count()} cores, shared); "
           f"torch {torch.__version__}; python {platform.python_version()}; {args.threads} thread(s); "
           f"git HEAD {head}; lynx_compile from {os.path.dirname(lynx_compile.__file__)}.", "",

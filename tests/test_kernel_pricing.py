@@ -144,3 +144,39 @@ def test_lynx_plans_price_the_recompute_as_it_is_compiled(monkeypatch):
     assert lynx["exposed_s"] > 0
     assert rec.plan.exposed_s == pytest.approx(lynx["exposed_s"], rel=1e-3)
     assert lynx["peak_bytes"] <= 0.9 * rec.reference_peak_bytes
+
+
+def _held_toy():
+    """h: a block's input (10 B) that only the recompute of a reads (not the backward): held.
+    a: 100 B, read by the backward at event 1, recomputable from h in 1 ms. The forward peaks at
+    110 B (h and a); the backward's start holds 50 B besides the kept units."""
+    from lynx_compile.remat.problem import RematProblem, Unit
+
+    h = Unit(id=0, name="h", nbytes=10, compute_s=1e-3, fw_pos=0, fw_last=1, first_use=None,
+             need_start=1, need_end=1, recomputable=False)
+    a = Unit(id=1, name="a", nbytes=100, compute_s=1e-3, inputs=(0,), fw_pos=1, fw_last=1, first_use=1,
+             need_start=1, need_end=1)
+    return RematProblem(units=(h, a), num_fw_events=2, num_bw_events=2, fw_base=(0, 0), bw_base=(50, 0),
+                        reference_peak=150)
+
+
+@pytest.mark.parametrize("solver", ["highs", "heu"])
+def test_a_held_unit_is_kept_when_a_recompute_reads_it_and_never_recomputed(solver):
+    """Hand-computed: at 160 B nothing is recomputed and h is dropped (the backward's start:
+    50 + 100 B); at 120 B a is recomputed from h, which is then kept and counted (the backward:
+    50 + 10 B at its start, 10 + 100 B at a's use; the forward's 110 B is the peak), never
+    recomputed itself (the model holds the block input a recompute reads)."""
+    from lynx_compile.remat.evaluate import evaluate
+    from lynx_compile.remat.problem import InfeasibleBudget
+    from lynx_compile.remat.solve import solve_remat
+
+    pytest.importorskip("highspy") if solver == "highs" else None
+    roomy = solve_remat(_held_toy(), 160, solver=solver)
+    assert set(roomy.keep) == {1} and not roomy.demand and roomy.peak_bytes == 150
+    tight = solve_remat(_held_toy(), 120, solver=solver)
+    assert set(tight.demand) == {1} and set(tight.keep) == {0} and tight.peak_bytes == 110
+    # below that, only a recomputed h would do, and it is not recomputable
+    with pytest.raises(InfeasibleBudget):
+        solve_remat(_held_toy(), 105, solver=solver)
+    # the evaluator refuses a held unit recomputed
+    assert evaluate(_held_toy(), ((), (0, 1))).violations

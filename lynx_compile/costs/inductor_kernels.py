@@ -33,7 +33,6 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 
-import torch
 import torch.fx as fx
 
 from lynx_compile.costs.analytic import _dtype_of, is_free_node, node_flops
@@ -56,17 +55,13 @@ class Kernel:
         return is_loop_kernel(self.node)
 
 
-def kernels(nodes: Iterable[fx.Node]) -> list[Kernel]:
-    """The kernels of ``nodes`` (a graph's nodes in order) as the module docstring describes."""
+def kernels(nodes: Iterable[fx.Node], interior: Collection[fx.Node] | None = None) -> list[Kernel]:
+    """The kernels of ``nodes`` (a graph's nodes in order) as the module docstring describes;
+    ``interior``: ``interior_nodes(nodes)`` when the caller has it."""
     nodes = list(nodes)
-    interior = interior_nodes(nodes)
-    out = []
-    for node in nodes:
-        if node.op != "call_function" or node in interior or is_free_node(node):
-            continue
-        body, reads = _body(node, interior)
-        out.append(Kernel(node, body, reads))
-    return out
+    interior = interior_nodes(nodes) if interior is None else interior
+    return [Kernel(node, *_body(node, interior)) for node in nodes
+            if node.op == "call_function" and node not in interior and not is_free_node(node)]
 
 
 def _body(node: fx.Node, interior: Collection[fx.Node],
@@ -114,13 +109,6 @@ def written_seconds(node: fx.Node, profile: HardwareProfile) -> float:
     return _written(node) / (profile.memory_bandwidth_bytes_per_s * profile.memory_efficiency) + profile.launch_overhead_s
 
 
-def kernel_seconds(k: Kernel, profile: HardwareProfile) -> float:
-    """Time of kernel ``k``: a loop kernel's roofline (:func:`loop_seconds`), else its node's cost."""
-    if not k.loop:
-        return _node_seconds(k.node)
-    return loop_seconds(k.body, k.reads, _written(k.node), profile)
-
-
 def _node_seconds(node: fx.Node) -> float:
     from lynx_compile.passes import meta
 
@@ -138,21 +126,18 @@ def recompute_seconds(nodes: Iterable[fx.Node], recomputed: Collection[fx.Node],
     interior = interior_nodes(nodes)
     rec = set(recomputed)
     total = 0.0
-    for node in nodes:
-        if node.op != "call_function" or node in interior or is_free_node(node):
+    for k in kernels(nodes, interior):
+        if not k.loop:
+            total += node_seconds(k.node) if k.node in rec else 0.0
             continue
-        if not is_loop_kernel(node):
-            if node in rec:
-                total += node_seconds(node)
-            continue
-        body, reads = _body(node, interior)
-        inner = [n for n in body[1:] if n in rec]
-        if node in rec:
-            total += loop_seconds(body, reads, _written(node), profile)
+        inner = [n for n in k.body[1:] if n in rec]
+        written = _written(k.node)
+        if k.node in rec:
+            total += loop_seconds(k.body, k.reads, written, profile)
         elif inner:  # a kernel that runs anyway: what its recomputed interior values add
-            saved_body, saved_reads = _body(node, interior, stop=inner)
-            added = (loop_seconds(body, reads, _written(node), profile, launch=False)
-                     - loop_seconds(saved_body, saved_reads, _written(node), profile, launch=False))
+            saved_body, saved_reads = _body(k.node, interior, stop=inner)
+            added = (loop_seconds(k.body, k.reads, written, profile, launch=False)
+                     - loop_seconds(saved_body, saved_reads, written, profile, launch=False))
             total += max(0.0, added)
     return total
 
@@ -172,5 +157,4 @@ def fused_unit_seconds(members: list[fx.Node], external: Iterable[fx.Node], out_
     return loop_seconds(members, external, out_bytes, profile)
 
 
-__all__ = ["Kernel", "fused_unit_seconds", "kernel_seconds", "kernels", "loop_seconds", "recompute_seconds",
-           "written_seconds"]
+__all__ = ["Kernel", "fused_unit_seconds", "kernels", "loop_seconds", "recompute_seconds", "written_seconds"]

@@ -125,7 +125,6 @@ def extract_remat_problem(joint: fx.GraphModule, fw_ref: fx.GraphModule, bw_ref:
     profile = joint.meta.get(meta.KERNEL_PROFILE)  # Inductor: priced by kernel
     units = []
     for op in kept:
-        joint_node = joint_by_name.get(op.name)
         start, end = need[op]
         units.append(Unit(
             id=ids[op], name=op.name,

@@ -265,6 +265,10 @@ def solve_milp(problem: RematProblem, budget_bytes: int, *, solver: str = "highs
                                f"{smallest} B <= {budget_bytes} B exists (numerical trouble)")
         raise InfeasibleBudget(budget_bytes, smallest, problem.reference_peak)
     state, win = extract_state(M, arr)
+    # what no recompute reads and the backward does not (a held unit whose readers stay saved)
+    # is dropped: keeping it is free in the objective only up to the MIP gap
+    from .heuristic import cleanup
+    cleanup(arr, state, win)
     ev = evaluate_state(arr, state, win)
     notes = list(outcome.notes)
     if ev.peak_bytes > budget_bytes:
