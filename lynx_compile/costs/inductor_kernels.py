@@ -35,9 +35,9 @@ from collections.abc import Collection, Iterable
 
 import torch.fx as fx
 
-from lynx_compile.costs.analytic import _dtype_of, is_free_node, node_flops
+from lynx_compile.costs.analytic import _dtype_of, analytic_node_cost, is_free_node, node_flops, tensor_bytes_of
 from lynx_compile.costs.hardware import HardwareProfile
-from lynx_compile.costs.types import iter_tensors, tensor_nbytes, tensor_read_bytes
+from lynx_compile.costs.types import iter_tensors, tensor_read_bytes
 from lynx_compile.memory.inductor_model import interior_nodes, is_loop_kernel, view_source
 
 
@@ -86,6 +86,15 @@ def _body(node: fx.Node, interior: Collection[fx.Node],
     return body, reads
 
 
+def _read_bytes(values: Iterable[fx.Node]) -> int:
+    """Bytes a kernel reads from the buffers of ``values`` (each once)."""
+    return sum(tensor_read_bytes(t) for r in dict.fromkeys(values) for t in iter_tensors(r.meta.get("val")))
+
+
+def _memory_seconds(nbytes: int, profile: HardwareProfile) -> float:
+    return nbytes / (profile.memory_bandwidth_bytes_per_s * profile.memory_efficiency)
+
+
 def loop_seconds(body: Iterable[fx.Node], reads: Iterable[fx.Node], written: int,
                  profile: HardwareProfile, *, launch: bool = True) -> float:
     """Roofline of a loop kernel computing ``body``, reading ``reads``' values and writing
@@ -95,33 +104,22 @@ def loop_seconds(body: Iterable[fx.Node], reads: Iterable[fx.Node], written: int
         flops, matmul_like = node_flops(n)
         if flops:
             compute += flops / (profile.peak_flops_for(_dtype_of(n), matmul=matmul_like) * profile.matmul_efficiency)
-    nbytes = written + sum(tensor_read_bytes(t) for r in dict.fromkeys(reads) for t in iter_tensors(r.meta.get("val")))
-    memory = nbytes / (profile.memory_bandwidth_bytes_per_s * profile.memory_efficiency)
+    memory = _memory_seconds(written + _read_bytes(reads), profile)
     return max(compute, memory) + (profile.launch_overhead_s if launch else 0.0)
-
-
-def _written(node: fx.Node) -> int:
-    return sum(map(tensor_nbytes, iter_tensors(node.meta.get("val"))))
 
 
 def written_seconds(node: fx.Node, profile: HardwareProfile) -> float:
     """The least a kernel writing ``node``'s value costs: its launch and the bytes it writes."""
-    return _written(node) / (profile.memory_bandwidth_bytes_per_s * profile.memory_efficiency) + profile.launch_overhead_s
-
-
-def _node_seconds(node: fx.Node) -> float:
-    from lynx_compile.passes import meta
-
-    cost = node.meta.get(meta.COST)
-    return cost.runtime_s if cost is not None else 0.0
+    return _memory_seconds(tensor_bytes_of(node), profile) + profile.launch_overhead_s
 
 
 def recompute_seconds(nodes: Iterable[fx.Node], recomputed: Collection[fx.Node], profile: HardwareProfile,
                       node_seconds=None) -> float:
     """Seconds the ``recomputed`` nodes of ``nodes`` (a backward graph in order) add, priced by
     kernel (module docstring). ``node_seconds(node)``: the cost of a kernel that is no loop
-    kernel (default: its ``meta.COST``; a backward copy may read its forward node's)."""
-    node_seconds = node_seconds or _node_seconds
+    kernel (default: its analytic cost on ``profile``; a backward copy may read its forward
+    node's annotated cost instead)."""
+    node_seconds = node_seconds or (lambda node: analytic_node_cost(node, profile).runtime_s)
     nodes = list(nodes)
     interior = interior_nodes(nodes)
     rec = set(recomputed)
@@ -131,7 +129,7 @@ def recompute_seconds(nodes: Iterable[fx.Node], recomputed: Collection[fx.Node],
             total += node_seconds(k.node) if k.node in rec else 0.0
             continue
         inner = [n for n in k.body[1:] if n in rec]
-        written = _written(k.node)
+        written = tensor_bytes_of(k.node)
         if k.node in rec:
             total += loop_seconds(k.body, k.reads, written, profile)
         elif inner:  # a kernel that runs anyway: what its recomputed interior values add
@@ -151,9 +149,7 @@ def fused_unit_seconds(members: list[fx.Node], external: Iterable[fx.Node], out_
     otherwise a kernel of its own writing ``out_bytes``."""
     if read_in_loop:
         compute = loop_seconds(members, (), 0, profile, launch=False)
-        reads = sum(tensor_read_bytes(t) for r in dict.fromkeys(external) for t in iter_tensors(r.meta.get("val")))
-        memory = max(0, reads - out_bytes) / (profile.memory_bandwidth_bytes_per_s * profile.memory_efficiency)
-        return max(compute, memory)
+        return max(compute, _memory_seconds(max(0, _read_bytes(external) - out_bytes), profile))
     return loop_seconds(members, external, out_bytes, profile)
 
 
