@@ -7,14 +7,16 @@ it returns, so the step's peak holds all of them at once (4 bytes per parameter 
 of the activations still alive. Eager PyTorch adds each into ``.grad`` as soon as it is computed.
 
 lynx does what eager does. Before it partitions the joint graph, each parameter's gradient
-output is replaced by ``lynx::accumulate_grad(param, grad)``, an opaque op with a side effect
-placed right after the gradient's producer, and the backward returns None for that parameter,
-so autograd's ``AccumulateGrad`` does not run for it. The op does at run time what
-``AccumulateGrad`` would have done (the parameter itself is saved for the backward: an input,
-no memory; a leaf is saved as itself):
+output is replaced by ``lynx::accumulate_grads(params, grads, keep)``, an opaque op with a side
+effect placed right after the first extern kernel (a matmul) that follows the gradient's
+producer, one op for the gradients that land at one place (:func:`rewrite_joint`), and the
+backward returns None for those parameters, so autograd's ``AccumulateGrad`` does not run for
+them. The op does at run time what ``AccumulateGrad`` would have done (the parameter itself is
+saved for the backward: an input, no memory; a leaf is saved as itself):
 
-- the gradient is added into ``param.grad``, or a copy becomes ``.grad`` when it is None (the
-  gradient's buffer belongs to the compiled graph, which may reuse it once the op returns);
+- the gradient is added into ``param.grad``, or becomes ``.grad`` when it is None: the buffer
+  itself where nothing in the graph reads or reuses it after the op and it has the parameter's
+  layout (autograd steals it alike), else a copy;
 - post-accumulate-grad hooks (``register_post_accumulate_grad_hook``) still run: autograd's
   engine runs the parameter's ``AccumulateGrad`` with no gradient once the backward returns, and
   its post hooks with it (after ``.grad`` is complete, at the backward's end rather than where
@@ -54,65 +56,79 @@ gradient dies at the op and the pile is gone.
 """
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple
 
 import torch
 import torch.fx as fx
 
-from torch.utils.weak import WeakIdKeyDictionary
+import weakref
 
 from lynx_compile import _compat
+from lynx_compile.memory import inductor_model
 from lynx_compile.memory.storage import GRAD_BYTES, KEEPS_GRAD, aliased_input
 
-OP_NAME = "lynx::accumulate_grad"
+OP_NAME = "lynx::accumulate_grads"
 _FIX = "compile with options={'accumulate_grad_in_graph': False} to have the backward return them"
 
 
 _LIB = torch.library.Library("lynx", "FRAGMENT")
-_LIB.define("accumulate_grad(Tensor param, Tensor grad, bool keep) -> ()")
+_LIB.define("accumulate_grads(Tensor[] params, Tensor[] grads, bool[] keep) -> ()")
 
 
-def accumulate_grad(param: torch.Tensor, grad: torch.Tensor, keep: bool) -> None:
-    """What autograd's ``AccumulateGrad`` does for ``param`` once the backward returned, done here:
-    ``param.grad += grad``; where ``.grad`` is None, ``grad`` itself becomes ``.grad`` when
+def accumulate_grads(params: list[torch.Tensor], grads: list[torch.Tensor], keep: list[bool]) -> None:
+    """What autograd's ``AccumulateGrad`` does for each parameter once the backward returned, done
+    here (one call for the gradients the graph adds at one point: :func:`rewrite_joint`):
+    ``param.grad += grad``; where ``.grad`` is None, ``grad`` itself becomes ``.grad`` when its
     ``keep`` (nothing in the graph reads or reuses its buffer after this op) and it has the
-    parameter's layout, else a copy; nothing where the engine would not accumulate into ``param``."""
-    if not (param.is_leaf and param.requires_grad):
-        raise RuntimeError("lynx: the compiled backward did not receive the parameter itself (a non-leaf "
-                           f"or detached tensor), so it cannot add the gradient into its .grad; {_FIX}")
+    parameter's layout, else a copy; nothing where the engine would not accumulate into the
+    parameter. (Runs on the host for every parameter of every step: the checks are per call
+    where they can be.)"""
     if torch.is_grad_enabled():
         raise RuntimeError(f"lynx: backward(create_graph=True) is not supported where lynx adds parameter "
                            f"gradients into .grad inside the compiled backward; {_FIX}")
-    if param._backward_hooks:
-        raise RuntimeError("lynx: a parameter got a tensor hook (register_hook) after lynx compiled its graph "
-                           "to add its gradient into .grad inside the backward; register the hook before the "
-                           f"first compiled call (lynx then returns that graph's gradients), or {_FIX}")
-    if not _engine_accumulates(param):
-        return
-    if param.grad is not None:
-        param.grad.add_(grad)
-    elif keep and _has_layout_of(grad, param):
-        param.grad = grad  # autograd's AccumulateGrad steals it alike
-    else:
-        new = torch.empty_like(param)
-        new.copy_(grad)
-        param.grad = new
+    in_engine = torch._C._current_graph_task_id() != -1
+    for param, grad, k in zip(params, grads, keep):
+        if not (param.is_leaf and param.requires_grad):
+            raise RuntimeError("lynx: the compiled backward did not receive the parameter itself (a non-leaf "
+                               f"or detached tensor), so it cannot add the gradient into its .grad; {_FIX}")
+        if param._backward_hooks:
+            raise RuntimeError("lynx: a parameter got a tensor hook (register_hook) after lynx compiled its graph "
+                               "to add its gradient into .grad inside the backward; register the hook before the "
+                               f"first compiled call (lynx then returns that graph's gradients), or {_FIX}")
+        if in_engine and not _engine_accumulates(param):
+            continue
+        have = param.grad
+        if have is not None:
+            have.add_(grad)
+        elif k and _has_layout_of(grad, param):
+            param.grad = grad  # autograd's AccumulateGrad steals it alike
+        else:
+            new = torch.empty_like(param)
+            new.copy_(grad)
+            param.grad = new
+
+
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor, keep: bool) -> None:
+    """:func:`accumulate_grads` of one parameter."""
+    accumulate_grads([param], [grad], [keep])
 
 
 def _has_layout_of(grad: torch.Tensor, param: torch.Tensor) -> bool:
-    """``grad`` owns a storage of exactly its own bytes, laid out as ``param``: no view of a
-    larger buffer kept alive as ``.grad``."""
-    return (grad._base is None and grad.dtype == param.dtype and grad.device == param.device
-            and grad.stride() == param.stride() and grad.storage_offset() == 0
-            and grad.untyped_storage().nbytes() == param.untyped_storage().nbytes())
+    """``grad`` fills a storage of exactly its own bytes (itself or a view of a buffer of its
+    size: Inductor hands a bias gradient as a view of its ``(1, n)`` sum), laid out as
+    ``param``: no larger buffer kept alive as ``.grad``."""
+    return (grad.stride() == param.stride() and grad.storage_offset() == 0 and grad.dtype == param.dtype
+            and grad.untyped_storage().nbytes() == param.untyped_storage().nbytes() and grad.device == param.device)
 
 
 def _engine_accumulates(param: torch.Tensor) -> bool:
-    """Whether the running backward accumulates into ``param.grad`` (every ``.backward()``; not
-    ``backward(inputs=...)`` without it). ``torch.autograd.grad`` asking for ``param`` is an error:
+    """Whether the running backward (the caller checks that one runs) accumulates into
+    ``param.grad`` (every ``.backward()``; not ``backward(inputs=...)`` without it). ``torch.autograd.grad`` asking for ``param`` is an error:
     the gradient is not returned."""
-    node = _ACCUMULATORS.get(param)
-    if node is None or torch._C._current_graph_task_id() == -1:  # not in autograd's engine
+    entry = _ACCUMULATORS.get(id(param))
+    node = entry[1] if entry is not None and entry[0]() is param else None
+    if node is None:
         return True
     try:
         return torch._C._will_engine_execute_node(node)
@@ -124,28 +140,42 @@ def _engine_accumulates(param: torch.Tensor) -> bool:
 
 #: parameter -> its ``AccumulateGrad`` node, taken when a graph compiles (inside the op, run below
 #: autograd, the node cannot be reached); held here, so it stays the one the engine runs
-_ACCUMULATORS = WeakIdKeyDictionary()
+_ACCUMULATORS: dict[int, tuple[weakref.ref, object]] = {}
+#: (a plain dict by id, the parameter held weakly and compared on reading: torch's
+#: WeakIdKeyDictionary took ~1 us a lookup, a fifth of the op's time per parameter; the entry
+#: leaves with its parameter)
 
 
 def _remember_accumulators(params: list[torch.Tensor]) -> None:
     with torch.enable_grad():
         for p in params:
-            if isinstance(p, torch.Tensor) and not _compat.is_plain_fake(p) and p not in _ACCUMULATORS:
-                _ACCUMULATORS[p] = torch.autograd.graph.get_gradient_edge(p).node
+            if not isinstance(p, torch.Tensor) or _compat.is_plain_fake(p):
+                continue
+            entry = _ACCUMULATORS.get(id(p))
+            if entry is None or entry[0]() is not p:
+                key = id(p)
+                ref = weakref.ref(p, lambda _, key=key: _forget(key))
+                _ACCUMULATORS[key] = (ref, torch.autograd.graph.get_gradient_edge(p).node)
+
+
+def _forget(key: int) -> None:
+    entry = _ACCUMULATORS.get(key)
+    if entry is not None and entry[0]() is None:
+        del _ACCUMULATORS[key]
 
 
 # A plain library kernel, not ``torch.library.custom_op``: the op runs once per parameter per
 # step on the host, and custom_op's Python wrappers (its autograd layer among them) cost ~10 us a
 # call against ~3 us here (CPU, torch 2.13): gpt-tiny's 52 parameters took 1 ms of a 7 ms backward.
-_LIB.impl("accumulate_grad", accumulate_grad, "CompositeExplicitAutograd")
+_LIB.impl("accumulate_grads", accumulate_grads, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake(OP_NAME)
-def _(param: torch.Tensor, grad: torch.Tensor, keep: bool) -> None:
+def _(params: list[torch.Tensor], grads: list[torch.Tensor], keep: list[bool]) -> None:
     return None
 
 
-_compat.mark_side_effect(torch.ops.lynx.accumulate_grad.default)
+_compat.mark_side_effect(torch.ops.lynx.accumulate_grads.default)
 
 
 class GradsInGraph(NamedTuple):
@@ -236,14 +266,16 @@ def param_indices(joint: fx.GraphModule, num_fwd_outputs: int,
 
 def rewrite_joint(joint: fx.GraphModule, num_fwd_outputs: int, params: list[int], *, new_grads: bool,
                   may_keep: bool) -> int:
-    """In place: each parameter gradient output of ``joint`` becomes None, and a
-    ``lynx::accumulate_grad(primal, grad, keep)`` node follows the gradient's producer. ``keep``:
-    the op is the gradient's only reader and ``may_keep`` (the compiler frees buffers after their
-    last reader and reuses none: ``compiler="eager"``, or Inductor under lynx's settings), so a
-    ``.grad`` that is None can take the gradient's buffer as autograd would. With ``new_grads``
-    (``.grad`` None at compile) the node carries what the memory model keeps to the graph's end:
-    the gradient's own storage (``KEEPS_GRAD``) or the copy's bytes (``GRAD_BYTES``). Returns how
-    many gradients were moved into the graph."""
+    """In place: each parameter gradient output of ``joint`` becomes None, and the gradient is
+    added into ``.grad`` by a ``lynx::accumulate_grads(params, grads, keep)`` node placed just
+    before the first extern kernel (a matmul, attention, a collective, a fallback) that follows the
+    gradient's producer, one node for all the gradients that land there (:func:`_add_point`).
+    ``keep[i]``: the op is the gradient's only reader and ``may_keep`` (the compiler frees buffers
+    after their last reader and reuses none: ``compiler="eager"``, or Inductor under lynx's
+    settings), so a ``.grad`` that is None can take the gradient's buffer as autograd would. With
+    ``new_grads`` (``.grad`` None at compile) the node carries what the memory model keeps to the
+    graph's end: the positions in ``grads`` of those whose storage it keeps (``KEEPS_GRAD``) and
+    the copies' bytes (``GRAD_BYTES``). Returns how many gradients were moved into the graph."""
     graph = joint.graph
     primals = [n for n in graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
     out = graph.find_nodes(op="output")[0]
@@ -252,7 +284,8 @@ def rewrite_joint(joint: fx.GraphModule, num_fwd_outputs: int, params: list[int]
     if len(grads) != len(primals):
         raise RuntimeError(f"lynx: {len(grads)} gradient outputs for {len(primals)} inputs in the joint graph; "
                            f"{_FIX}")
-    moved = 0
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    groups: dict[fx.Node, list[tuple[fx.Node, fx.Node, bool]]] = {}
     for i in params:
         grad = grads[i]
         if not isinstance(grad, fx.Node) or grad.op == "placeholder":
@@ -260,27 +293,71 @@ def rewrite_joint(joint: fx.GraphModule, num_fwd_outputs: int, params: list[int]
         outputs[num_fwd_outputs + i] = None
         out.args = (tuple(outputs) if isinstance(out.args[0], tuple) else outputs,)  # (its users: the op only)
         keep = may_keep and not grad.users and _is_own_buffer(grad)
-        # after the grad's producer (a view of it: after the view)
-        with graph.inserting_after(grad):
-            acc = graph.call_function(torch.ops.lynx.accumulate_grad.default, (primals[i], grad, keep))
+        groups.setdefault(_add_point(grad), []).append((primals[i], grad, keep))
+    for point, members in sorted(groups.items(), key=lambda kv: order[kv[0]]):
+        members.sort(key=lambda m: order[m[1]])
+        ps, gs, keeps = (list(x) for x in zip(*members))
+        with graph.inserting_before(point):
+            acc = graph.call_function(torch.ops.lynx.accumulate_grads.default, (ps, gs, keeps))
         acc.meta["val"] = None
-        if new_grads and keep:
-            acc.meta[KEEPS_GRAD] = True
-        elif new_grads:
-            val = primals[i].meta.get("val")
-            acc.meta[GRAD_BYTES] = val.untyped_storage().nbytes() if isinstance(val, torch.Tensor) else 0
+        if new_grads:
+            kept = tuple(j for j, k in enumerate(keeps) if k)
+            copied = sum(_nbytes(p) for p, k in zip(ps, keeps) if not k)
+            if kept:
+                acc.meta[KEEPS_GRAD] = kept
+            if copied:
+                acc.meta[GRAD_BYTES] = copied
+        last = gs[-1]
         for key in ("seq_nr", "fwd_nn_module_stack", "nn_module_stack", "stack_trace"):
-            if key in grad.meta:
-                acc.meta[key] = grad.meta[key]
-        moved += 1
+            if key in last.meta:
+                acc.meta[key] = last.meta[key]
     joint.recompile()
-    return moved
+    return sum(len(m) for m in groups.values())
+
+
+def _add_point(grad: fx.Node) -> fx.Node:
+    """The node before which ``grad`` is added into ``.grad``: the first extern kernel after its
+    producer (or the output). Inductor runs the loop kernels between two extern kernels as one
+    group of code on the CPU, and every extern call (this op too) ends a group: an op right after
+    each gradient split gpt-tiny's backward from 28 kernel calls into 46 and added 52 calls of its
+    own (4 layers; 5.63 ms against 4.94 ms with gradients returned, CPU, torch 2.13). Later by a
+    few loop kernels, the gradient lives a little longer where ``.grad`` is allocated (where it is
+    None, the buffer becomes ``.grad`` or its copy does, alike)."""
+    node = grad.next
+    while node.op != "output" and not _runs_apart(node):
+        node = node.next
+    if node.op == "output":
+        return node
+    node = node.next
+    while node.op == "call_function" and node.target is operator.getitem:
+        node = node.next
+    return node
+
+
+def _runs_apart(node: fx.Node) -> bool:
+    """An extern kernel or fallback of Inductor's (not a getitem of one's outputs)."""
+    return (node.op == "call_function" and node.target is not operator.getitem
+            and inductor_model.is_extern_kernel(node))
+
+
+def _nbytes(primal: fx.Node) -> int:
+    val = primal.meta.get("val")
+    return val.untyped_storage().nbytes() if isinstance(val, torch.Tensor) else 0
 
 
 def _is_own_buffer(grad: fx.Node) -> bool:
-    """The gradient is a buffer of its own (no view of another value), so that keeping it keeps
-    only its bytes."""
-    return aliased_input(grad) is None and grad.op == "call_function"
+    """The gradient is a buffer of its own, or a view of one of its size that nothing else reads
+    (a bias gradient viewed from its ``(1, n)`` sum), so that keeping it keeps only its bytes."""
+    node = grad
+    while (base := aliased_input(node)) is not None:
+        if not isinstance(base, fx.Node) or len(base.users) != 1:
+            return False
+        node = base
+    if node.op != "call_function":
+        return False
+    val, own = grad.meta.get("val"), node.meta.get("val")
+    return (node is grad or (isinstance(val, torch.Tensor) and isinstance(own, torch.Tensor)
+                             and val.numel() == own.numel() and val.dtype == own.dtype))
 
 
 def _error(why: str) -> Exception:
@@ -289,4 +366,4 @@ def _error(why: str) -> Exception:
     return LynxOptionError(f"accumulate_grad_in_graph=True cannot apply: {why}; compile without it")
 
 
-__all__ = ["accumulate_grad", "rewrite_joint", "param_indices", "decide", "remembering", "GradsInGraph"]
+__all__ = ["accumulate_grad", "accumulate_grads", "rewrite_joint", "param_indices", "decide", "remembering", "GradsInGraph"]

@@ -12,6 +12,7 @@ hooks) still happens; ``torch.autograd.grad`` on parameters and a tensor hook re
 compiling are one error naming the fix; where a hook or several ranks need the gradients
 returned, they are (by default) or the option is refused (``True``).
 """
+import operator
 import re
 
 import pytest
@@ -213,3 +214,53 @@ def test_returned_where_hooks_need_them_refused_when_asked():
         lynx_compile.backend(accumulate_grad_in_graph=True, weight_split=True)
     with pytest.raises(ValueError, match="accumulate_grad_in_graph"):
         lynx_compile.backend(accumulate_grad_in_graph="yes")
+
+
+def _mlp_joint():
+    """The aot_autograd joint of a two-layer MLP on (x, w1, b1, w2, b2) and its gradient nodes."""
+    from functorch.compile import default_partition, make_boxed_func
+    from torch._functorch.aot_autograd import aot_function
+
+    captured = {}
+
+    def partition(joint, inputs, **kw):
+        captured["gm"], captured["fwd_outputs"] = joint, kw["num_fwd_outputs"]
+        return default_partition(joint, inputs, **kw)
+
+    def fn(x, w1, b1, w2, b2):
+        return torch.nn.functional.linear(torch.nn.functional.gelu(torch.nn.functional.linear(x, w1, b1)), w2, b2)
+
+    torch.manual_seed(0)
+    args = [torch.randn(8, 16), torch.randn(32, 16), torch.randn(32), torch.randn(4, 32), torch.randn(4)]
+    args = [a.requires_grad_(i > 0) for i, a in enumerate(args)]
+    boxed = lambda gm, _: make_boxed_func(gm)  # noqa: E731
+    aot_function(fn, fw_compiler=boxed, bw_compiler=boxed, partition_fn=partition)(*args).sum().backward()
+    return captured["gm"], captured["fwd_outputs"]
+
+
+def test_gradients_added_in_groups_after_extern_kernels():
+    """The op of a gradient stands right after the first extern kernel (a matmul) that follows its
+    producer, or before the output, one op for the gradients that land there: no loop kernels
+    between two ops of Inductor's (each ends a CPU kernel group); every gradient once; a bias
+    gradient, a view of its (1, n) sum or a sum of its own, kept as ``.grad``
+    (``KEEPS_GRAD``), not copied."""
+    from lynx_compile.grad_in_graph import rewrite_joint
+    from lynx_compile.memory.inductor_model import is_extern_kernel
+    from lynx_compile.memory.storage import GRAD_BYTES, KEEPS_GRAD
+
+    joint, fwd_outputs = _mlp_joint()
+    out = joint.graph.output_node()
+    grads = list(out.args[0])[fwd_outputs:]
+    moved = rewrite_joint(joint, fwd_outputs, [1, 2, 3, 4], new_grads=True, may_keep=True)
+    assert moved == 4
+    ops = [n for n in joint.graph.nodes if n.target is torch.ops.lynx.accumulate_grads.default]
+    added = [g for op in ops for g in op.args[1]]
+    assert sorted(map(str, added)) == sorted(str(g) for g in grads[1:]), "every parameter gradient once"
+    assert len(ops) < 4, "gradients computed between two extern kernels share one op"
+    for op in ops:
+        before = op.prev
+        while before.target is operator.getitem:
+            before = before.prev
+        assert is_extern_kernel(before) or op.next.op == "output", (op, before)
+        assert op.meta[KEEPS_GRAD] == tuple(range(len(op.args[1]))) and GRAD_BYTES not in op.meta, op.args
+    assert all(g is None for g in list(out.args[0])[fwd_outputs + 1:])

@@ -156,6 +156,12 @@ def is_loop_kernel(node: fx.Node) -> bool:
     return node.op == "call_function" and not _is_barrier(node) and not _is_view(node)
 
 
+def is_extern_kernel(node: fx.Node) -> bool:
+    """``node`` runs outside Inductor's loop kernels: a matmul, attention, a collective, another
+    extern kernel or fallback (a getitem of one's outputs too)."""
+    return _is_barrier(node)
+
+
 def reads_in_loop(node: fx.Node, producer: fx.Node) -> bool:
     """``node`` reads ``producer`` inside a loop kernel, directly or through views of it."""
     return _reads_in_loop(node, producer)

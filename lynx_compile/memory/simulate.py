@@ -33,7 +33,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 import torch.fx as fx
 
 from lynx_compile import _compat
@@ -96,7 +95,7 @@ def simulate_graph(gm: fx.GraphModule, *, live_inputs: dict[str, int], input_key
         pinned = {keys[n] for n in output.all_input_nodes} if keep_outputs else set()
 
     # a gradient kept as .grad (storage.KEEPS_GRAD) outlives the graph, as a returned one does
-    pinned |= {keys[n.args[1]] for n in nodes if n.meta.get(KEEPS_GRAD) and isinstance(n.args[1], fx.Node)}
+    pinned |= {keys[n.args[1][j]] for n in nodes for j in n.meta.get(KEEPS_GRAD) or ()}
     live = dict(live_inputs)
     mem = GraphMemory()
     total = sum(live.values())

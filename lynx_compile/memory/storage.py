@@ -113,14 +113,15 @@ def _leaves(prefix: str, val) -> list[tuple[str, int]]:
 
 GRAD_BYTES = "lynx_grad_bytes"
 """node.meta key: bytes of a ``.grad`` the node creates and keeps past the graph's end (the
-parameter gradient ``lynx::accumulate_grad`` copies into a ``.grad`` that was None;
+parameter gradients ``lynx::accumulate_grads`` copies into ``.grad``s that were None;
 ``lynx_compile.grad_in_graph``). Its storage key ends with :data:`KEPT`."""
 
 KEPT = ":kept"
 
 KEEPS_GRAD = "lynx_keeps_grad"
-"""node.meta key: the node (``lynx::accumulate_grad``) keeps its gradient input as a ``.grad``
-that was None: that input's storage outlives the graph."""
+"""node.meta key: the positions in its gradients (``args[1]``) of those the node
+(``lynx::accumulate_grads``) keeps as a ``.grad`` that was None: their storage outlives the
+graph."""
 
 
 def allocations(node: fx.Node) -> list[tuple[str, int]]:

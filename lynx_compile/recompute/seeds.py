@@ -125,7 +125,7 @@ def exposed_floor(joint: fx.GraphModule, ctx: PassContext, decisions: Decisions)
     return _least_seconds(joint, seen)
 
 
-ACCUMULATE_GRAD = "lynx.accumulate_grad.default"  # (lynx_compile.grad_in_graph's op, by name: no arrow up)
+ACCUMULATE_GRAD = "lynx.accumulate_grads.default"  # (lynx_compile.grad_in_graph's op, by name: no arrow up)
 
 
 def min_cut_floor(joint: fx.GraphModule, ctx: PassContext, saved: frozenset) -> float:
