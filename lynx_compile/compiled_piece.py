@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 
 from lynx_compile import _compat
+from lynx_compile.memory import optimizer_state
 
 class InputSpec:
     """What a compile of a graph needs of its example inputs, without keeping them alive: a
@@ -59,8 +60,12 @@ class Piece:
     is the backend's ``step_record.StepRecorder`` (told of each forward and backward)."""
 
     def __init__(self, recorder: Any, compiled: Callable, record: Any,
-                 rebuild: Callable[..., tuple[Callable, Any]]):
+                 rebuild: Callable[..., tuple[Callable, Any]], params: tuple = ()):
         self.recorder = recorder
+        self._params = [weakref.ref(p) for p in params]
+        self.state_at_compile = optimizer_state.state_bytes(params)[0] if params else 0
+        """Bytes of its parameters' optimizer state when it compiled (in its plan's
+        ``resident_bytes`` off CUDA; ``memory.optimizer_state``)."""
         self.compiled = compiled
         self.record = record
         self.rebuild = rebuild
@@ -83,6 +88,10 @@ class Piece:
         out = self.compiled(*args)
         rec.end_forward(call, out)
         return out
+
+    def params(self) -> list:
+        """The parameters among its inputs (those still alive)."""
+        return [p for p in (r() for r in self._params) if p is not None]
 
     def _current(self) -> Callable:
         if self.by_call is None or not torch.is_grad_enabled():

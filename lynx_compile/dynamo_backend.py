@@ -24,6 +24,7 @@ from lynx_compile import _compat, autograd_cache
 from lynx_compile.config import OPTIONS_ENV, LynxConfig, make_config, options_from_env
 from lynx_compile.decisions import BudgetError
 from lynx_compile.errors import LynxOptionError, PlanningDone, without_tracebacks
+from lynx_compile.memory import optimizer_state
 from lynx_compile.passes import GraphRecord, check_pass_names
 from lynx_compile.recompute.partition import lynx_partition
 
@@ -152,7 +153,8 @@ class LynxBackend:
 
         devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
         return self.step_recorder.piece(compiled, record, functools.partial(self._rebuild, gm, InputSpec(example_inputs)),
-                                        device_type="cuda" if "cuda" in devices else "cpu")
+                                        device_type="cuda" if "cuda" in devices else "cpu",
+                                        params=tuple(t for t in example_inputs if isinstance(t, torch.nn.Parameter)))
 
     def _deferred(self, gm: fx.GraphModule, example_inputs: list, record: GraphRecord,
                   refusal: BudgetError) -> Callable | None:
@@ -341,10 +343,15 @@ class LynxBackend:
         return _compat.boxed(gm)
 
 
+# device_budget counts the optimizer state off CUDA (created by the first optimizer.step(), after
+# the first compile): every optimizer that steps once this module is loaded (torch.compile with
+# backend="lynx" loads it) is remembered, weakly (one set insertion per optimizer.step())
+optimizer_state.watch()
+
 RESIDENT_CUDA = ("parameters, buffers, optimizer state, inputs (torch.cuda.memory_allocated({device}) when "
                  "lynx compiled)")
-RESIDENT_INPUTS = ("parameters, buffers, inputs (the unique storage bytes of the compiled graph's inputs{why}; "
-                   "optimizer state is not among them)")
+RESIDENT_INPUTS = ("parameters, buffers, inputs (the unique storage bytes of the compiled graph's inputs{why})"
+                   "{optimizer}")
 
 
 def resident_bytes(example_inputs: list, *, plan_only: bool = False) -> tuple[int, str]:
@@ -362,12 +369,16 @@ def resident_bytes(example_inputs: list, *, plan_only: bool = False) -> tuple[in
     storages: dict[tuple, int] = {}
     for t in tensors:
         storage = t.untyped_storage()
-        ptr = storage.data_ptr()
+        ptr = 0 if _compat.is_plain_fake(t) else storage.data_ptr()  # (a stand-in's: no address)
         key = (str(t.device), ptr) if ptr else ("tensor", id(t))
         storages[key] = storage.nbytes()
     devices = ", ".join(sorted({t.device.type for t in tensors}))
     why = ": planning only, no real step" if plan_only else f": no allocator counter on {devices or 'cpu'}"
-    return sum(storages.values()), RESIDENT_INPUTS.format(why=why)
+    state, what = (0, "") if plan_only else optimizer_state.state_bytes(
+        t for t in tensors if isinstance(t, torch.nn.Parameter))
+    optimizer = (f" and the optimizer state of its parameters ({what})" if state else
+                 "; optimizer state created later is counted when the step is recorded (step_record)")
+    return sum(storages.values()) + state, RESIDENT_INPUTS.format(why=why, optimizer=optimizer)
 
 
 class _StderrHandler(logging.StreamHandler):

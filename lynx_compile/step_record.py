@@ -44,6 +44,7 @@ from lynx_compile import _compat
 from lynx_compile.budget import budget_error, format_bytes
 from lynx_compile.compiled_piece import Piece
 from lynx_compile.decisions import BudgetError
+from lynx_compile.memory import optimizer_state
 from lynx_compile.memory.param_grads import GradWatch
 from lynx_compile.memory.step_recording import AllocatorRecording, ProfilerRecording
 from lynx_compile.step_model import USER, Segment, StepChoice, StepModel, choose
@@ -135,11 +136,14 @@ class StepRecorder:
     def tracking(self) -> bool:
         return self.state in ("warming", "recording")
 
-    def piece(self, compiled: Callable, record: Any, rebuild: Callable, device_type: str) -> Piece:
-        """The callable to give dynamo for a graph compiled on ``device_type`` as ``compiled``."""
+    def piece(self, compiled: Callable, record: Any, rebuild: Callable, device_type: str,
+              params: tuple = ()) -> Piece:
+        """The callable to give dynamo for a graph compiled on ``device_type`` as ``compiled``;
+        ``params``: the parameters among its inputs (whose optimizer state ``device_budget``
+        counts, ``memory.optimizer_state``)."""
         if device_type == "cuda":
             self._device_type = "cuda"
-        p = Piece(self, compiled, record, rebuild)
+        p = Piece(self, compiled, record, rebuild, params)
         self.pieces.append(p)
         if self.state == "done":  # a graph new since the plan (another model, a recompile): again
             self.state, self.steps_seen = "warming", 0
@@ -303,6 +307,7 @@ class StepRecorder:
     def _start_recording(self) -> None:
         if not _with_choices(p.record.step for p in self.pieces):
             self.state = "done"  # whole graphs only, each planned on its own peak: nothing to plan together
+            self._recheck_device_budget()
             return
         # (some piece has choices; whether this step calls one is known when it ends: a step of
         # whole graphs only is then left as it is, _finish_recording)
@@ -324,14 +329,48 @@ class StepRecorder:
     def _resident_bytes(self) -> tuple[int, str]:
         """What ``device_budget`` holds besides the step, as the recorded step starts: CUDA's
         ``memory_allocated`` (at the first piece's forward: the embedding's output is in it);
-        elsewhere the largest of the pieces' own readings (``backend.resident_bytes``)."""
+        elsewhere the largest of the pieces' own readings (``backend.resident_bytes``) without
+        the optimizer state they saw, plus the optimizer state of every piece's parameters now
+        (``memory.optimizer_state``: AdamW's, created by the first ``optimizer.step()``, after
+        the pieces compiled)."""
         if self._device_type == "cuda":
             return int(torch.cuda.memory_allocated()), "torch.cuda.memory_allocated() as the recorded step started"
-        plans = [p.record.plan for p in self.pieces if p.record.plan is not None]
-        best = max(plans, key=lambda p: p.resident_bytes or 0, default=None)
-        if best is None or best.resident_bytes is None:
+        read = [p for p in self.pieces if p.record.plan is not None and p.record.plan.resident_bytes is not None]
+        if not read:
             return 0, "nothing read"
-        return best.resident_bytes, best.resident_source
+        best = max(read, key=lambda p: p.record.plan.resident_bytes - p.state_at_compile)
+        state, what = optimizer_state.state_bytes(t for p in self.pieces for t in p.params())
+        source = best.record.plan.resident_source.split("; optimizer state created later")[0]
+        if state:
+            source += f"; with the optimizer state as step {RECORDED_STEP} started ({what})"
+        return best.record.plan.resident_bytes - best.state_at_compile + state, source
+
+    def _recheck_device_budget(self) -> None:
+        """As step ``RECORDED_STEP`` starts, graphs compiled whole only: ``device_budget`` checked
+        again on what is resident now. The optimizer's state (AdamW: two tensors per parameter)
+        is created by the first ``optimizer.step()``, after lynx read the resident bytes; a plan
+        whose peak no longer fits beside it is planned again within what is left (and swapped in
+        for this step), or refused naming the smallest ``device_budget`` reachable."""
+        budget = self.backend.config.budget
+        if budget is None or budget.device_nbytes is None:
+            return
+        resident, source = self._resident_bytes()
+        room = budget.device_nbytes - resident
+        for piece in self.pieces:
+            plan = piece.record.plan
+            if plan is None or plan.resident_bytes is None or plan.peak_bytes <= room:
+                continue
+            now = budget.with_resident(resident, source)  # (a BudgetError when nothing is left)
+            why = (f"what is resident grew from {format_bytes(plan.resident_bytes)} when graph "
+                   f"{piece.record.graph_id} compiled to {format_bytes(resident)} as step {RECORDED_STEP} started")
+            try:
+                piece.compiled, piece.record = piece.rebuild(piece.record, f"plan@{room}")
+            except BudgetError as e:
+                raise budget_error(now, plan.reference_peak_bytes, e.smallest_bytes, why) from None
+            note = (f"device_budget: {why} ({source}); graph {piece.record.graph_id} planned again within the "
+                    f"{format_bytes(room)} left for its step (was {format_bytes(plan.peak_bytes)})")
+            piece.record.notes.append(note)
+            log.warning("lynx: %s", note)
 
     def _finish_recording(self) -> None:
         if self.state != "ending":
