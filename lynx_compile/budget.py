@@ -21,10 +21,13 @@ one place that words a refusal, naming the smallest reachable budget in the user
 """
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, replace
 
 from lynx_compile.decisions import BudgetError
+
+log = logging.getLogger("lynx_compile")
 
 BUDGET_FORMS = ("a fraction of the no-recompute peak in (0, 1] (e.g. 0.5), or bytes with a unit "
                 "(e.g. 48MiB, 2GiB, 512KB, 1000000B)")
@@ -76,16 +79,51 @@ def check_budget(value: object) -> float | int | None:
     return int(value)
 
 
-DEVICE_BUDGET_FORMS = ("bytes on the device: an int, or a size with a unit (e.g. 70GiB, 512MiB, 80GB); "
+DEVICE_BUDGET_FORMS = ("bytes on the device: an int, a size with a unit (e.g. 70GiB, 512MiB, 80GB), or 'auto' "
+                       "(a CUDA device's free memory); "
                        "a fraction of the no-recompute peak is memory_budget's form")
+
+
+AUTO_HEADROOM = 0.10
+"""The share of the memory ``device_budget="auto"`` finds usable that it leaves to the caching
+allocator (fragmentation: reserved but not allocated) and to libraries' workspaces (cuBLAS,
+NCCL)."""
+
+
+def auto_device_budget() -> tuple[int, str]:
+    """(bytes, how they were found) for ``device_budget="auto"``: on the current CUDA device,
+    what this process may use (``torch.cuda.mem_get_info``'s free bytes plus what its caching
+    allocator already reserved; other processes' memory and the CUDA context excluded) less
+    :data:`AUTO_HEADROOM` of it. A ``ValueError`` naming the fix without a CUDA device (a CPU has
+    no device memory to read: give the bytes)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError("device_budget='auto' reads the free memory of a CUDA device, and this process has none "
+                         "(torch.cuda.is_available() is False); give the bytes the step may use, e.g. "
+                         "device_budget='20GiB'")
+    device = torch.cuda.current_device()
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    usable = int(free) + int(reserved)
+    nbytes = int(usable * (1 - AUTO_HEADROOM))
+    how = (f"device_budget='auto' on cuda:{device}: {format_bytes(nbytes)} = {1 - AUTO_HEADROOM:.0%} of the "
+           f"{format_bytes(usable)} this process may use (free {format_bytes(free)} + reserved by its allocator "
+           f"{format_bytes(reserved)}, of {format_bytes(total)})")
+    return nbytes, how
 
 
 def check_device_budget(value: object) -> int | None:
     """``device_budget`` made canonical: None or int bytes (a string needs a unit:
-    ``"70GiB"``). A fraction, a float, a non-positive number or an unreadable string is a
-    ``ValueError`` naming the forms (and ``memory_budget`` for fractions)."""
+    ``"70GiB"``; ``"auto"``: :func:`auto_device_budget`, read once here). A fraction, a float, a
+    non-positive number or an unreadable string is a ``ValueError`` naming the forms (and
+    ``memory_budget`` for fractions)."""
     if value is None:
         return None
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        nbytes, how = auto_device_budget()
+        log.info("lynx: %s", how)
+        return nbytes
     if isinstance(value, str):
         m = _BUDGET_RE.fullmatch(value)
         unit = m.group(2).lower() if m else ""

@@ -49,16 +49,19 @@ class LynxConfig:
     """Everything on the device during the step allowed (``lynx_compile.budget``): the bytes
     allocated when the step starts (parameters, buffers, optimizer state, the batch: the
     *resident* bytes) plus the step's peak (what ``memory_budget`` bounds), so the step's budget
-    is ``device_budget - resident``. Int bytes or a size string (``"70GiB"``; kept as int
-    bytes); never a fraction (that is ``memory_budget``). The resident bytes are read when lynx
-    compiles each graph, during the first step's forward: on CUDA
-    ``torch.cuda.memory_allocated(device)``; on CPU and for ``lynx plan`` (no allocator counter,
-    or no real step) the unique storage bytes of the graph's inputs (parameters, buffers, the
-    batch). AdamW's state is created by the first ``optimizer.step()``, after that read, so it is
-    not counted: leave room for it (2 x the parameters' bytes for AdamW) or compile after one
-    step. With ``memory_budget`` too, the tighter bound in bytes applies. Resident bytes at or
-    above it are a ``BudgetError`` at compile time; a budget no plan reaches is one naming the
-    smallest ``device_budget`` that is reachable. The plan records both (``resident_bytes``,
+    is ``device_budget - resident``. Int bytes, a size string (``"70GiB"``; kept as int bytes)
+    or ``"auto"`` (read once: 90% of what this process may use on the current CUDA device,
+    ``budget.auto_device_budget``; an error without CUDA); never a fraction (that is
+    ``memory_budget``). The resident bytes are read when lynx compiles each graph, during the
+    first step's forward: on CUDA ``torch.cuda.memory_allocated(device)``; elsewhere the unique
+    storage bytes of the graph's inputs (parameters, buffers, the batch) and the state the
+    optimizers seen stepping hold for them (``memory.optimizer_state``); for ``lynx plan`` the
+    inputs. AdamW's state is created by the first ``optimizer.step()``, after that read: the
+    budget is checked again as step 2 starts (``step_record``), and a plan that no longer fits
+    beside the state is made again, or refused naming the smallest ``device_budget``. With
+    ``memory_budget`` too, the tighter bound in bytes applies. Resident bytes at or above it are
+    a ``BudgetError`` at compile time; a budget no plan reaches is one naming the smallest
+    ``device_budget`` that is reachable. The plan records both (``resident_bytes``,
     ``device_budget_bytes``)."""
 
     _resident: tuple[int, str] | None = field(default=None, repr=False)

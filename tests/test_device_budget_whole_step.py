@@ -1,4 +1,4 @@
-"""``device_budget`` holds the whole step with the optimizer's state (issue S item 2).
+"""``device_budget`` holds the whole step: the optimizer's state, and ``"auto"`` (issue S item 2).
 
 AdamW creates its state (``exp_avg``, ``exp_avg_sq`` and a ``step`` tensor per parameter) at the
 first ``optimizer.step()``, after lynx compiled the graph and read the resident bytes. lynx
@@ -138,3 +138,22 @@ def test_state_there_at_compile_is_resident():
     plan = backend.plans[-1]
     assert plan.resident_bytes == _bytes([*model.parameters(), x]) + _adamw_state_bytes(model)
     assert "AdamW's state" in plan.resident_source
+
+
+def test_auto_is_the_cuda_devices_usable_memory_less_headroom(monkeypatch):
+    """``device_budget="auto"`` on a CUDA device (its queries stubbed: this machine has none): the
+    free bytes plus what this process's allocator reserved, less ``AUTO_HEADROOM`` of them, read
+    once when the options are made; without CUDA a ValueError naming the bytes form."""
+    from lynx_compile.budget import AUTO_HEADROOM, check_device_budget
+    from lynx_compile.config import make_config
+
+    with pytest.raises(ValueError, match="device_budget='auto' reads the free memory of a CUDA device.*'20GiB'"):
+        make_config({"device_budget": "auto"})
+    free, reserved = 30 << 30, 2 << 30
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
+    expected = int((free + reserved) * (1 - AUTO_HEADROOM))
+    assert check_device_budget("auto") == expected
+    assert make_config({"device_budget": "auto"}).device_budget == expected
