@@ -145,8 +145,6 @@ class LynxBackend:
                 compiled = self._compile(gm, example_inputs, record)
         if hint_key is not None:
             record.stats["step_hint_key"] = hint_key
-        if record.grads_in_graph.applies:
-            compiled = grad_in_graph.remembering(compiled, example_inputs)
         if self.step_recorder is None:
             return compiled
         from lynx_compile.compiled_piece import InputSpec

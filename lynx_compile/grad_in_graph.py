@@ -34,8 +34,10 @@ Several ranks: DDP's reducer hangs its hook on each parameter's ``AccumulateGrad
 gradient), so the hook finds ``.grad`` complete and all-reduces it (``tests/test_ddp.py``:
 compiled DDP split into buckets, gradients equal Inductor's, ``gradient_as_bucket_view`` too).
 FSDP2 reads the unsharded parameters' ``.grad`` in its post-backward (``tests/test_fsdp2.py``).
-dynamo's DDPOptimizer compiles each bucket's graph on fake parameters: the ``AccumulateGrad``
-nodes are taken from the real ones at the graph's first call (:func:`remembering`). A Python
+The op finds each parameter's ``AccumulateGrad`` node in the running backward (the next
+functions of the compiled graph's backward node), so nothing is held across steps (a model
+compiled and dropped is freed) and dynamo's DDPOptimizer, which compiles each bucket's graph on
+fake parameters, needs nothing more. A Python
 hook registered on the node itself (``grad_fn.next_functions``'s ``register_hook``) receives
 None as the gradient: read ``.grad`` there, or compile with ``False``.
 
@@ -62,7 +64,6 @@ from typing import NamedTuple
 import torch
 import torch.fx as fx
 
-import weakref
 
 from lynx_compile import _compat
 from lynx_compile.memory import inductor_model
@@ -118,18 +119,16 @@ def _has_layout_of(grad: torch.Tensor, param: torch.Tensor) -> bool:
     """``grad`` fills a storage of exactly its own bytes (itself or a view of a buffer of its
     size: Inductor hands a bias gradient as a view of its ``(1, n)`` sum), laid out as
     ``param``: no larger buffer kept alive as ``.grad``."""
-    return (grad.stride() == param.stride() and grad.storage_offset() == 0 and grad.dtype == param.dtype
-            and grad.untyped_storage().nbytes() == param.untyped_storage().nbytes() and grad.device == param.device)
+    # (dtype and device are the parameter's in the graph; setting .grad checks them anyway)
+    return (grad.stride() == param.stride() and grad.storage_offset() == 0
+            and grad.untyped_storage().nbytes() == param.untyped_storage().nbytes())
 
 
 def _engine_accumulates(param: torch.Tensor) -> bool:
     """Whether the running backward (the caller checks that one runs) accumulates into
-    ``param.grad`` (every ``.backward()``; not ``backward(inputs=...)`` without it). ``torch.autograd.grad`` asking for ``param`` is an error:
-    the gradient is not returned."""
-    entry = _ACCUMULATORS.get(id(param))
-    node = entry[1] if entry is not None and entry[0]() is param else None
-    if node is None:
-        return True
+    ``param.grad`` (every ``.backward()``; not ``backward(inputs=...)`` without it).
+    ``torch.autograd.grad`` asking for ``param`` is an error: the gradient is not returned."""
+    node = _accumulator(param)
     try:
         return torch._C._will_engine_execute_node(node)
     except RuntimeError as e:  # the engine captures this leaf's gradient: torch.autograd.grad
@@ -138,30 +137,43 @@ def _engine_accumulates(param: torch.Tensor) -> bool:
                            f"read .grad, or {_FIX}") from e
 
 
-#: parameter -> its ``AccumulateGrad`` node, taken when a graph compiles (inside the op, run below
-#: autograd, the node cannot be reached); held here, so it stays the one the engine runs
-_ACCUMULATORS: dict[int, tuple[weakref.ref, object]] = {}
-#: (a plain dict by id, the parameter held weakly and compared on reading: torch's
-#: WeakIdKeyDictionary took ~1 us a lookup, a fifth of the op's time per parameter; the entry
-#: leaves with its parameter)
+#: the running backward's ``AccumulateGrad`` nodes by parameter id, read off the node running
+#: now (the compiled graph's backward: its next functions); emptied when the backward ends, so
+#: that no node (which holds its parameter) outlives it. (Until 2026-12-04 the nodes were taken
+#: when a graph compiled and held for good: a model compiled under a budget and dropped was
+#: never freed.)
+_NODES: dict[int, object] = {}
+_TASK: list = [None]  # the backward (graph task id) _NODES is of
 
 
-def _remember_accumulators(params: list[torch.Tensor]) -> None:
-    with torch.enable_grad():
-        for p in params:
-            if not isinstance(p, torch.Tensor) or _compat.is_plain_fake(p):
-                continue
-            entry = _ACCUMULATORS.get(id(p))
-            if entry is None or entry[0]() is not p:
-                key = id(p)
-                ref = weakref.ref(p, lambda _, key=key: _forget(key))
-                _ACCUMULATORS[key] = (ref, torch.autograd.graph.get_gradient_edge(p).node)
+def _backward_ended() -> None:
+    _NODES.clear()
+    _TASK[0] = None
 
 
-def _forget(key: int) -> None:
-    entry = _ACCUMULATORS.get(key)
-    if entry is not None and entry[0]() is None:
-        del _ACCUMULATORS[key]
+def _accumulator(param: torch.Tensor):
+    """``param``'s ``AccumulateGrad`` node in the running backward: among the next functions of
+    the node running now (one pass over them per compiled graph per backward), else through a
+    view of ``param`` (``get_gradient_edge``: ~6 us)."""
+    task = torch._C._current_graph_task_id()
+    if task != _TASK[0]:  # a new backward (one that raised never ran its callback)
+        _NODES.clear()
+        _TASK[0] = task
+        _compat.queue_backward_callback(_backward_ended)
+    node = _NODES.get(id(param))
+    if node is not None and node.variable is param:
+        return node
+    current = torch._C._current_autograd_node()
+    for nxt, _ in getattr(current, "next_functions", None) or ():
+        variable = getattr(nxt, "variable", None)
+        if variable is not None:
+            _NODES[id(variable)] = nxt
+    node = _NODES.get(id(param))
+    if node is None or node.variable is not param:
+        with torch.enable_grad():
+            node = torch.autograd.graph.get_gradient_edge(param).node
+        _NODES[id(param)] = node
+    return node
 
 
 # A plain library kernel, not ``torch.library.custom_op``: the op runs once per parameter per
@@ -207,29 +219,7 @@ def decide(config, example_inputs: list) -> GradsInGraph:
     if why:
         return GradsInGraph(False, False, why)
     params = [t for t in example_inputs if isinstance(t, torch.nn.Parameter) and t.requires_grad]
-    _remember_accumulators([p for p in params if not _compat.is_plain_fake(p)])
     return GradsInGraph(True, any(p.grad is None for p in params), "")
-
-
-def remembering(compiled, example_inputs: list):
-    """``compiled`` (the graph compiled for ``example_inputs``), taking at each call the
-    ``AccumulateGrad`` node of each parameter it receives as a fake one at compile time
-    (dynamo's DDPOptimizer compiles each bucket's graph on fake parameters; the real ones
-    arrive at the call). The op needs the node to follow the engine: ``backward(inputs=...)``,
-    ``torch.autograd.grad``. ``compiled`` itself where every parameter was real."""
-    at = [i for i, t in enumerate(example_inputs)
-          if isinstance(t, torch.nn.Parameter) and t.requires_grad and _compat.is_plain_fake(t)]
-    if not at:
-        return compiled
-    seen: list = []
-
-    def run(*args):  # (dynamo calls what a backend returns unboxed)
-        if len(seen) != len(at) or any(args[i] is not s for i, s in zip(at, seen)):
-            seen[:] = [args[i] for i in at]
-            _remember_accumulators(seen)
-        return compiled(*args)
-
-    return run
 
 
 def _recomputes_nothing(config) -> bool:
@@ -366,4 +356,4 @@ def _error(why: str) -> Exception:
     return LynxOptionError(f"accumulate_grad_in_graph=True cannot apply: {why}; compile without it")
 
 
-__all__ = ["accumulate_grad", "accumulate_grads", "rewrite_joint", "param_indices", "decide", "remembering", "GradsInGraph"]
+__all__ = ["accumulate_grad", "accumulate_grads", "rewrite_joint", "param_indices", "decide", "GradsInGraph"]

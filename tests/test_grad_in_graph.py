@@ -264,3 +264,24 @@ def test_gradients_added_in_groups_after_extern_kernels():
         assert is_extern_kernel(before) or op.next.op == "output", (op, before)
         assert op.meta[KEEPS_GRAD] == tuple(range(len(op.args[1]))) and GRAD_BYTES not in op.meta, op.args
     assert all(g is None for g in list(out.args[0])[fwd_outputs + 1:])
+
+
+def test_a_compiled_model_dropped_is_freed():
+    """Nothing lynx keeps for the op outlives the backward: a model compiled under a budget,
+    stepped and dropped is garbage-collected (its parameters were once held for good through
+    their ``AccumulateGrad`` nodes)."""
+    import gc
+    import weakref
+
+    model, x = _model(n_layers=1)
+    torch._dynamo.reset()
+    run = torch.compile(model, backend=lynx_compile.backend(policy="full", compiler="eager",
+                                                            accumulate_grad_in_graph=True))
+    run(x).loss.backward()
+    run(x).loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+    refs = [weakref.ref(p) for p in model.parameters()]
+    del model, run
+    torch._dynamo.reset()
+    gc.collect()
+    assert all(r() is None for r in refs)
