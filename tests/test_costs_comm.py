@@ -203,3 +203,66 @@ def test_calibrate_link_on_gloo(tmp_path):
     assert (a0, bw0) == (a1, bw1)  # every rank fits the same max-reduced times
     assert c0 == pytest.approx(e0) and c1 == pytest.approx(e1)
     assert 0 < a0 < 1.0 and 1e5 < bw0 < float("inf"), (a0, bw0)
+
+
+# ---- the calibrated link kept per machine (issue S item 1) ------------------------------------
+
+
+def _machine_link_worker(rank: int, world: int, init_file: str, cache: str, results) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ["LYNX_LINK_PROFILE"] = cache
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    from lynx_compile.distributed.link import resolve_link
+
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=30))
+        link = resolve_link("auto", "nvlink4")
+        results.put((rank, (link.name, link.alpha_s, link.bandwidth_bytes_per_s), None))
+        dist.destroy_process_group()
+    except Exception as e:  # report instead of hanging the parent
+        results.put((rank, None, repr(e)))
+
+
+def _two_ranks(tmp_path, cache: str, tag: str) -> list:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    init_file = str(tmp_path / f"pg_init_{tag}")
+    procs = [ctx.Process(target=_machine_link_worker, args=(r, 2, init_file, cache, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = []
+    try:
+        for _ in procs:
+            got.append(results.get(timeout=60))
+    except queue.Empty:
+        pytest.fail("resolve_link workers did not report within 60 s")
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+    assert not [g[2] for g in got if g[2]], got
+    return [g[1] for g in sorted(got)]
+
+
+def test_calibrated_link_is_kept_and_every_rank_reads_rank_0s(tmp_path):
+    """``link="auto"`` with two ranks: calibrated once (both ranks the same profile) and kept in
+    the machine's file; a later run reads it instead of timing again (its numbers exactly, a
+    second calibration would differ); an entry written by hand is what every rank plans with."""
+    import json
+
+    cache = str(tmp_path / "links.json")
+    first = _two_ranks(tmp_path, cache, "a")
+    assert first[0] == first[1] and first[0][0] == "calibrated-gloo-2"
+    (key, kept), = json.loads(open(cache).read()).items()
+    assert "backend=gloo;world=2" in key
+    assert (kept["name"], kept["alpha_s"], kept["bandwidth_bytes_per_s"]) == first[0]
+    assert _two_ranks(tmp_path, cache, "b") == first
+    with open(cache, "w") as f:
+        json.dump({key: {"name": "calibrated-gloo-2", "alpha_s": 1.0, "bandwidth_bytes_per_s": 1e3}}, f)
+    assert _two_ranks(tmp_path, cache, "c") == [("calibrated-gloo-2", 1.0, 1e3)] * 2

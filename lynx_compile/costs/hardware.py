@@ -301,11 +301,18 @@ def _physical_memory() -> int:
 
 
 def _write_cache(path: Path, key: str, profile: HardwareProfile) -> None:
+    store_machine_entry(path, key, profile.to_dict(), "CPU profile")
+
+
+def store_machine_entry(path: Path, key: str, data: dict, what: str) -> None:
+    """``data`` kept under ``key`` in the JSON file ``path`` (a machine's measurements: the CPU
+    profile, a calibrated link), the file's other entries kept; ``what`` names it in a warning
+    when the file cannot be written."""
     try:
         stored = json.loads(path.read_text()) if path.exists() else {}
     except (OSError, ValueError):
         stored = {}
-    stored[key] = profile.to_dict()
+    stored[key] = data
     try:  # atomic: a process reading it meanwhile (another rank) sees the old file or the new one
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
@@ -313,7 +320,19 @@ def _write_cache(path: Path, key: str, profile: HardwareProfile) -> None:
             f.write(json.dumps(stored, indent=2))
         os.replace(tmp, path)
     except OSError as e:
-        log.warning("could not write CPU profile cache %s: %s", path, e)
+        log.warning("could not write %s cache %s: %s", what, path, e)
+
+
+def load_machine_entry(path: Path, key: str) -> dict | None:
+    """The entry ``key`` of the JSON file ``path`` (:func:`store_machine_entry`), None when the
+    file or the entry is missing or unreadable."""
+    try:
+        stored = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError) as e:
+        log.warning("ignoring unreadable cache %s: %s", path, e)
+        return None
+    entry = stored.get(key) if isinstance(stored, dict) else None
+    return entry if isinstance(entry, dict) else None
 
 
 class _ProfileTable(Mapping):
