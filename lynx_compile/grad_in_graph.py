@@ -137,42 +137,30 @@ def _engine_accumulates(param: torch.Tensor) -> bool:
                            f"read .grad, or {_FIX}") from e
 
 
-#: the running backward's ``AccumulateGrad`` nodes by parameter id, read off the node running
-#: now (the compiled graph's backward: its next functions); emptied when the backward ends, so
-#: that no node (which holds its parameter) outlives it. (Until 2026-12-04 the nodes were taken
-#: when a graph compiled and held for good: a model compiled under a budget and dropped was
-#: never freed.)
-_NODES: dict[int, object] = {}
-_TASK: list = [None]  # the backward (graph task id) _NODES is of
-
-
-def _backward_ended() -> None:
-    _NODES.clear()
-    _TASK[0] = None
-
-
 def _accumulator(param: torch.Tensor):
     """``param``'s ``AccumulateGrad`` node in the running backward: among the next functions of
-    the node running now (one pass over them per compiled graph per backward), else through a
-    view of ``param`` (``get_gradient_edge``: ~6 us)."""
-    task = torch._C._current_graph_task_id()
-    if task != _TASK[0]:  # a new backward (one that raised never ran its callback)
-        _NODES.clear()
-        _TASK[0] = task
-        _compat.queue_backward_callback(_backward_ended)
-    node = _NODES.get(id(param))
-    if node is not None and node.variable is param:
-        return node
+    the node running now (the compiled graph's backward, an ``autograd.Function``'s context:
+    the table of them is kept on it, so it goes with the autograd graph, raised or not), else
+    through a view of ``param`` (``get_gradient_edge``: ~6 us). (Until 2026-12-04 the nodes
+    were taken when a graph compiled and held for good: a model compiled under a budget and
+    dropped was never freed, each node holding its parameter.)"""
     current = torch._C._current_autograd_node()
-    for nxt, _ in getattr(current, "next_functions", None) or ():
-        variable = getattr(nxt, "variable", None)
-        if variable is not None:
-            _NODES[id(variable)] = nxt
-    node = _NODES.get(id(param))
+    table = getattr(current, "_lynx_accumulators", None)
+    if table is None:
+        table = {}
+        for nxt, _ in getattr(current, "next_functions", None) or ():
+            variable = getattr(nxt, "variable", None)
+            if variable is not None:
+                table[id(variable)] = nxt
+        try:
+            current._lynx_accumulators = table
+        except (AttributeError, TypeError):  # a node that takes no attributes: looked up again next time
+            pass
+    node = table.get(id(param))
     if node is None or node.variable is not param:
         with torch.enable_grad():
             node = torch.autograd.graph.get_gradient_edge(param).node
-        _NODES[id(param)] = node
+        table[id(param)] = node
     return node
 
 
