@@ -152,7 +152,9 @@ class LynxBackend:
         devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
         return self.step_recorder.piece(compiled, record, functools.partial(self._rebuild, gm, InputSpec(example_inputs)),
                                         device_type="cuda" if "cuda" in devices else "cpu",
-                                        params=tuple(t for t in example_inputs if isinstance(t, torch.nn.Parameter)))
+                                        # (whose optimizer state device_budget counts)
+                                        params=tuple(t for t in example_inputs if isinstance(t, torch.nn.Parameter))
+                                        if self.config.device_budget is not None else ())
 
     def _deferred(self, gm: fx.GraphModule, example_inputs: list, record: GraphRecord,
                   refusal: BudgetError) -> Callable | None:
@@ -374,8 +376,7 @@ def resident_bytes(example_inputs: list, *, plan_only: bool = False) -> tuple[in
     why = ": planning only, no real step" if plan_only else f": no allocator counter on {devices or 'cpu'}"
     state, what = (0, "") if plan_only else optimizer_state.state_bytes(
         t for t in tensors if isinstance(t, torch.nn.Parameter))
-    optimizer = (f" and the optimizer state of its parameters ({what})" if state else
-                 "; optimizer state created later is counted when the step is recorded (step_record)")
+    optimizer = f" and the optimizer state of its parameters ({what})" if state else optimizer_state.COUNTED_LATER
     return sum(storages.values()) + state, RESIDENT_INPUTS.format(why=why, optimizer=optimizer)
 
 

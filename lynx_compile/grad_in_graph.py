@@ -64,7 +64,6 @@ from typing import NamedTuple
 import torch
 import torch.fx as fx
 
-
 from lynx_compile import _compat
 from lynx_compile.memory import inductor_model
 from lynx_compile.memory.storage import GRAD_BYTES, KEEPS_GRAD, aliased_input
@@ -88,7 +87,7 @@ def accumulate_grads(params: list[torch.Tensor], grads: list[torch.Tensor], keep
     if torch.is_grad_enabled():
         raise RuntimeError(f"lynx: backward(create_graph=True) is not supported where lynx adds parameter "
                            f"gradients into .grad inside the compiled backward; {_FIX}")
-    in_engine = torch._C._current_graph_task_id() != -1
+    in_engine = _compat.in_backward()
     for param, grad, k in zip(params, grads, keep):
         if not (param.is_leaf and param.requires_grad):
             raise RuntimeError("lynx: the compiled backward did not receive the parameter itself (a non-leaf "
@@ -110,11 +109,6 @@ def accumulate_grads(params: list[torch.Tensor], grads: list[torch.Tensor], keep
             param.grad = new
 
 
-def accumulate_grad(param: torch.Tensor, grad: torch.Tensor, keep: bool) -> None:
-    """:func:`accumulate_grads` of one parameter."""
-    accumulate_grads([param], [grad], [keep])
-
-
 def _has_layout_of(grad: torch.Tensor, param: torch.Tensor) -> bool:
     """``grad`` fills a storage of exactly its own bytes (itself or a view of a buffer of its
     size: Inductor hands a bias gradient as a view of its ``(1, n)`` sum), laid out as
@@ -130,7 +124,7 @@ def _engine_accumulates(param: torch.Tensor) -> bool:
     ``torch.autograd.grad`` asking for ``param`` is an error: the gradient is not returned."""
     node = _accumulator(param)
     try:
-        return torch._C._will_engine_execute_node(node)
+        return _compat.will_engine_execute_node(node)
     except RuntimeError as e:  # the engine captures this leaf's gradient: torch.autograd.grad
         raise RuntimeError("lynx: torch.autograd.grad(..., inputs=<parameters>) asks for parameter gradients "
                            "that lynx adds into .grad inside the compiled backward; use loss.backward() and "
@@ -144,7 +138,7 @@ def _accumulator(param: torch.Tensor):
     through a view of ``param`` (``get_gradient_edge``: ~6 us). (Until 2026-12-04 the nodes
     were taken when a graph compiled and held for good: a model compiled under a budget and
     dropped was never freed, each node holding its parameter.)"""
-    current = torch._C._current_autograd_node()
+    current = _compat.current_autograd_node()
     table = getattr(current, "_lynx_accumulators", None)
     if table is None:
         table = {}
@@ -245,8 +239,8 @@ def param_indices(joint: fx.GraphModule, num_fwd_outputs: int,
 def rewrite_joint(joint: fx.GraphModule, num_fwd_outputs: int, params: list[int], *, new_grads: bool,
                   may_keep: bool) -> int:
     """In place: each parameter gradient output of ``joint`` becomes None, and the gradient is
-    added into ``.grad`` by a ``lynx::accumulate_grads(params, grads, keep)`` node placed just
-    before the first extern kernel (a matmul, attention, a collective, a fallback) that follows the
+    added into ``.grad`` by a ``lynx::accumulate_grads(params, grads, keep)`` node placed right
+    after the first extern kernel (a matmul, attention, a collective, a fallback) that follows the
     gradient's producer, one node for all the gradients that land there (:func:`_add_point`).
     ``keep[i]``: the op is the gradient's only reader and ``may_keep`` (the compiler frees buffers
     after their last reader and reuses none: ``compiler="eager"``, or Inductor under lynx's
@@ -294,13 +288,16 @@ def rewrite_joint(joint: fx.GraphModule, num_fwd_outputs: int, params: list[int]
 
 
 def _add_point(grad: fx.Node) -> fx.Node:
-    """The node before which ``grad`` is added into ``.grad``: the first extern kernel after its
-    producer (or the output). Inductor runs the loop kernels between two extern kernels as one
-    group of code on the CPU, and every extern call (this op too) ends a group: an op right after
-    each gradient split gpt-tiny's backward from 28 kernel calls into 46 and added 52 calls of its
-    own (4 layers; 5.63 ms against 4.94 ms with gradients returned, CPU, torch 2.13). Later by a
-    few loop kernels, the gradient lives a little longer where ``.grad`` is allocated (where it is
-    None, the buffer becomes ``.grad`` or its copy does, alike)."""
+    """The node before which ``grad`` is added into ``.grad``: the one after the first extern
+    kernel that follows its producer (and after that kernel's getitems), or the output.
+    Inductor runs the loop kernels between two extern kernels as one group of code on the CPU,
+    and every extern call (this op too) ends a group: an op right after each gradient split
+    gpt-tiny's backward from 28 kernel calls into 46 and added 52 calls of its own (4 layers;
+    5.63 ms against 4.94 ms with gradients returned, CPU, torch 2.13). Before the extern kernel
+    was not enough: Inductor lowers the loop values that kernel reads (a clone for a ``bmm``)
+    when it reaches the kernel, after the op. Later by a few kernels, the gradient lives a little
+    longer where ``.grad`` is allocated (where it is None, the buffer becomes ``.grad`` or its
+    copy does, alike)."""
     node = grad.next
     while node.op != "output" and not _runs_apart(node):
         node = node.next
@@ -344,4 +341,4 @@ def _error(why: str) -> Exception:
     return LynxOptionError(f"accumulate_grad_in_graph=True cannot apply: {why}; compile without it")
 
 
-__all__ = ["accumulate_grad", "accumulate_grads", "rewrite_joint", "param_indices", "decide", "GradsInGraph"]
+__all__ = ["accumulate_grads", "rewrite_joint", "param_indices", "decide", "GradsInGraph"]

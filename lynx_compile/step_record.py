@@ -139,8 +139,8 @@ class StepRecorder:
     def piece(self, compiled: Callable, record: Any, rebuild: Callable, device_type: str,
               params: tuple = ()) -> Piece:
         """The callable to give dynamo for a graph compiled on ``device_type`` as ``compiled``;
-        ``params``: the parameters among its inputs (whose optimizer state ``device_budget``
-        counts, ``memory.optimizer_state``)."""
+        ``params``: the parameters among its inputs whose optimizer state ``device_budget``
+        counts (``memory.optimizer_state``; none without a device budget)."""
         if device_type == "cuda":
             self._device_type = "cuda"
         p = Piece(self, compiled, record, rebuild, params)
@@ -340,7 +340,7 @@ class StepRecorder:
             return 0, "nothing read"
         best = max(read, key=lambda p: p.record.plan.resident_bytes - p.state_at_compile)
         state, what = optimizer_state.state_bytes(t for p in self.pieces for t in p.params())
-        source = best.record.plan.resident_source.split("; optimizer state created later")[0]
+        source = best.record.plan.resident_source.replace(optimizer_state.COUNTED_LATER, "")
         if state:
             source += f"; with the optimizer state as step {RECORDED_STEP} started ({what})"
         return best.record.plan.resident_bytes - best.state_at_compile + state, source

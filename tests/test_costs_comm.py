@@ -177,11 +177,12 @@ def _calibrate_worker(rank: int, world: int, init_file: str, results) -> None:
         results.put((rank, None, None, None, None, repr(e)))
 
 
-def test_calibrate_link_on_gloo(tmp_path):
+def _two_gloo_ranks(worker, init_file: str, *args) -> list:
+    """What ``worker(rank, 2, init_file, *args, results)`` puts on the queue in each of two
+    spawned processes (60 s for both, then they are stopped)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    init_file = str(tmp_path / "pg_init")
-    procs = [ctx.Process(target=_calibrate_worker, args=(r, 2, init_file, results)) for r in range(2)]
+    procs = [ctx.Process(target=worker, args=(r, 2, init_file, *args, results)) for r in range(2)]
     for p in procs:
         p.start()
     got = []
@@ -189,13 +190,18 @@ def test_calibrate_link_on_gloo(tmp_path):
         for _ in procs:
             got.append(results.get(timeout=60))
     except queue.Empty:
-        pytest.fail("calibrate_link workers did not report within 60 s")
+        pytest.fail(f"{worker.__name__} did not report within 60 s")
     finally:
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
+    return got
+
+
+def test_calibrate_link_on_gloo(tmp_path):
+    got = _two_gloo_ranks(_calibrate_worker, str(tmp_path / "pg_init"))
     errors = [g[5] for g in got if g[5]]
     assert not errors, errors
     (r0, a0, bw0, c0, e0, _), (r1, a1, bw1, c1, e1, _) = sorted(got)
@@ -228,24 +234,7 @@ def _machine_link_worker(rank: int, world: int, init_file: str, cache: str, resu
 
 
 def _two_ranks(tmp_path, cache: str, tag: str) -> list:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    init_file = str(tmp_path / f"pg_init_{tag}")
-    procs = [ctx.Process(target=_machine_link_worker, args=(r, 2, init_file, cache, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = []
-    try:
-        for _ in procs:
-            got.append(results.get(timeout=60))
-    except queue.Empty:
-        pytest.fail("resolve_link workers did not report within 60 s")
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
+    got = _two_gloo_ranks(_machine_link_worker, str(tmp_path / f"pg_init_{tag}"), cache)
     assert not [g[2] for g in got if g[2]], got
     return [g[1] for g in sorted(got)]
 

@@ -45,6 +45,18 @@ def _step(run, x, opt):
     opt.zero_grad()
 
 
+def _stepped_once(device: int):
+    """gpt-tiny compiled by lynx at ``device_budget=device`` with AdamW, after step 1 (compile,
+    backward, the optimizer's first step, which creates its state): (model, x, backend, run, opt)."""
+    model, x = _zoo()
+    backend = lynx_compile.backend(device_budget=device, plan_cache=False)
+    torch._dynamo.reset()
+    run = torch.compile(model, backend=backend)
+    opt = torch.optim.AdamW(model.parameters())
+    _step(run, x, opt)
+    return model, x, backend, run, opt
+
+
 @functools.lru_cache(maxsize=1)
 def _numbers():
     """(resident before any optimizer step, no-recompute step peak, the smallest step peak
@@ -84,12 +96,7 @@ def test_state_created_after_compile_replans_and_the_step_fits():
     is within device_budget."""
     resident, reference, _, state = _numbers()
     device = resident + state + int(0.8 * reference)
-    model, x = _zoo()
-    backend = lynx_compile.backend(device_budget=device, plan_cache=False)
-    torch._dynamo.reset()
-    run = torch.compile(model, backend=backend)
-    opt = torch.optim.AdamW(model.parameters())
-    _step(run, x, opt)
+    model, x, backend, run, opt = _stepped_once(device)
     first = backend.plans[-1]
     assert first.resident_bytes == resident and first.peak_bytes > device - resident - state
     _step(run, x, opt)  # step 2: planned again
@@ -109,12 +116,7 @@ def test_state_that_leaves_no_plan_is_refused_naming_the_smallest_device_budget(
     device_budget above the one given that counts the state, and why."""
     resident, reference, smallest, state = _numbers()
     device = resident + state + smallest - 1024
-    model, x = _zoo()
-    backend = lynx_compile.backend(device_budget=device, plan_cache=False)
-    torch._dynamo.reset()
-    run = torch.compile(model, backend=backend)
-    opt = torch.optim.AdamW(model.parameters())
-    _step(run, x, opt)
+    _, x, _, run, opt = _stepped_once(device)
     with pytest.raises(Exception) as info:
         _step(run, x, opt)
     err = find_backend_error(info.value, BudgetError) or info.value

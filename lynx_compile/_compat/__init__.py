@@ -40,10 +40,13 @@ from lynx_compile._compat.autograd_engine import (
     backward_donates_saved,
     backward_holds_grad_inputs,
     backward_roots,
+    current_autograd_node,
     engine_run_backward_code,
+    in_backward,
     python_backward_code,
     queue_backward_callback,
     watch_frame,
+    will_engine_execute_node,
 )
 from lynx_compile._compat.distributed import (
     c10d_bindings,
@@ -160,8 +163,9 @@ __all__ = [
     "boxed", "is_inductor_seeds", "is_op_overload", "is_rng_replay", "is_sym_node", "mark_side_effect",
     "node_is_random", "optimization_hint", "qualified_op_name", "rename_node", "tree_leaves",
     # autograd_engine
-    "backward_donates_saved", "backward_holds_grad_inputs", "backward_roots", "engine_run_backward_code",
-    "python_backward_code", "queue_backward_callback", "watch_frame",
+    "backward_donates_saved", "backward_holds_grad_inputs", "backward_roots", "current_autograd_node",
+    "engine_run_backward_code", "in_backward", "python_backward_code", "queue_backward_callback", "watch_frame",
+    "will_engine_execute_node",
     # distributed
     "c10d_bindings", "default_store", "dtensor_layout", "dtensor_stand_in", "fake_store", "fsdp2_groups_holding",
     "functional_all_gather", "functional_all_reduce", "functional_reduce_scatter", "pipeline_schedule_actions",

@@ -59,6 +59,24 @@ def watch_frame(code: Any, event: str, fn: Callable[[Any], None]) -> bool:
     return True
 
 
+def in_backward() -> bool:
+    """Whether this thread runs inside autograd's engine (a backward pass)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def current_autograd_node() -> Any:
+    """The autograd node the engine runs now (an ``autograd.Function``'s backward: its context),
+    or None outside a backward."""
+    return torch._C._current_autograd_node()
+
+
+def will_engine_execute_node(node: Any) -> bool:
+    """Whether the running backward executes ``node`` (False for a leaf's ``AccumulateGrad`` that
+    ``backward(inputs=...)`` leaves out); a RuntimeError where ``torch.autograd.grad`` captures
+    the leaf's gradient instead."""
+    return torch._C._will_engine_execute_node(node)
+
+
 def queue_backward_callback(fn: Callable[[], None]) -> None:
     """Run ``fn`` once the backward pass now executing ends (call from inside it: a hook)."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)

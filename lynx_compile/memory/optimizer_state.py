@@ -21,6 +21,10 @@ from typing import Iterable
 
 import torch
 
+COUNTED_LATER = "; optimizer state created later is counted when the step is recorded (step_record)"
+"""The end of a resident reading's description where no optimizer state was there yet (cut off
+where the state is counted later)."""
+
 _SEEN: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 _LOCK = threading.Lock()
 _HANDLE = None
@@ -73,4 +77,4 @@ def state_bytes(params: Iterable[torch.Tensor]) -> tuple[int, str]:
     return total, what
 
 
-__all__ = ["watch", "state_bytes"]
+__all__ = ["COUNTED_LATER", "watch", "state_bytes"]
