@@ -54,8 +54,8 @@
 # interleaved timing of explicit attention may use all but 100 s of what is left, SDPA's the rest
 # (skipped, with a note, under 60 s). Running variants concurrently disturbs only the
 # own-process columns (step_ms_own_process, first_step_s), said so in the tables' notes; peaks
-# are per process and lynx plans with the GPU's datasheet profile (analytic costs, nothing timed),
-# so neither is affected.
+# are per process and lynx plans with the GPU's profile measured once before them, alone
+# (hardware="auto", kept in $WORK/device_profiles.json and appended to env.txt), so neither is affected.
 # checks: tests, kernel tests and the dropout run concurrently (~3-4 min: test_inductor's CPU
 # cases take ~2 min on 2 cores here, its 7 CUDA cases compile ~15-30 s each over 4 xdist workers;
 # the dropout run is 3 fp32 variant processes of ~40 s), then bench_kernels alone (~2-3 min: 30
@@ -387,6 +387,17 @@ part_step() {
     rm -f "$OUT/step.log" "$OUT"/step_c*.md "$OUT/step_raw.tgz"
     local stem=step_$DEVICE
     if [ "$DEVICE" = cpu ]; then stem=step_cpu_quick; fi
+    if [ "$DEVICE" != cpu ]; then
+        # lynx's hardware="auto" measures the GPU (issue R item 2): once, alone, before the variant
+        # processes (which run 4 at a time and read it from this file); its numbers go to env.txt
+        export LYNX_CPU_PROFILE="$WORK/device_profiles.json"
+        say "step: measuring the device profile lynx plans with (hardware=\"auto\")"
+        timeout 120 "$PY" -c 'import dataclasses, json, torch
+from lynx_compile.costs.hardware import calibrate_cuda_profile, _cuda_key
+p = calibrate_cuda_profile()
+print("lynx device profile (" + _cuda_key(torch.cuda.current_device()) + "): " + json.dumps(dataclasses.asdict(p)))' \
+            >>"$OUT/env.txt" 2>&1 || say "step: measuring the device profile failed (env.txt): lynx plans on the datasheet"
+    fi
     local specs=()
     local attn=${LYNX_GPU_SESSION_ATTN:-manual,sdpa}
     case ",$attn," in *,manual,*) specs+=("$stem" "explicit attention (--attn manual)"

@@ -1,12 +1,14 @@
 """A lynx-compiled graph as dynamo calls it, for a model compiled in pieces (``step_record``).
 
 ``Piece`` is the callable dynamo gets: the compile in use (swapped once the step's plan chose
-another candidate), telling the step's recorder of every forward and backward. ``InputSpec``
+another candidate, and once where gradients start to accumulate into a kept ``.grad``), telling
+the step's recorder of every forward and backward. ``InputSpec``
 keeps what compiling the graph again needs of its example inputs without keeping them alive.
 """
 from __future__ import annotations
 
 import itertools
+import logging
 import weakref
 from typing import Any, Callable
 
@@ -14,6 +16,8 @@ import torch
 
 from lynx_compile import _compat
 from lynx_compile.memory import optimizer_state
+
+log = logging.getLogger("lynx_compile")
 
 class InputSpec:
     """What a compile of a graph needs of its example inputs, without keeping them alive: a
@@ -60,8 +64,12 @@ class Piece:
     is the backend's ``step_record.StepRecorder`` (told of each forward and backward)."""
 
     def __init__(self, recorder: Any, compiled: Callable, record: Any,
-                 rebuild: Callable[..., tuple[Callable, Any]], params: tuple = ()):
+                 rebuild: Callable[..., tuple[Callable, Any]], params: tuple = (), returned: tuple = ()):
         self.recorder = recorder
+        self._returned = [weakref.ref(p) for p in returned]
+        """The parameters whose gradients the graph returns because their ``.grad`` were None
+        when it compiled (``grad_in_graph.RETURNED_NEW``): the first call that finds one of them
+        kept compiles it again with the gradients added in the graph (:meth:`_accumulate_in_graph`)."""
         self._params = [weakref.ref(p) for p in params]
         self.state_at_compile = optimizer_state.state_bytes(params)[0] if params else 0
         """Bytes of its parameters' optimizer state when it compiled (in its plan's
@@ -73,6 +81,7 @@ class Piece:
         self.records = [record]
         """Its records since the step's plan (two when its calls run two compiles)."""
         self.by_call: list[Callable] | None = None
+        self._call_records: list = [record]
         self._count = 0
 
     def __call__(self, *args: Any) -> Any:
@@ -81,6 +90,9 @@ class Piece:
             # a call on fake tensors while dynamo compiles (DDPOptimizer runs each bucket's
             # compiled graph on fakes to trace the next): no step's call, no backward to follow
             return self.compiled(*args)
+        if self._returned and torch.is_grad_enabled() and any(
+                p is not None and p.grad is not None for p in (r() for r in self._returned)):
+            self._accumulate_in_graph()
         rec.before_forward()
         if not rec.tracking or not torch.is_grad_enabled():
             return self._current()(*args)
@@ -88,6 +100,27 @@ class Piece:
         out = self.compiled(*args)
         rec.end_forward(call, out)
         return out
+
+    def _accumulate_in_graph(self) -> None:
+        """A ``.grad`` kept from an earlier backward (gradient accumulation): returned
+        gradients would pile up beside it, a second copy of them at the backward's end that the
+        plan does not hold. Each of the graph's compiles is built again with the gradients added
+        into ``.grad`` where computed (the same choice, so the same plan), once."""
+        self._returned = []
+        from lynx_compile.grad_in_graph import GradsInGraph
+
+        regime = GradsInGraph(True, True, "")
+        fresh = {}
+        for old in self.records:
+            fresh[id(old)] = self.rebuild(old, old.step_choice, grads_in_graph=regime)
+        if self.by_call is not None:
+            self.by_call = [fresh[id(r)][0] for r in self._call_records]
+            self._call_records = [fresh[id(r)][1] for r in self._call_records]
+        self.compiled, self.record = fresh[id(self.record)]
+        self.records = [fresh[id(r)][1] for r in self.records]
+        log.info("lynx: graph %d: a .grad kept from an earlier backward (gradient accumulation): compiled again "
+                 "with its gradients added into .grad where computed, so that they do not pile up beside it "
+                 "(accumulate_grad_in_graph=True does so from the first compile)", self.record.graph_id)
 
     def params(self) -> list:
         """The parameters among its inputs (those still alive)."""
@@ -115,6 +148,7 @@ class Piece:
         self.compiled, self.record = compiled[names[-1]], records[names[-1]]
         self.records = [records[n] for n in dict.fromkeys(names)]
         self.by_call = None if len(set(names)) == 1 else [compiled[n] for n in names]
+        self._call_records = [records[n] for n in names]
         self._count = 0
         if names == (current,) * len(names):
             return []

@@ -106,7 +106,10 @@ class LynxBackend:
                             "backend.records. TORCH_LOGS=graph_breaks shows why dynamo split a model.")
         from lynx_compile import grad_in_graph
 
-        record.grads_in_graph = grad_in_graph.decide(self.config, example_inputs)
+        # (a graph run as a Piece may return its gradients while .grad is None: compiled again with
+        # them in the graph at the first call that finds .grad kept)
+        record.grads_in_graph = grad_in_graph.decide(self.config, example_inputs,
+                                                     switchable=self.step_recorder is not None)
         if self.step_recorder is not None:
             # an activation with gradients comes in: the graph is a piece of a model compiled in
             # pieces (per block, after a graph break), whatever modules it holds
@@ -154,7 +157,10 @@ class LynxBackend:
                                         device_type="cuda" if "cuda" in devices else "cpu",
                                         # (whose optimizer state device_budget counts)
                                         params=tuple(t for t in example_inputs if isinstance(t, torch.nn.Parameter))
-                                        if self.config.device_budget is not None else ())
+                                        if self.config.device_budget is not None else (),
+                                        returned=tuple(t for t in example_inputs if isinstance(t, torch.nn.Parameter)
+                                                       and t.requires_grad)
+                                        if record.grads_in_graph.why == grad_in_graph.RETURNED_NEW else ())
 
     def _deferred(self, gm: fx.GraphModule, example_inputs: list, record: GraphRecord,
                   refusal: BudgetError) -> Callable | None:
@@ -184,14 +190,16 @@ class LynxBackend:
         log.info("lynx: graph %d: %s", record.graph_id, note)
         return compiled
 
-    def _rebuild(self, gm: fx.GraphModule, inputs, old: GraphRecord, choice: str, *,
-                 replace: bool = True) -> tuple[Callable, GraphRecord]:
-        """``gm`` compiled again with candidate ``choice`` (the step's plan, ``step_record``);
+    def _rebuild(self, gm: fx.GraphModule, inputs, old: GraphRecord, choice: str | None, *,
+                 replace: bool = True, grads_in_graph=None) -> tuple[Callable, GraphRecord]:
+        """``gm`` compiled again with candidate ``choice`` (the step's plan, ``step_record``;
+        None: as a first compile plans it) and ``old``'s gradient regime unless
+        ``grads_in_graph`` is given (``compiled_piece.Piece``: gradient accumulation seen);
         its record replaces ``old`` in ``records`` (``replace``) or follows it (a graph whose
         calls run two compiles)."""
         record = GraphRecord(graph_id=old.graph_id, policy=self.config.policy, step_choice=choice,
                              takes_activations=old.takes_activations, fsdp=old.fsdp,
-                             grads_in_graph=old.grads_in_graph, new_grad_bytes=old.new_grad_bytes)
+                             grads_in_graph=grads_in_graph or old.grads_in_graph, new_grad_bytes=old.new_grad_bytes)
         if "step_hint_key" in old.stats:
             record.stats["step_hint_key"] = old.stats["step_hint_key"]
         if self.config.compiler == "inductor" and not self.config.weight_split:

@@ -137,13 +137,14 @@ class StepRecorder:
         return self.state in ("warming", "recording")
 
     def piece(self, compiled: Callable, record: Any, rebuild: Callable, device_type: str,
-              params: tuple = ()) -> Piece:
+              params: tuple = (), returned: tuple = ()) -> Piece:
         """The callable to give dynamo for a graph compiled on ``device_type`` as ``compiled``;
         ``params``: the parameters among its inputs whose optimizer state ``device_budget``
-        counts (``memory.optimizer_state``; none without a device budget)."""
+        counts (``memory.optimizer_state``; none without a device budget); ``returned``: those
+        whose gradients it returns while their ``.grad`` is None (``Piece``)."""
         if device_type == "cuda":
             self._device_type = "cuda"
-        p = Piece(self, compiled, record, rebuild, params)
+        p = Piece(self, compiled, record, rebuild, params, returned)
         self.pieces.append(p)
         if self.state == "done":  # a graph new since the plan (another model, a recompile): again
             self.state, self.steps_seen = "warming", 0

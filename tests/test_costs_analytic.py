@@ -1,6 +1,7 @@
 """CPU unit tests for lynx_compile.costs: NodeCost, hardware profiles, the analytic roofline."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import operator
 
@@ -276,9 +277,100 @@ def test_cpu_calibration_is_positive_and_cached(tmp_path):
     assert 1e8 < p.peak_flops["float32"] < 1e14  # 0.1 GFLOP/s .. 100 TFLOP/s
     assert 1e8 < p.memory_bandwidth_bytes_per_s < 1e13
     assert 0 < p.launch_overhead_s < 1e-3
+    # matmul rates by size (ascending FLOPs), the L2's bandwidth within the L2's bytes
+    assert [f for f, _ in p.matmul_rates] == sorted(f for f, _ in p.matmul_rates) and len(p.matmul_rates) == 5
+    assert max(r for _, r in p.matmul_rates) == p.peak_flops["float32"]
+    assert p.cache_bytes >= 32 << 10 and p.cache_bandwidth_bytes_per_s > 1e8
     assert calibrate_cpu_profile() is p  # per-process cache
     stored = json.loads(cache.read_text())
     (key,) = stored
     assert torch.__version__ in key
     assert HardwareProfile.from_dict(stored[key]) == p
     assert get_profile("cpu") is p and PROFILES["cpu"] is p
+
+
+def test_matmul_fraction_and_memory_rate_by_size():
+    """A small matmul runs at the fraction of the peak its size measured (log-log interpolation
+    between the measured points, the smallest's below them, the largest's above); bytes that
+    fit in the cache move at its rate (hand-computed)."""
+    import math
+
+    from lynx_compile.costs.analytic import roofline_time
+
+    p = dataclasses.replace(DATASHEET_PROFILES["h200"], matmul_rates=((1e3, 1e9), (1e5, 4e9), (1e7, 8e9)),
+                            cache_bytes=1000, cache_bandwidth_bytes_per_s=1e12, memory_efficiency=1.0,
+                            matmul_efficiency=1.0)
+    assert p.matmul_fraction(10.0) == pytest.approx(1 / 8)
+    assert p.matmul_fraction(1e4) == pytest.approx(2 / 8)  # halfway (in logs) from 1e9 to 4e9 FLOP/s
+    assert p.matmul_fraction(1e9) == pytest.approx(1.0)
+    assert DATASHEET_PROFILES["h200"].matmul_fraction(10.0) == 1.0  # no measured rates
+    assert p.memory_seconds(1000) == pytest.approx(1000 / 1e12)
+    assert p.memory_seconds(1001) == pytest.approx(1001 / p.memory_bandwidth_bytes_per_s)
+    peak = p.peak_flops["float32"]
+    t = roofline_time(1e4, 0, peak, p, matmul_flops=1e4)
+    assert t == pytest.approx(1e4 / (peak * 0.25) + p.launch_overhead_s)
+    assert roofline_time(1e4, 0, peak, p) == pytest.approx(1e4 / peak + p.launch_overhead_s)
+    assert math.isclose(HardwareProfile.from_dict(json.loads(json.dumps(p.to_dict()))).matmul_fraction(1e4), 0.25)
+
+
+def test_batched_matmul_is_priced_per_matrix():
+    """A bmm of 16 small matrices runs at one small matrix's rate, not at the rate of one
+    matmul of its total FLOPs."""
+    from lynx_compile.costs.analytic import matrix_flops
+
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    from torch._subclasses import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        a, b = torch.empty(16, 64, 32), torch.empty(16, 32, 64)
+    gm = torch.fx.symbolic_trace(lambda a, b: torch.ops.aten.bmm.default(a, b))
+    FakeTensorProp(gm, mode).propagate(a, b)
+    node = next(n for n in gm.graph.nodes if n.op == "call_function")
+    flops = 2 * 16 * 64 * 64 * 32
+    assert matrix_flops(node, flops) == flops / 16
+
+
+def test_cuda_profile_measured_cached_and_datasheet_fallback(tmp_path, monkeypatch, caplog):
+    """A CUDA device's profile (issue R item 2) without a GPU here: the child's measurement is
+    stood in for (``subprocess.run``); the profile carries its numbers on the datasheet's links,
+    is kept in the machine's file and read back by a later process; a failed measurement falls
+    back to the datasheet profile with a warning naming why."""
+    import subprocess
+    import types
+
+    from lynx_compile.costs import cuda_measure, hardware
+
+    assert callable(cuda_measure.measure)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    m = {"device_name": "NVIDIA H200", "memory_capacity_bytes": 150 << 30,
+         "peak_flops": {"bfloat16": 700e12, "float32": 50e12, "float16": 690e12},
+         "copy_bytes_per_s": 4.0e12, "add_bytes_per_s": 4.2e12, "launch_overhead_s": 2.5e-6,
+         "matmul_rates": [[2 * 256**3, 100e12], [2 * 8192**3, 700e12]], "cache_bytes": 50 << 20,
+         "cache_bytes_per_s": 9e12}
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        return types.SimpleNamespace(stdout="noise\n" + json.dumps(m) + "\n")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.setattr(hardware, "_cuda_profiles", {})
+    cache = tmp_path / "profiles.json"
+    p = hardware.calibrate_cuda_profile(cache_file=cache)
+    assert len(calls) == 1 and p.name == "h200-measured"
+    assert p.peak_flops["bfloat16"] == 700e12 and p.memory_bandwidth_bytes_per_s == 4.2e12
+    assert p.default_link == DATASHEET_PROFILES["h200"].default_link and p.matmul_efficiency == 1.0
+    assert p.matmul_fraction(2 * 256**3) == pytest.approx(100 / 700)
+    monkeypatch.setattr(hardware, "_cuda_profiles", {})  # a later process: read back, not measured
+    assert hardware.calibrate_cuda_profile(cache_file=cache) == p and len(calls) == 1
+
+    def failing_run(cmd, **kw):
+        raise subprocess.CalledProcessError(1, cmd, stderr="RuntimeError: CUDA out of memory")
+
+    monkeypatch.setattr(subprocess, "run", failing_run)
+    monkeypatch.setattr(hardware, "_cuda_profiles", {})
+    with caplog.at_level("WARNING", logger="lynx_compile"):
+        q = hardware.calibrate_cuda_profile(cache_file=tmp_path / "other.json")
+    assert q is DATASHEET_PROFILES["h200"]
+    assert "CUDA out of memory" in caplog.text and "h200 datasheet profile" in caplog.text

@@ -133,6 +133,45 @@ def test_accumulates_and_creates_grad():
         assert p.grad.shape == p.shape and p.grad.stride() == p.stride()
 
 
+def test_returned_while_grad_is_none_added_once_it_accumulates():
+    """Under a budget (the graph runs as a ``compiled_piece.Piece``), ``.grad`` None as the graph
+    compiles: the backward returns the gradients (``RETURNED_NEW``: the bytes the op would keep,
+    without its calls). The first call that finds a ``.grad`` kept (gradient accumulation)
+    compiles it again with them added in the graph, once: the accumulating step no longer holds
+    a second copy of every gradient at its end. A model whose step peaks there (batch 1 x 16
+    tokens: its parameter gradients outweigh its activations); gradients equal eager's
+    accumulated over the same micro-steps."""
+    from lynx_compile.grad_in_graph import RETURNED_NEW
+    from lynx_compile.memory.measure import cpu_peak_bytes
+
+    def small():
+        torch.manual_seed(0)
+        model = build_model("gpt-tiny", n_layers=2, seq_len=16, dropout=0.0)
+        return model, example_batch(model, 1, generator=torch.Generator().manual_seed(1))
+
+    model, x = small()
+    for _ in range(3):
+        model(x).loss.backward()
+    ref = grad_snapshot(model)
+    torch._dynamo.reset()
+    model, x = small()
+    backend = lynx_compile.backend(memory_budget=1.0)
+    run = torch.compile(model, backend=backend)
+    run(x).loss.backward()  # compiles
+    grads = backend.records[-1].grads_in_graph
+    assert not grads.applies and grads.new_grads and grads.why == RETURNED_NEW, grads
+    model.zero_grad()
+    fresh = cpu_peak_bytes(lambda: run(x).loss.backward())
+    assert not backend.records[-1].grads_in_graph.applies
+    accumulating = cpu_peak_bytes(lambda: run(x).loss.backward())  # .grad kept: compiled again
+    again = cpu_peak_bytes(lambda: run(x).loss.backward())
+    assert len(backend.records) == 1 and backend.records[-1].grads_in_graph.applies, backend.records
+    assert grad_rel_diff(grad_snapshot(model), ref) < 1e-4
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert fresh >= grad_bytes, (fresh, grad_bytes)  # every .grad is created in the fresh step
+    assert max(accumulating, again) <= fresh - grad_bytes / 2, (fresh, accumulating, again, grad_bytes)
+
+
 def _smallest(acc):
     """The smallest budget lynx accepts (compiler eager), from its refusal of 0.05."""
     from lynx_compile.dynamo_backend import find_backend_error

@@ -147,11 +147,30 @@ def _dtype_of(node: torch.fx.Node) -> torch.dtype:
     return torch.float32
 
 
-def roofline_time(flops: float, nbytes: int, peak_flops: float, profile: HardwareProfile) -> float:
-    """max(compute time, memory time) + launch overhead, with the profile's efficiencies."""
-    compute = flops / (peak_flops * profile.matmul_efficiency) if flops else 0.0
-    memory = nbytes / (profile.memory_bandwidth_bytes_per_s * profile.memory_efficiency) if nbytes else 0.0
-    return max(compute, memory) + profile.launch_overhead_s
+def roofline_time(flops: float, nbytes: int, peak_flops: float, profile: HardwareProfile, *,
+                  matmul_flops: float = 0.0) -> float:
+    """max(compute time, memory time) + launch overhead, with the profile's efficiencies; a
+    matmul (``matmul_flops``: the FLOPs of one of its matrices) at the fraction of the peak its
+    size achieves (``HardwareProfile.matmul_fraction``), bytes at the rate their size reaches
+    (``HardwareProfile.memory_seconds``)."""
+    rate = peak_flops * profile.matmul_efficiency
+    if matmul_flops:
+        rate *= profile.matmul_fraction(matmul_flops)
+    compute = flops / rate if flops else 0.0
+    return max(compute, profile.memory_seconds(nbytes)) + profile.launch_overhead_s
+
+
+_BATCHED_MATMULS = frozenset({torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default})
+
+
+def matrix_flops(node: torch.fx.Node, flops: float) -> float:
+    """The FLOPs of one matrix product of a matmul node doing ``flops`` in all: a batched
+    matmul's divided by its batch (each matrix runs at its own size's rate)."""
+    if node.target in _BATCHED_MATMULS:
+        val = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+        if isinstance(val, torch.Tensor) and val.dim() == 3:
+            return flops / max(1, hint_int(val.shape[0]))
+    return flops
 
 
 def node_work(node: torch.fx.Node) -> tuple[float, int, int, bool]:
@@ -184,7 +203,8 @@ def analytic_node_cost(
     flops, moved, out_b, matmul_like = node_work(node)
     peak = profile.peak_flops_for(_dtype_of(node), matmul=matmul_like)
     return NodeCost(
-        runtime_s=roofline_time(flops, moved, peak, profile),
+        runtime_s=roofline_time(flops, moved, peak, profile,
+                                matmul_flops=matrix_flops(node, flops) if matmul_like else 0.0),
         out_bytes=out_b,
         flops=flops,
         bytes_moved=moved,

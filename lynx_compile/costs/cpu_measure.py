@@ -31,13 +31,27 @@ def best_time(fn: Callable[[], Any], budget_s: float, max_reps: int = 50) -> flo
     return max(best, 1e-9)
 
 
+def cache_bytes() -> int:
+    """One core's L2 cache (Linux sysfs), else 256 KiB."""
+    try:
+        with open("/sys/devices/system/cpu/cpu0/cache/index2/size") as f:
+            text = f.read().strip().upper()
+        scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+        return int(text.rstrip("KM")) * scale
+    except (OSError, ValueError):
+        return 256 << 10
+
+
 def measure(budget: float) -> dict[str, Any]:
-    """fp32 mm FLOP/s (best of sizes 128, 256, 512), bf16/fp16 mm FLOP/s (256), copy and add
-    bandwidth over 64 MB buffers, and the median time of a 1-element add (dispatch overhead)."""
-    fp32 = 0.0
-    for n in (128, 256, 512):
+    """fp32 mm FLOP/s at sizes 32 to 512 (the best is the peak), bf16/fp16 mm FLOP/s (256), copy
+    and add bandwidth over 64 MB buffers, copy bandwidth within one core's L2 cache, and the
+    median time of a 1-element add (dispatch overhead)."""
+    fp32, rates = 0.0, []
+    for n in (32, 64, 128, 256, 512):
         a, b = torch.randn(n, n), torch.randn(n, n)
-        fp32 = max(fp32, 2 * n**3 / best_time(lambda: torch.mm(a, b), 0.4 * budget / 3))
+        rate = 2 * n**3 / best_time(lambda: torch.mm(a, b), 0.4 * budget / 5)
+        rates.append((2 * n**3, rate))
+        fp32 = max(fp32, rate)
     low: dict[str, float] = {}
     for dt in (torch.bfloat16, torch.float16):
         a, b = torch.randn(256, 256, dtype=dt), torch.randn(256, 256, dtype=dt)
@@ -46,6 +60,11 @@ def measure(budget: float) -> dict[str, Any]:
     src, dst, other = torch.randn(n), torch.empty(n), torch.randn(n)
     copy_bw = 2 * 4 * n / best_time(lambda: dst.copy_(src), 0.15 * budget)
     add_bw = 3 * 4 * n / best_time(lambda: torch.add(src, other, out=dst), 0.15 * budget)
+    del src, dst, other
+    l2 = cache_bytes()
+    k = l2 // 4 // 4  # two buffers of a quarter of the cache each (fp32 elements)
+    small_src, small_dst = torch.randn(k), torch.empty(k)
+    cache_bw = 2 * 4 * k / best_time(lambda: small_dst.copy_(small_src), 0.05 * budget, max_reps=2000)
     x = torch.ones(1)
     per_op = []
     deadline = time.perf_counter() + 0.1 * budget
@@ -59,6 +78,9 @@ def measure(budget: float) -> dict[str, Any]:
         "copy_bytes_per_s": copy_bw,
         "add_bytes_per_s": add_bw,
         "launch_overhead_s": statistics.median(per_op),
+        "matmul_rates": rates,
+        "cache_bytes": l2,
+        "cache_bytes_per_s": cache_bw,
     }
 
 

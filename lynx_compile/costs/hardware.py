@@ -1,19 +1,21 @@
 """Hardware profiles: the peak numbers the roofline model divides by.
 
-GPU/NPU profiles are datasheet figures (sources next to each number); achievable fractions of
-those peaks are separate, stated factors. The ``"cpu"`` profile is not a datasheet: it is
-measured on this machine by :func:`calibrate_cpu_profile` (a couple of seconds in a child process,
-cached on disk).
+The named GPU/NPU profiles are datasheet figures (sources next to each number); achievable
+fractions of those peaks are separate, stated factors. The ``"cpu"`` profile is measured on this
+machine by :func:`calibrate_cpu_profile`, and a CUDA device's by :func:`calibrate_cuda_profile`
+(a few seconds each in a child process, cached on disk): matmul rates by size, memory and cache
+bandwidth, the per-kernel overhead.
 
     get_profile("h100-sxm")  -> datasheet profile
-    get_profile("cpu")       -> calibrated once per process
-    get_profile("auto")      -> CUDA device name -> profile, else "cpu"
+    get_profile("cpu")       -> calibrated once per machine
+    get_profile("auto")      -> the CUDA device measured (its datasheet as a fallback), else "cpu"
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -55,6 +57,17 @@ class HardwareProfile:
     ~80-90% of HBM peak, so 0.8."""
     default_link: str
     """Key in ``comm.LINKS`` of the intra-node link collectives use when none is given."""
+    matmul_rates: tuple[tuple[float, float], ...] = ()
+    """Measured ``(FLOPs, achieved FLOP/s)`` of square fp32 matmuls by size, FLOPs ascending
+    (the CPU profile: n = 32 to 512). A matmul of fewer FLOPs than the largest runs at a
+    fraction of ``peak_flops`` (:meth:`matmul_fraction`): a small matmul (an attention head's
+    64 x 64 scores) is dominated by its fixed cost, not its FLOPs. Empty: every matmul at
+    ``peak_flops`` x ``matmul_efficiency`` (the datasheet profiles)."""
+    cache_bytes: int = 0
+    """Bytes a kernel may touch and still run at ``cache_bandwidth_bytes_per_s`` (one core's
+    L2 on the CPU profile); 0: every byte at ``memory_bandwidth_bytes_per_s``."""
+    cache_bandwidth_bytes_per_s: float = 0.0
+    """Measured copy bandwidth over buffers within ``cache_bytes`` (the CPU profile)."""
     host_link_bytes_per_s: float = 25e9
     """Device<->host copy bandwidth, one direction, bytes/s: what prices activation offload.
     PCIe 4 x16 ~25e9 achieved (32 GB/s raw), PCIe 5 x16 ~50e9, NVLink-C2C (GH200) ~450e9
@@ -75,6 +88,31 @@ class HardwareProfile:
                 return self.peak_flops["tfloat32"]
         return self.peak_flops.get(key, self.peak_flops["float32"])
 
+    def matmul_fraction(self, flops: float) -> float:
+        """The fraction of the peak rate a matmul of ``flops`` FLOPs achieves: interpolated
+        (log-log) between ``matmul_rates``' points, as the largest at or above it, as the
+        smallest below it; 1.0 without measured rates."""
+        pts = self.matmul_rates
+        if not pts or flops <= 0:
+            return 1.0
+        top = max(rate for _, rate in pts)
+        if flops <= pts[0][0]:
+            return pts[0][1] / top
+        for (f0, r0), (f1, r1) in zip(pts, pts[1:]):
+            if flops <= f1:
+                t = math.log(flops / f0) / math.log(f1 / f0)
+                return math.exp(math.log(r0) + t * (math.log(r1) - math.log(r0))) / top
+        return pts[-1][1] / top
+
+    def memory_seconds(self, nbytes: float) -> float:
+        """Seconds to move ``nbytes`` in one kernel: at the cache's rate where they fit in
+        ``cache_bytes``, else at the memory's, each times ``memory_efficiency``."""
+        if not nbytes:
+            return 0.0
+        fits = self.cache_bytes and nbytes <= self.cache_bytes and self.cache_bandwidth_bytes_per_s
+        rate = self.cache_bandwidth_bytes_per_s if fits else self.memory_bandwidth_bytes_per_s
+        return nbytes / (rate * self.memory_efficiency)
+
     def __hash__(self) -> int:  # the dict field would make the generated hash fail
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bandwidth_bytes_per_s))
 
@@ -85,7 +123,8 @@ class HardwareProfile:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HardwareProfile:
         """Inverse of :meth:`to_dict`."""
-        return cls(**{**d, "peak_flops": dict(d["peak_flops"])})
+        return cls(**{**d, "peak_flops": dict(d["peak_flops"]),
+                      "matmul_rates": tuple(tuple(pt) for pt in d.get("matmul_rates", ()))})
 
 
 # Sources: "NVIDIA A100 Tensor Core GPU" datasheet (2021), "NVIDIA H100 Tensor Core GPU"
@@ -188,8 +227,14 @@ def cpu_profile_cache_path() -> Path:
 _cpu_profiles: dict[str, HardwareProfile] = {}  # per-process calibration cache, by machine key
 
 
+CPU_PROFILE_VERSION = 2
+"""Bumped when the CPU profile measures something new (2: matmul rates by size, the cache's
+bandwidth): a profile cached by an older version is measured again."""
+
+
 def _cpu_key() -> str:
-    return f"torch={torch.__version__};cpus={os.cpu_count()};threads={torch.get_num_threads()}"
+    return (f"torch={torch.__version__};cpus={os.cpu_count()};threads={torch.get_num_threads()};"
+            f"v{CPU_PROFILE_VERSION}")
 
 
 def calibrate_cpu_profile(
@@ -264,8 +309,85 @@ def _measure_cpu(budget: float) -> HardwareProfile:
         launch_overhead_s=m["launch_overhead_s"],
         matmul_efficiency=1.0,  # measured rates are already achieved rates
         memory_efficiency=1.0,
+        matmul_rates=tuple((float(f), float(r)) for f, r in m["matmul_rates"]),
+        cache_bytes=int(m["cache_bytes"]),
+        cache_bandwidth_bytes_per_s=float(m["cache_bytes_per_s"]),
         default_link="loopback-gloo",
         host_link_bytes_per_s=copy_bw / 2,  # "host" is another CPU buffer: a memcpy (read + write)
+    )
+
+
+_cuda_profiles: dict[str, HardwareProfile] = {}  # per-process, by device key
+
+
+def _cuda_key(index: int) -> str:
+    return (f"cuda={torch.cuda.get_device_name(index)};torch={torch.__version__};"
+            f"cuda_version={torch.version.cuda};v{CPU_PROFILE_VERSION}")
+
+
+def calibrate_cuda_profile(index: int | None = None, seconds_budget: float = 3.0, *,
+                           cache_file: Any = _MACHINE_CACHE, force: bool = False) -> HardwareProfile:
+    """The current (or ``index``-th) CUDA device measured as ``cpu`` is (issue R, item 2): bf16
+    matmul rates by size (the best is the peak), fp32/fp16 matmul rates, HBM and L2
+    bandwidth, the GPU-timeline gap per kernel (``cuda_measure``, in a child process: nothing
+    allocated in this one). Kept in the same file as the CPU profile, keyed by device name,
+    torch and CUDA versions, and read back by every later process. The link and host-link
+    figures stay the datasheet profile's (``profile_name_for_device``). Where measuring
+    fails, the datasheet profile, with a warning naming why."""
+    index = torch.cuda.current_device() if index is None else index
+    key = _cuda_key(index)
+    if not force and key in _cuda_profiles:
+        return _cuda_profiles[key]
+    datasheet = PROFILES[profile_name_for_device(torch.cuda.get_device_name(index))]
+    if cache_file is _MACHINE_CACHE:
+        cache_file = cpu_profile_cache_path()
+    path = Path(cache_file).expanduser() if cache_file is not None else None
+    with _machine_lock(path):  # ranks starting together: one measures, the others read it
+        if not force and path is not None and path.exists():
+            try:
+                stored = json.loads(path.read_text())
+                if key in stored:
+                    _cuda_profiles[key] = HardwareProfile.from_dict(stored[key])
+                    return _cuda_profiles[key]
+            except (OSError, ValueError, TypeError, KeyError) as e:
+                log.warning("ignoring unreadable device profile cache %s: %s", path, e)
+        from lynx_compile.costs import cuda_measure
+
+        source = Path(cuda_measure.__file__).read_text()
+        cmd = [sys.executable, "-c", source, repr(seconds_budget), str(index)]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
+            m = json.loads(done.stdout.strip().splitlines()[-1])
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
+            stderr = (getattr(e, "stderr", None) or "").strip()
+            log.warning("measuring CUDA device %d failed (%s%s); pricing recompute with the %s datasheet profile",
+                        index, e, f": {stderr.splitlines()[-1]}" if stderr else "", datasheet.name)
+            _cuda_profiles[key] = datasheet
+            return datasheet
+        profile = profile_from_measurement(m, datasheet)
+        log.info("lynx: measured %s: bf16 mm %.0f TFLOP/s, HBM %.0f GB/s, L2 %.0f GB/s, %.1f us per kernel",
+                 m["device_name"], m["peak_flops"]["bfloat16"] / 1e12, profile.memory_bandwidth_bytes_per_s / 1e9,
+                 profile.cache_bandwidth_bytes_per_s / 1e9, profile.launch_overhead_s * 1e6)
+        _cuda_profiles[key] = profile
+        if path is not None:
+            _write_cache(path, key, profile)
+    return profile
+
+
+def profile_from_measurement(m: dict[str, Any], datasheet: HardwareProfile) -> HardwareProfile:
+    """A measured device profile (``cuda_measure.measure``'s dict) on ``datasheet``'s links."""
+    return replace(
+        datasheet,
+        name=datasheet.name + "-measured",
+        peak_flops=dict(m["peak_flops"]),
+        memory_bandwidth_bytes_per_s=max(m["copy_bytes_per_s"], m["add_bytes_per_s"]),
+        memory_capacity_bytes=int(m["memory_capacity_bytes"]),
+        launch_overhead_s=float(m["launch_overhead_s"]),
+        matmul_efficiency=1.0,  # achieved rates
+        memory_efficiency=1.0,
+        matmul_rates=tuple((float(f), float(r)) for f, r in m["matmul_rates"]),
+        cache_bytes=int(m["cache_bytes"]),
+        cache_bandwidth_bytes_per_s=float(m["cache_bytes_per_s"]),
     )
 
 
@@ -379,14 +501,18 @@ def profile_name_for_device(device_name: str) -> str:
 def get_profile(name: str) -> HardwareProfile:
     """Profile by name: a ``PROFILES`` key (``"cpu"`` is calibrated once), or ``"auto"``.
 
-    ``"auto"``: the current CUDA device mapped by :func:`profile_name_for_device`, an Ascend
-    NPU (torch_npu) as ``"ascend-910b"``, else ``"cpu"``. Unknown names raise ValueError.
+    ``"auto"``: the current CUDA device measured (:func:`calibrate_cuda_profile`; its
+    datasheet profile, :func:`profile_name_for_device`, where measuring fails or
+    ``LYNX_DATASHEET_PROFILE=1``), an Ascend NPU (torch_npu) as ``"ascend-910b"``, else
+    ``"cpu"``. Unknown names raise ValueError.
     """
     if name in PROFILES:
         return PROFILES[name]
     if name == "auto":
         if torch.cuda.is_available():
-            return PROFILES[profile_name_for_device(torch.cuda.get_device_name())]
+            if os.environ.get("LYNX_DATASHEET_PROFILE") == "1":
+                return PROFILES[profile_name_for_device(torch.cuda.get_device_name())]
+            return calibrate_cuda_profile()
         npu = getattr(torch, "npu", None)
         if npu is not None and npu.is_available():
             return PROFILES["ascend-910b"]

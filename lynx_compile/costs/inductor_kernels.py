@@ -35,7 +35,8 @@ from collections.abc import Collection, Iterable
 
 import torch.fx as fx
 
-from lynx_compile.costs.analytic import _dtype_of, analytic_node_cost, is_free_node, node_flops, tensor_bytes_of
+from lynx_compile.costs.analytic import (_dtype_of, analytic_node_cost, is_free_node, matrix_flops, node_flops,
+                                         tensor_bytes_of)
 from lynx_compile.costs.hardware import HardwareProfile
 from lynx_compile.costs.types import iter_tensors, tensor_read_bytes
 from lynx_compile.memory.inductor_model import interior_nodes, is_loop_kernel, view_source
@@ -92,7 +93,7 @@ def _read_bytes(values: Iterable[fx.Node]) -> int:
 
 
 def _memory_seconds(nbytes: int, profile: HardwareProfile) -> float:
-    return nbytes / (profile.memory_bandwidth_bytes_per_s * profile.memory_efficiency)
+    return profile.memory_seconds(nbytes)
 
 
 def loop_seconds(body: Iterable[fx.Node], reads: Iterable[fx.Node], written: int,
@@ -103,7 +104,8 @@ def loop_seconds(body: Iterable[fx.Node], reads: Iterable[fx.Node], written: int
     for n in body:
         flops, matmul_like = node_flops(n)
         if flops:
-            compute += flops / (profile.peak_flops_for(_dtype_of(n), matmul=matmul_like) * profile.matmul_efficiency)
+            rate = profile.peak_flops_for(_dtype_of(n), matmul=matmul_like) * profile.matmul_efficiency
+            compute += flops / (rate * profile.matmul_fraction(matrix_flops(n, flops)) if matmul_like else rate)
     memory = _memory_seconds(written + _read_bytes(reads), profile)
     return max(compute, memory) + (profile.launch_overhead_s if launch else 0.0)
 
