@@ -75,7 +75,8 @@ def check_budget(value: object) -> float | int | None:
                              "pass bytes as an int or with a unit (e.g. '48MiB')")
         return value
     if value <= 0:
-        raise ValueError(f"memory_budget={value} bytes must be positive")
+        raise ValueError(f"memory_budget={value} (an int is a number of bytes) must be positive; a fraction of "
+                         f"the no-recompute peak is a float in (0, 1], e.g. memory_budget=0.5")
     return int(value)
 
 

@@ -249,7 +249,12 @@ def make_config(options: dict[str, Any] | None = None) -> LynxConfig:
     valid = [f.name for f in dataclasses.fields(LynxConfig) if not f.name.startswith("_")]
     unknown = sorted(set(options) - set(valid))
     if unknown:
-        raise ValueError(f"unknown lynx option(s) {unknown}; valid options are {valid}")
+        import difflib
+
+        guesses = {k: difflib.get_close_matches(k, valid, n=1, cutoff=0.6) for k in unknown}
+        hint = "; ".join(f"did you mean {g[0]!r} for {k!r}?" for k, g in guesses.items() if g)
+        raise ValueError(f"unknown lynx option(s) {unknown}; {hint + ' ' if hint else ''}"
+                         f"valid options are {valid}")
     for key in ("policy", "solver", "cost_source", "compiler"):
         if key in options and options[key] not in _choices(key):
             value = options[key]

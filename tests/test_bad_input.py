@@ -24,7 +24,7 @@ def _budget_error(compiled, x) -> BudgetError:
 
 
 def test_unknown_option_names_valid_ones():
-    with pytest.raises(ValueError, match=r"unknown lynx option\(s\) \['polcy'\]; valid options are .*'policy'"):
+    with pytest.raises(ValueError, match=r"unknown lynx option\(s\) \['polcy'\]; did you mean 'policy' for 'polcy'\? valid options are .*'policy'"):
         make_config({"polcy": "full"})
 
 
@@ -43,6 +43,7 @@ def test_unknown_option_through_torch_compile():
     ("memory_budget", 1.5, r"must lie in \(0, 1\]"),
     ("memory_budget", 0.0, r"must lie in \(0, 1\]"),
     ("memory_budget", -5, "must be positive"),
+    ("memory_budget", 0, r"an int is a number of bytes.*a float in \(0, 1\], e.g. memory_budget=0.5"),
     ("memory_budget", "half", "must be a float"),
     ("hardware", "tpu-v9", "choose one of"),
 ])
@@ -78,12 +79,19 @@ def test_lynx_budget_below_every_plan_says_where_the_peak_is():
     assert "recompute cannot lower it" in msg, msg
 
 
-def test_budget_in_bytes_accepted_when_reachable():
+def test_budget_in_bytes_accepted_when_reachable(caplog):
+    """A size far above the step's peak is accepted, with one warning that it constrains nothing."""
+    from lynx_compile.recompute import partition
+
+    partition._warned_loose.discard("memory_budget='953.68MiB'")
     model = build_model("gpt-tiny")
     x = example_batch(model, 4)
     backend = lynx_compile.backend(policy="full", memory_budget=10**9, disable_passes=NO_COSTS, compiler="eager")
-    torch.compile(model, backend=backend)(x).loss.backward()
+    with caplog.at_level("WARNING", logger="lynx_compile"):
+        torch.compile(model, backend=backend)(x).loss.backward()
     assert backend.plans[-1].budget_bytes == 10**9
+    assert caplog.text.count("constrains nothing") == 1, caplog.text
+    assert "memory_budget='953.68MiB' is at or above this graph's no-recompute peak" in caplog.text
 
 
 class _Broken(torch.nn.Module):

@@ -103,7 +103,7 @@ def test_corrupt_plan_file_on_the_command_line(corrupt_plan, capsys):
     ({"measure_repeats": 0}, r"measure_repeats=0 is not valid; use an int >= 1"),
     ({"disable_passes": ("no_such_pass",)}, r"unknown pass\(es\) \['no_such_pass'\]; passes are \[.*'find_blocks_pass'"),
     ({"policy": "fastest"}, r"policy='fastest' is not valid; choose one of \['lynx'"),
-    ({"budget": 0.5}, r"unknown lynx option\(s\) \['budget'\]; valid options are .*'memory_budget'"),
+    ({"budget": 0.5}, r"unknown lynx option\(s\) \['budget'\]; did you mean '(memory|device)_budget' for 'budget'\? valid options are .*'memory_budget'"),
 ])
 def test_options_are_checked_when_the_backend_is_built(options, match):
     with pytest.raises(ValueError, match=match):

@@ -362,6 +362,9 @@ def test_cuda_profile_measured_cached_and_datasheet_fallback(tmp_path, monkeypat
     assert p.peak_flops["bfloat16"] == 700e12 and p.memory_bandwidth_bytes_per_s == 4.2e12
     assert p.default_link == DATASHEET_PROFILES["h200"].default_link and p.matmul_efficiency == 1.0
     assert p.matmul_fraction(2 * 256**3) == pytest.approx(100 / 700)
+    summary = p.summary()
+    assert summary["tflops"]["bfloat16"] == 700 and summary["memory_gb_s"] == 4200
+    assert summary["smallest_matmul"]["fraction_of_peak"] == pytest.approx(100 / 700, abs=1e-3)
     monkeypatch.setattr(hardware, "_cuda_profiles", {})  # a later process: read back, not measured
     assert hardware.calibrate_cuda_profile(cache_file=cache) == p and len(calls) == 1
 

@@ -113,6 +113,21 @@ class HardwareProfile:
         rate = self.cache_bandwidth_bytes_per_s if fits else self.memory_bandwidth_bytes_per_s
         return nbytes / (rate * self.memory_efficiency)
 
+    def summary(self) -> dict[str, Any]:
+        """What prices recompute, rounded for a plan's record: peak FLOP/s by dtype (TFLOP/s),
+        the smallest measured matmul's fraction of the peak, memory and cache bandwidth (GB/s),
+        the per-kernel overhead (us)."""
+        out: dict[str, Any] = {"name": self.name,
+                               "tflops": {k: round(v / 1e12, 3) for k, v in sorted(self.peak_flops.items())},
+                               "memory_gb_s": round(self.memory_bandwidth_bytes_per_s * self.memory_efficiency / 1e9, 1),
+                               "launch_us": round(self.launch_overhead_s * 1e6, 2)}
+        if self.matmul_rates:
+            out["smallest_matmul"] = {"flops": self.matmul_rates[0][0],
+                                      "fraction_of_peak": round(self.matmul_fraction(self.matmul_rates[0][0]), 3)}
+        if self.cache_bytes:
+            out["cache"] = {"bytes": self.cache_bytes, "gb_s": round(self.cache_bandwidth_bytes_per_s / 1e9, 1)}
+        return out
+
     def __hash__(self) -> int:  # the dict field would make the generated hash fail
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bandwidth_bytes_per_s))
 

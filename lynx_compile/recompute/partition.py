@@ -22,6 +22,7 @@ from lynx_compile.recompute import regions as region_budgets
 from lynx_compile.recompute import seeds
 from lynx_compile.recompute.apply import Applied, realize, scratch_context, untagged_partition
 from lynx_compile.budget import budget_error as refuse
+from lynx_compile.budget import format_bytes
 from lynx_compile.config import LynxConfig
 from lynx_compile.recompute.decide import budget_error, decide, decide_piece, incoming_bytes, smallest_reachable, step_candidate
 from lynx_compile.decisions import BudgetError, Decisions
@@ -42,6 +43,21 @@ __all__ = ["BudgetError", "lynx_partition", "build_plan", "segment_costs"]
 
 def _budget_bytes(config: LynxConfig, reference_peak: int) -> int | None:
     return None if config.budget is None else config.budget.bytes_of(reference_peak)
+
+
+_warned_loose: set[str] = set()
+
+
+def _warn_loose_budget(config: LynxConfig, reference_peak: int) -> None:
+    """A budget in bytes at or above a whole graph's no-recompute peak constrains nothing:
+    said once per budget (a size typed for another model, a unit slip: '48MB' for '48KB')."""
+    given = config.budget.given()
+    if given in _warned_loose:
+        return
+    _warned_loose.add(given)
+    log.warning("lynx: %s is at or above this graph's no-recompute peak (%s): it constrains nothing "
+                "(a fraction such as memory_budget=0.7 is relative to that peak)",
+                given, format_bytes(reference_peak))
 
 
 def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
@@ -99,6 +115,10 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
     record.reference_peak_bytes = reference.peak_bytes
     # Hashed before any tagged partition: replaying RNG adds nodes to the joint graph in place.
     ctx.record.stats["graph_hash"] = structural_hash(list(joint.graph.nodes))
+    if config.cost_source == "analytic":  # the numbers recompute was priced with (measured or datasheet)
+        from lynx_compile.costs import get_profile
+
+        ctx.record.stats["hardware"] = get_profile(config.hardware).summary()
     piece = record.blocks == [WHOLE_GRAPH] or record.takes_activations
     if user is not None and config.policy != "lynx":
         record.notes.append(f"{user.describe()}: replaced by policy {config.policy!r}, applied as named "
@@ -109,6 +129,8 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
         budget = _budget_bytes(config, reference.peak_bytes)
         if (record.step_choice or "").startswith("plan@"):  # the step's plan: a tighter peak (step_record)
             budget = int(record.step_choice[5:])
+        elif budget is not None and budget >= reference.peak_bytes and config.budget.fraction is None:
+            _warn_loose_budget(config, reference.peak_bytes)
     if ctx.user_tags is not None and budget is None and record.step_choice is None and region_check is None:
         # no budget: the user's checkpointing, partitioned as torch.compile partitions it, is the plan
         applied, outcome = _users_partition(joint, ctx, kw, scratch=False), None
