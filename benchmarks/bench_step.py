@@ -124,6 +124,9 @@ class Settings:
     steps: int = 5
     solver: str = "heu"
     lynx_compiler: str = "inductor"
+    zero_grad: int = 0
+    """1: every step starts with ``.grad`` None (``optimizer.zero_grad()``'s default), the peak
+    counting the ``.grad`` the step creates; 0: gradients accumulate across steps."""
 
     def argv(self) -> list[str]:
         out = []
@@ -213,7 +216,7 @@ def run_variant(variant: str, s: Settings, ref_grads_path: Optional[str] = None)
         return {**row, "result": describe_failure(exc)}
     measured, grads = variants.run_variant(variant, model, loss_of, device=s.device, warmup=s.warmup,
                                            steps=s.steps, solver=s.solver, compiler=s.lynx_compiler,
-                                           ref_grads=grads_ref)
+                                           ref_grads=grads_ref, zero_grad=bool(s.zero_grad))
     row.update(measured)
     save_plans(variant, s)
     if fp32 and grads is not None:
@@ -267,7 +270,10 @@ def time_interleaved(names: Sequence[str], s: Settings, rounds: int) -> dict[str
         try:
             fn = variants.prepare(name, model, solver=s.solver, compiler=s.lynx_compiler)
 
-            def step(fn=fn, loss_of=loss_of) -> None:
+            def step(fn=fn, loss_of=loss_of, params=list(model.parameters())) -> None:
+                if s.zero_grad:
+                    for p in params:
+                        p.grad = None
                 loss_of(fn).backward()
 
             for _ in range(max(2, s.warmup)):
@@ -405,12 +411,16 @@ def write_results(out: str, stem: str, rows: list[dict], settings: Sequence[Sett
              f"layers {s.layers or 'preset'}, seq {s.seq or 'preset'}, threads {s.threads or ('1' if device == 'cpu' else 'default')}; "
              f"{s.warmup} warm-up steps (the first compiles: first_step_s), median of {s.steps} timed steps; "
              f"lynx solver {s.solver}, lynx compiler {s.lynx_compiler}. Step = forward + loss + backward, "
-             "no optimizer; each variant in its own process"
+             + ("no optimizer, .grad set to None before each step (zero_grad()'s default)" if s.zero_grad
+                else "no optimizer, gradients accumulated across steps")
+             + "; each variant in its own process"
              + ("; step_ms: the median of all variants timed in one more process, one step each in "
                 "rotated rounds (step_ms_own_process: the variant's own process)" if any(
                     r.get("step_ms_own_process") is not None for r in rows) else "")
              + ". peak = step memory: "
-             + "`lynx_compile.memory.measure_step` over one step, .grad allocated first, returned gradients counted ("
+             + "`lynx_compile.memory.measure_step` over one step, "
+             + (".grad None first, the .grad the step creates counted (" if s.zero_grad
+                else ".grad allocated first, returned gradients counted (")
              + ("`max_memory_allocated` above the start)." if device == "cuda" else "CPU allocator events).")
              + f" grads_equal_eager: max relative difference <= {GRAD_RTOL:g} after the first step (fp32 only).",
              "", markdown_table(table_rows, MD_COLUMNS)]
@@ -450,6 +460,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    default=None, help="comma list (default: all; --quick: fewer budgets)")
     p.add_argument("--solver", default="heu", help="lynx solver for lynx-b<B> (heu, highs, glpk, auto)")
     p.add_argument("--lynx-compiler", default="inductor", choices=["inductor", "eager"])
+    p.add_argument("--zero-grad", type=int, default=0, choices=[0, 1],
+                   help="1: .grad set to None before every step (optimizer.zero_grad()'s default), the peak "
+                        "counting the .grad each step creates; 0 (default): gradients accumulate across steps")
     p.add_argument("--quick", action="store_true",
                    help="CPU-sized: gpt-tiny with 4 layers, seq 64, 5 steps, fewer variants, shared compile cache")
     p.add_argument("--shared-cache", action="store_true",
@@ -477,7 +490,7 @@ def settings_from(args: argparse.Namespace, model: str) -> Settings:
                     seq=args.seq or (QUICK_SHAPE["seq"] if args.quick else None), threads=args.threads,
                     warmup=args.warmup or (3 if cuda else 2),
                     steps=args.steps or (20 if cuda else 5 if args.quick else 10),
-                    solver=args.solver, lynx_compiler=args.lynx_compiler)
+                    solver=args.solver, lynx_compiler=args.lynx_compiler, zero_grad=args.zero_grad)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -104,6 +104,11 @@ def run_model(model_name: str, args: argparse.Namespace) -> list[dict]:
         try:
             for _ in range(2):  # the first compiles the forward and (at its backward) the backward
                 loss_of(fn).backward()
+                # .grad None at every step, as in the timed rounds (zero_grad()'s default): a
+                # .grad kept into the next step is gradient accumulation, which lynx compiles for
+                # (the gradients added in the graph: compiled_piece.Piece)
+                for p in model.parameters():
+                    p.grad = None
         except BudgetError as e:
             row["status"] = "refused: " + str(e).split(". ")[1][:60]
             rows.append(row)

@@ -190,7 +190,7 @@ def _first_line(exc: BaseException) -> str:
 def run_variant(name: str, model: torch.nn.Module, loss_of: Callable[[Callable], torch.Tensor], *,
                 device: str = "cpu", warmup: int = 2, steps: int = 5, solver: str = "auto",
                 compiler: str = "inductor", ref_grads: Optional[Sequence] = None,
-                seed: int = 1234, style: str = "whole") -> tuple[dict, Optional[list]]:
+                seed: int = 1234, style: str = "whole", zero_grad: bool = False) -> tuple[dict, Optional[list]]:
     """Measure variant ``name`` on ``model`` (changed in place: compiled, gradients accumulated).
 
     Step = ``loss_of(callable model).backward()``, no optimizer. The first step (seeded with
@@ -205,7 +205,11 @@ def run_variant(name: str, model: torch.nn.Module, loss_of: Callable[[Callable],
     ``style`` (``COMPILE_STYLES``): ``per-block`` compiles each block on its own; a lynx variant
     then warms up for at least ``min_warmup`` steps (its step plan is made at step 2 and runs from
     step 3, where a budget no plan reaches is refused), and its ``predicted_peak_MiB`` is the
-    step's predicted peak (``Plan.step_peak_bytes``) rather than one piece's."""
+    step's predicted peak (``Plan.step_peak_bytes``) rather than one piece's.
+
+    ``zero_grad``: every step starts with ``.grad`` None (``optimizer.zero_grad()``'s default) and
+    ``peak_MiB`` counts the ``.grad`` the step creates; otherwise gradients accumulate and the
+    peak is taken with ``.grad`` allocated (``measure_step(params=...)``)."""
     row: dict[str, Any] = {"variant": name, "result": "ok"}
     options = lynx_options(name, solver=solver, compiler=compiler)
     grads = None
@@ -217,6 +221,9 @@ def run_variant(name: str, model: torch.nn.Module, loss_of: Callable[[Callable],
         fn = prepare(name, model, solver=solver, compiler=compiler, style=style)
 
         def step() -> torch.Tensor:
+            if zero_grad:
+                for p in model.parameters():
+                    p.grad = None
             loss = loss_of(fn)
             loss.backward()
             return loss
@@ -233,7 +240,8 @@ def run_variant(name: str, model: torch.nn.Module, loss_of: Callable[[Callable],
             row["grad_rel_diff"] = grad_rel_diff(grads, ref_grads)
         for _ in range(warmup - 1):
             step()
-        m = measure_step(step, device=device, repeats=steps, warmup=0, params=list(model.parameters()))
+        m = measure_step(step, device=device, repeats=steps, warmup=0,
+                         params=None if zero_grad else list(model.parameters()))
         row["step_ms"] = m.step_s * 1e3
         row["peak_MiB"] = m.peak_bytes / 2**20
         if options is not None:
