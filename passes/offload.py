@@ -25,7 +25,7 @@ copy is issued, or the reload at the start of the backward. ``reload_wait`` is d
 writing its tensor, so every reader of ``x_reload`` runs after it.
 
 Copy model (the same rule prices the optimizer's ``Unit.offload_*``, ``remat_problem``): one
-copy takes t = bytes / ``host_link_bytes_per_s``. The device→host copy overlaps the forward ops
+copy takes t = bytes / ``host_link_bytes_per_s`` (:func:`copy_seconds`). The device→host copy overlaps the forward ops
 after the producer; its wait goes after the first run of them whose cost sum reaches t (before
 the output if none does). The reload is issued early enough that the backward ops before the
 first use cost at least t (at the start of the backward if they never do). Exposed time =
@@ -41,10 +41,18 @@ from . import meta
 from .context import PassContext
 
 
-def host_link_bytes_per_s(ctx: PassContext) -> float:
+def copy_seconds(ctx: PassContext, nbytes: int) -> float:
+    """Seconds one copy of ``nbytes`` between device and host takes: over the profile's host
+    link; on the CPU profile, where the "host" is another buffer of the same memory, a read and
+    a write at the rate their size reaches (``HardwareProfile.memory_seconds``), as the node
+    costs the copy hides under are priced (a copy priced at the memory's rate beside nodes
+    priced at the cache's would outlast the forward it overlaps)."""
     from lynx_compile.costs import get_profile
 
-    return get_profile(ctx.config.hardware).host_link_bytes_per_s
+    profile = get_profile(ctx.config.hardware)
+    if profile.name == "cpu":
+        return profile.memory_seconds(2 * nbytes)
+    return nbytes / profile.host_link_bytes_per_s
 
 
 def cover_after(costs: Sequence[float], copy_s: float) -> tuple[int, float]:
@@ -124,7 +132,6 @@ def offload_forward_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     nodes = list(gm.graph.nodes)
     out = nodes[-1]
     outs = list(out.args[0])
-    bw_s = host_link_bytes_per_s(ctx)
     summary = {"units": len(list(ctx.decisions.offloaded())), "tensors": 0, "bytes": 0, "copy_s": 0.0,
                "exposed_fw_s": 0.0}
     pos = {n: i for i, n in enumerate(nodes)}
@@ -134,7 +141,7 @@ def offload_forward_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
         if not isinstance(x, fx.Node) or x.name not in names or x.op == "placeholder":
             continue
         nbytes = _nbytes(x.meta.get("val"))
-        copy_s = nbytes / bw_s
+        copy_s = copy_seconds(ctx, nbytes)
         with gm.graph.inserting_after(x):
             host = gm.graph.create_node("call_function", OFFLOAD, (x,), name=offload_name(x.name))
         if host.name != offload_name(x.name):
@@ -163,7 +170,6 @@ def offload_backward_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
     names = _offloaded_names(ctx)
     if not names:
         return gm
-    bw_s = host_link_bytes_per_s(ctx)
     exposed_total = 0.0
     excluded = _not_anchors(gm, ctx)
     for ph in list(gm.graph.find_nodes(op="placeholder")):
@@ -180,7 +186,7 @@ def offload_backward_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
         i = nodes.index(first)
         start = next(j for j, n in enumerate(nodes) if n.op != "placeholder")
         before = nodes[start:i][::-1]                       # ops before the first use, nearest first
-        k, exposed = cover_after([_cost(n) for n in before], _nbytes(ph.meta.get("val")) / bw_s)
+        k, exposed = cover_after([_cost(n) for n in before], copy_seconds(ctx, _nbytes(ph.meta.get("val"))))
         exposed_total += exposed
         anchor = before[k - 1] if k else first
         val = ph.meta.get("val")

@@ -160,7 +160,7 @@ def test_returned_while_grad_is_none_added_once_it_accumulates():
     run(x).loss.backward()  # compiles
     grads = backend.records[-1].grads_in_graph
     assert not grads.applies and grads.new_grads and grads.why == RETURNED_NEW, grads
-    hardware = backend.records[-1].stats["hardware"]  # what priced the plan, on its record
+    hardware = backend.records[-1].stats["profile"]  # what priced the plan, on its record
     assert hardware["name"] == "cpu" and hardware["cache"]["bytes"] > 0, hardware
     model.zero_grad()
     fresh = cpu_peak_bytes(lambda: run(x).loss.backward())

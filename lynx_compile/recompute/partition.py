@@ -118,7 +118,7 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
     if config.cost_source == "analytic":  # the numbers recompute was priced with (measured or datasheet)
         from lynx_compile.costs import get_profile
 
-        ctx.record.stats["hardware"] = get_profile(config.hardware).summary()
+        ctx.record.stats["profile"] = get_profile(config.hardware).summary()
     piece = record.blocks == [WHOLE_GRAPH] or record.takes_activations
     if user is not None and config.policy != "lynx":
         record.notes.append(f"{user.describe()}: replaced by policy {config.policy!r}, applied as named "

@@ -32,7 +32,7 @@ from lynx_compile.remat.problem import CommWindow, RematProblem, Unit
 from lynx_compile.passes import meta
 from lynx_compile.passes.context import PassContext
 from lynx_compile.passes.find_blocks import structural_hash
-from lynx_compile.passes.offload import cover_after, host_link_bytes_per_s
+from lynx_compile.passes.offload import copy_seconds, cover_after
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,8 @@ def extract_remat_problem(joint: fx.GraphModule, fw_ref: fx.GraphModule, bw_ref:
             first_use=min(uses[op]) if uses[op] else None, need_start=start, need_end=end,
             must_keep=must[op], recomputable=op not in held))
     if ctx.config.offload:
-        units = _price_offload(units, kept, fw_nodes, bw_nodes, joint_by_name, host_link_bytes_per_s(ctx))
+        units = _price_offload(units, kept, fw_nodes, bw_nodes, joint_by_name,
+                               lambda nbytes: copy_seconds(ctx, nbytes))
 
     fused = ctx.config.compiler == "inductor"  # bytes outside the units: as Inductor runs them
     # the reference saves what the backward reads directly (to the forward's end); the other
@@ -178,7 +179,7 @@ def _output_bytes(op, fw_keys, fw_nodes, bw_read, readers, must, joint_by_name, 
     return direct, via
 
 
-def _price_offload(units, ops, fw_nodes, bw_nodes, joint_by_name, link_bytes_per_s: float) -> list[Unit]:
+def _price_offload(units, ops, fw_nodes, bw_nodes, joint_by_name, copy_s) -> list[Unit]:
     """Units read by the backward that hold a floating-point tensor get their offload price
     and live intervals (the copy model of ``passes/offload.py``, on the reference schedule)."""
     import dataclasses
@@ -194,7 +195,7 @@ def _price_offload(units, ops, fw_nodes, bw_nodes, joint_by_name, link_bytes_per
                 or not val.dtype.is_floating_point:
             out.append(u)
             continue
-        t = u.nbytes / link_bytes_per_s
+        t = copy_s(u.nbytes)
         k_fw, exp_fw = cover_after(fw_cost[u.fw_pos + 1:], t)
         k_bw, exp_bw = cover_after(bw_cost[:u.need_start][::-1], t)
         out.append(dataclasses.replace(u, offload_s=t, offload_exposed_s=exp_fw + exp_bw,

@@ -72,7 +72,7 @@ import os
 import sys
 import tempfile
 import types
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -232,9 +232,12 @@ def build_run(args: argparse.Namespace, device: torch.device, world: int) -> Run
     return Run(dims, model, loss_fn, optimizers, schedulers, training, train_context, gc_handler)
 
 
-def train_step(run: Run, step: int, tokens: torch.Tensor, labels: torch.Tensor, spmd_backend: str) -> tuple[float, float]:
+def train_step(run: Run, step: int, tokens: torch.Tensor, labels: torch.Tensor, spmd_backend: str,
+               measure: Callable[[Callable[[], Any]], int | None] | None = None) -> tuple[float, float, int | None]:
     """``Trainer.train_step`` for one micro-batch (no gradient accumulation, no PP): the loss as
-    the trainer logs it (summed over the loss mesh) and the gradient norm before clipping."""
+    the trainer logs it (summed over the loss mesh), the gradient norm before clipping, and what
+    ``measure(forward_and_backward)`` returns (the peak bytes of the step's forward and backward:
+    :func:`step_peak_measure`; None without it)."""
     import spmd_types as spmd
     from torchtitan.components.loss import IGNORE_INDEX
     from torchtitan.distributed import utils as dist_utils
@@ -249,12 +252,18 @@ def train_step(run: Run, step: int, tokens: torch.Tensor, labels: torch.Tensor, 
     inputs, targets, extra = tokens, labels, {}
     if spmd_backend == "spmd_types":
         inputs, targets, extra = annotate_input_spmd_types(dims, inputs, targets, extra)
-    with run.train_context():
-        pred = run.model(inputs, **extra)
-        loss, _ = run.loss_fn(pred, targets, global_valid_tokens)
-        del pred
-        with spmd.no_typecheck():
-            loss.backward()
+    out: dict[str, torch.Tensor] = {}
+
+    def forward_and_backward() -> None:
+        with run.train_context():
+            pred = run.model(inputs, **extra)
+            out["loss"], _ = run.loss_fn(pred, targets, global_valid_tokens)
+            del pred
+            with spmd.no_typecheck():
+                out["loss"].backward()
+
+    peak = measure(forward_and_backward) if measure is not None else forward_and_backward()
+    loss = out["loss"]
     grad_norm = dist_utils.clip_grad_norm_(list(run.model.parameters()), run.training.max_norm, foreach=True,
                                            pp_mesh=None, ep_enabled=dims.ep_enabled)
     run.optimizers.step()
@@ -262,7 +271,36 @@ def train_step(run: Run, step: int, tokens: torch.Tensor, labels: torch.Tensor, 
     loss = loss.detach()
     global_loss = (dist_utils.dist_sum(loss, dims.get_optional_mesh("loss")) if dims.dp_cp_enabled
                    else float(loss.item()))
-    return global_loss, float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    return global_loss, float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm), peak
+
+
+MEASURED_FROM_STEP = 3
+"""On CPU the step's peak is read from the profiler's allocator events, which lynx's own step
+record reads in steps 1-2 (it records nothing while another profiler runs): measured from step 3."""
+
+
+def step_peak_measure(device: torch.device, step: int) -> Callable[[Callable[[], Any]], int | None]:
+    """How step ``step``'s forward and backward peak is measured, in bytes above what is allocated
+    as it starts: CUDA ``max_memory_allocated``; CPU the profiler's allocator events
+    (``lynx_compile.memory.measure.cpu_peak_bytes``) from :data:`MEASURED_FROM_STEP` on, else
+    None (not measured)."""
+    def cuda(fn: Callable[[], Any]) -> int:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - start
+
+    def cpu(fn: Callable[[], Any]) -> int | None:
+        if step < MEASURED_FROM_STEP:
+            fn()
+            return None
+        from lynx_compile.memory.measure import cpu_peak_bytes
+
+        return cpu_peak_bytes(fn)
+
+    return cuda if device.type == "cuda" else cpu
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
@@ -277,15 +315,24 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     tokens, labels = batch(args.batch_size * batch_degree, args.seq, seed=args.seed + 1)
     rows = slice(batch_rank * args.batch_size, (batch_rank + 1) * args.batch_size)
     tokens, labels = tokens[rows].to(device), labels[rows].to(device)  # (local batch, seq) each
-    losses, grad_norms = [], []
+    losses, grad_norms, peaks = [], [], []
     for step in range(1, args.steps + 1):
-        loss, grad_norm = train_step(run, step, tokens, labels, args.spmd_backend)
+        loss, grad_norm, peak = train_step(run, step, tokens, labels, args.spmd_backend,
+                                           measure=step_peak_measure(device, step))
         losses.append(loss)
         grad_norms.append(grad_norm)
+        peaks.append(peak)
         if rank == 0:
             print(f"step {step:2d}  loss {loss!r}  grad_norm {grad_norm!r}", flush=True)
+    import torch.distributed as dist
+
+    by_rank = [None] * world
+    dist.all_gather_object(by_rank, peaks)
     return {"losses": losses, "grad_norms": grad_norms, "rank": rank, "world_size": world,
-            "device": str(device), "backend": args.compile_backend}
+            "device": str(device), "backend": args.compile_backend,
+            # each rank's forward + backward peak per step, bytes above the step's start (None:
+            # not measured; CPU measures from step MEASURED_FROM_STEP)
+            "step_peak_bytes_by_rank": by_rank}
 
 
 def lynx_summary() -> dict[str, Any]:
@@ -298,7 +345,8 @@ def lynx_summary() -> dict[str, Any]:
     options = options_from_env() or {}
     bound = lynx_compile.backend(**options)
     plans = [{"recomputed": len(p.recomputed), "saved": len(p.saved), "budget_scope": p.budget_scope,
-              "step_peak_bytes": p.step_peak_bytes, "step_reference_bytes": p.step_reference_bytes}
+              "step_peak_bytes": p.step_peak_bytes, "step_reference_bytes": p.step_reference_bytes,
+              "budget_bytes": p.budget_bytes}
              for p in bound.plans]
     return {"options": options, "graphs": len(bound.records), "plans": plans}
 
@@ -340,7 +388,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="FSDP2's parameter dtype (torchtitan's default is bfloat16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="process group timeout, seconds")
-    p.add_argument("--out", default=None, help="rank 0 writes losses and grad norms here (JSON)")
+    p.add_argument("--out", default=None, help="rank 0 writes losses, grad norms, each rank's measured step "
+                                                "peaks and lynx's plans here (JSON)")
     return p.parse_args(argv)
 
 
