@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import types
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from collections.abc import Iterator, Mapping
@@ -266,24 +267,32 @@ def calibrate_cpu_profile(
     thread count, read back by later processes (default :func:`cpu_profile_cache_path`, shared
     by the machine's processes; None: this process only); ``force`` re-measures.
     """
-    key = _cpu_key()
-    if not force and key in _cpu_profiles:
-        return _cpu_profiles[key]
+    return _kept_profile(_cpu_key(), _cpu_profiles, cache_file, force, lambda: (_measure_cpu(seconds_budget), True))
+
+
+def _kept_profile(key: str, memo: dict[str, HardwareProfile], cache_file: Any, force: bool,
+                  measure: Callable[[], tuple[HardwareProfile, bool]]) -> HardwareProfile:
+    """The profile kept under ``key``: from this process's ``memo``, else from the machine's
+    file (``cache_file``; :data:`_MACHINE_CACHE`: :func:`cpu_profile_cache_path`; None: none),
+    else ``measure()`` = (profile, whether to keep it in the file), under the file's lock
+    (processes starting together: one measures, the others read it); ``force`` measures."""
+    if not force and key in memo:
+        return memo[key]
     if cache_file is _MACHINE_CACHE:
         cache_file = cpu_profile_cache_path()
     path = Path(cache_file).expanduser() if cache_file is not None else None
-    with _machine_lock(path):  # processes starting together: one measures, the others read it
+    with _machine_lock(path):
         if not force and path is not None and path.exists():
             try:
                 stored = json.loads(path.read_text())
                 if key in stored:
-                    _cpu_profiles[key] = HardwareProfile.from_dict(stored[key])
-                    return _cpu_profiles[key]
+                    memo[key] = HardwareProfile.from_dict(stored[key])
+                    return memo[key]
             except (OSError, ValueError, TypeError, KeyError) as e:
-                log.warning("ignoring unreadable CPU profile cache %s: %s", path, e)
-        profile = _measure_cpu(seconds_budget)
-        _cpu_profiles[key] = profile
-        if path is not None:
+                log.warning("ignoring unreadable profile cache %s: %s", path, e)
+        profile, keep = measure()
+        memo[key] = profile
+        if keep and path is not None:
             _write_cache(path, key, profile)
     return profile
 
@@ -313,23 +322,61 @@ def _machine_lock(path: Path | None):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _measure_cpu(budget: float) -> HardwareProfile:
-    m = _measure_in_child(budget)
-    copy_bw = m["copy_bytes_per_s"]
-    return HardwareProfile(
-        name="cpu",
-        peak_flops=m["peak_flops"],
-        memory_bandwidth_bytes_per_s=max(copy_bw, m["add_bytes_per_s"]),
-        memory_capacity_bytes=_physical_memory(),
-        launch_overhead_s=m["launch_overhead_s"],
+def _measured_fields(m: dict[str, Any]) -> dict[str, Any]:
+    """The profile fields a measurement (``cpu_measure`` / ``cuda_measure``'s dict) gives."""
+    return dict(
+        peak_flops=dict(m["peak_flops"]),
+        memory_bandwidth_bytes_per_s=max(m["copy_bytes_per_s"], m["add_bytes_per_s"]),
+        launch_overhead_s=float(m["launch_overhead_s"]),
         matmul_efficiency=1.0,  # measured rates are already achieved rates
         memory_efficiency=1.0,
         matmul_rates=tuple((float(f), float(r)) for f, r in m["matmul_rates"]),
         cache_bytes=int(m["cache_bytes"]),
         cache_bandwidth_bytes_per_s=float(m["cache_bytes_per_s"]),
-        default_link="loopback-gloo",
-        host_link_bytes_per_s=copy_bw / 2,  # "host" is another CPU buffer: a memcpy (read + write)
     )
+
+
+def _measure_cpu(budget: float) -> HardwareProfile:
+    from lynx_compile.costs import cpu_measure
+
+    try:
+        m = _child_measurement(cpu_measure, budget, torch.get_num_threads())
+    except _CHILD_ERRORS as e:
+        log.warning("measuring the CPU profile in a child process failed (%s); measuring in this process, whose "
+                    "~192 MB of bandwidth buffers count in this step's memory. LYNX_CPU_PROFILE naming a profile "
+                    "file an earlier process wrote avoids the measurement.", _why(e))
+        m = cpu_measure.measure(budget)
+    return HardwareProfile(
+        name="cpu", memory_capacity_bytes=_physical_memory(), default_link="loopback-gloo",
+        # "host" is another CPU buffer: a memcpy (read + write)
+        host_link_bytes_per_s=m["copy_bytes_per_s"] / 2, **_measured_fields(m))
+
+
+_CHILD_ERRORS = (OSError, subprocess.SubprocessError, ValueError, IndexError)
+"""What :func:`_child_measurement` raises where the child cannot run or answer."""
+
+
+def _child_measurement(module: types.ModuleType, *args: Any) -> dict[str, Any]:
+    """``module``'s source (``cpu_measure``, ``cuda_measure``) run in a fresh interpreter with
+    ``args``, its last line of output read as JSON: nothing it allocates is this process's (on a
+    CPU device its bandwidth buffers would be the peak of the step that compiles first; on a GPU
+    they live in the child's own CUDA context)."""
+    cmd = [sys.executable, "-c", Path(module.__file__).read_text(), *map(repr, args)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _why(e: Exception) -> str:
+    """An exception of :func:`_child_measurement` in a line, with the child's last line of
+    stderr (not the command: it holds the measuring module's whole source)."""
+    if isinstance(e, subprocess.CalledProcessError):
+        what = f"the child exited with status {e.returncode}"
+    elif isinstance(e, subprocess.TimeoutExpired):
+        what = f"the child ran past {e.timeout:g} s"
+    else:
+        what = str(e)
+    stderr = e.stderr if isinstance(getattr(e, "stderr", None), str) else ""
+    return f"{what}: {stderr.strip().splitlines()[-1]}" if stderr.strip() else what
 
 
 _cuda_profiles: dict[str, HardwareProfile] = {}  # per-process, by device key
@@ -350,84 +397,30 @@ def calibrate_cuda_profile(index: int | None = None, seconds_budget: float = 3.0
     figures stay the datasheet profile's (``profile_name_for_device``). Where measuring
     fails, the datasheet profile, with a warning naming why."""
     index = torch.cuda.current_device() if index is None else index
-    key = _cuda_key(index)
-    if not force and key in _cuda_profiles:
-        return _cuda_profiles[key]
-    datasheet = PROFILES[profile_name_for_device(torch.cuda.get_device_name(index))]
-    if cache_file is _MACHINE_CACHE:
-        cache_file = cpu_profile_cache_path()
-    path = Path(cache_file).expanduser() if cache_file is not None else None
-    with _machine_lock(path):  # ranks starting together: one measures, the others read it
-        if not force and path is not None and path.exists():
-            try:
-                stored = json.loads(path.read_text())
-                if key in stored:
-                    _cuda_profiles[key] = HardwareProfile.from_dict(stored[key])
-                    return _cuda_profiles[key]
-            except (OSError, ValueError, TypeError, KeyError) as e:
-                log.warning("ignoring unreadable device profile cache %s: %s", path, e)
+
+    def measure() -> tuple[HardwareProfile, bool]:
         from lynx_compile.costs import cuda_measure
 
-        source = Path(cuda_measure.__file__).read_text()
-        cmd = [sys.executable, "-c", source, repr(seconds_budget), str(index)]
+        datasheet = PROFILES[profile_name_for_device(torch.cuda.get_device_name(index))]
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
-            m = json.loads(done.stdout.strip().splitlines()[-1])
-        except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
-            stderr = (getattr(e, "stderr", None) or "").strip()
-            log.warning("measuring CUDA device %d failed (%s%s); pricing recompute with the %s datasheet profile",
-                        index, e, f": {stderr.splitlines()[-1]}" if stderr else "", datasheet.name)
-            _cuda_profiles[key] = datasheet
-            return datasheet
+            m = _child_measurement(cuda_measure, seconds_budget, index)
+        except _CHILD_ERRORS as e:
+            log.warning("measuring CUDA device %d failed (%s); pricing recompute with the %s datasheet profile",
+                        index, _why(e), datasheet.name)
+            return datasheet, False
         profile = profile_from_measurement(m, datasheet)
         log.info("lynx: measured %s: bf16 mm %.0f TFLOP/s, HBM %.0f GB/s, L2 %.0f GB/s, %.1f us per kernel",
                  m["device_name"], m["peak_flops"]["bfloat16"] / 1e12, profile.memory_bandwidth_bytes_per_s / 1e9,
                  profile.cache_bandwidth_bytes_per_s / 1e9, profile.launch_overhead_s * 1e6)
-        _cuda_profiles[key] = profile
-        if path is not None:
-            _write_cache(path, key, profile)
-    return profile
+        return profile, True
+
+    return _kept_profile(_cuda_key(index), _cuda_profiles, cache_file, force, measure)
 
 
 def profile_from_measurement(m: dict[str, Any], datasheet: HardwareProfile) -> HardwareProfile:
     """A measured device profile (``cuda_measure.measure``'s dict) on ``datasheet``'s links."""
-    return replace(
-        datasheet,
-        name=datasheet.name + "-measured",
-        peak_flops=dict(m["peak_flops"]),
-        memory_bandwidth_bytes_per_s=max(m["copy_bytes_per_s"], m["add_bytes_per_s"]),
-        memory_capacity_bytes=int(m["memory_capacity_bytes"]),
-        launch_overhead_s=float(m["launch_overhead_s"]),
-        matmul_efficiency=1.0,  # achieved rates
-        memory_efficiency=1.0,
-        matmul_rates=tuple((float(f), float(r)) for f, r in m["matmul_rates"]),
-        cache_bytes=int(m["cache_bytes"]),
-        cache_bandwidth_bytes_per_s=float(m["cache_bytes_per_s"]),
-    )
-
-
-def _measure_in_child(budget: float) -> dict[str, Any]:
-    """``cpu_measure.measure`` in a fresh interpreter with this process's torch thread count.
-
-    Its 192 MB of bandwidth buffers never exist in this process: on a CPU device they would be
-    the peak of the step that compiles first. If the child cannot run (no interpreter, a
-    sandbox without ``fork``), the measurement runs here, with a warning naming the cost."""
-    from lynx_compile.costs import cpu_measure
-
-    source = Path(cpu_measure.__file__).read_text()
-    cmd = [sys.executable, "-c", source, repr(budget), str(torch.get_num_threads())]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
-        return json.loads(done.stdout.strip().splitlines()[-1])
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
-        stderr = getattr(e, "stderr", None) or ""
-        log.warning(
-            "measuring the CPU profile in a child process failed (%s%s); measuring in this process, "
-            "whose ~192 MB of bandwidth buffers count in this step's memory. LYNX_CPU_PROFILE naming "
-            "a profile file an earlier process wrote avoids the measurement.",
-            e, f": {stderr.strip().splitlines()[-1]}" if stderr.strip() else "",
-        )
-        return cpu_measure.measure(budget)
+    return replace(datasheet, name=datasheet.name + "-measured",
+                   memory_capacity_bytes=int(m["memory_capacity_bytes"]), **_measured_fields(m))
 
 
 def _physical_memory() -> int:
