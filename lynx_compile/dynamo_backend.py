@@ -160,7 +160,7 @@ class LynxBackend:
                                         if self.config.device_budget is not None else (),
                                         returned=tuple(t for t in example_inputs if isinstance(t, torch.nn.Parameter)
                                                        and t.requires_grad)
-                                        if record.grads_in_graph.why == grad_in_graph.RETURNED_NEW else ())
+                                        if record.grads_in_graph.returned_while_none else ())
 
     def _deferred(self, gm: fx.GraphModule, example_inputs: list, record: GraphRecord,
                   refusal: BudgetError) -> Callable | None:

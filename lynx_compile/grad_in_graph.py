@@ -187,6 +187,12 @@ class GradsInGraph(NamedTuple):
     why: str
     """Why the gradients are returned (empty where they are added)."""
 
+    @property
+    def returned_while_none(self) -> bool:
+        """Returned because every ``.grad`` was None as the graph compiled (:data:`RETURNED_NEW`):
+        to be added in the graph once a ``.grad`` is kept (``compiled_piece.Piece``)."""
+        return not self.applies and self.new_grads
+
 
 def decide(config, example_inputs: list, *, switchable: bool = False) -> GradsInGraph:
     """Where the parameter gradients of a graph compiled with ``example_inputs`` under ``config``

@@ -92,6 +92,13 @@ def test_budget_in_bytes_accepted_when_reachable(caplog):
     assert backend.plans[-1].budget_bytes == 10**9
     assert caplog.text.count("constrains nothing") == 1, caplog.text
     assert "memory_budget='953.68MiB' is at or above this graph's no-recompute peak" in caplog.text
+    # a device budget is meant to hold a step that fits: no such warning
+    caplog.clear()
+    torch._dynamo.reset()
+    backend = lynx_compile.backend(policy="full", device_budget=10**9, disable_passes=NO_COSTS, compiler="eager")
+    with caplog.at_level("WARNING", logger="lynx_compile"):
+        torch.compile(model, backend=backend)(x).loss.backward()
+    assert "constrains nothing" not in caplog.text, caplog.text
 
 
 class _Broken(torch.nn.Module):

@@ -49,8 +49,9 @@ _warned_loose: set[str] = set()
 
 
 def _warn_loose_budget(config: LynxConfig, reference_peak: int) -> None:
-    """A budget in bytes at or above a whole graph's no-recompute peak constrains nothing:
-    said once per budget (a size typed for another model, a unit slip: '48MB' for '48KB')."""
+    """A ``memory_budget`` in bytes at or above a whole graph's no-recompute peak constrains
+    nothing: said once per budget (a size typed for another model, a unit slip: '48MB' for
+    '48KB'). Not a ``device_budget``: "the device's memory" is meant to hold a step that fits."""
     given = config.budget.given()
     if given in _warned_loose:
         return
@@ -129,7 +130,7 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
         budget = _budget_bytes(config, reference.peak_bytes)
         if (record.step_choice or "").startswith("plan@"):  # the step's plan: a tighter peak (step_record)
             budget = int(record.step_choice[5:])
-        elif budget is not None and budget >= reference.peak_bytes and config.budget.fraction is None:
+        elif config.budget is not None and (config.budget.nbytes or 0) >= reference.peak_bytes:
             _warn_loose_budget(config, reference.peak_bytes)
     if ctx.user_tags is not None and budget is None and record.step_choice is None and region_check is None:
         # no budget: the user's checkpointing, partitioned as torch.compile partitions it, is the plan
