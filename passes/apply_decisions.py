@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from lynx_compile import _compat
+from lynx_compile.memory.inductor_model import index_values
 
 from . import meta
 from .context import PassContext
@@ -33,6 +34,7 @@ def apply_decisions_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     decisions = ctx.decisions
     clear_decision_tags(gm)
     by_name = {n.name: n for n in gm.graph.nodes}
+    constant = index_values(list(gm.graph.nodes))
     missing = []
     for unit, decision in decisions.recomputed() if decisions is not None else ():
         for name in decisions.nodes_of(unit):
@@ -40,8 +42,9 @@ def apply_decisions_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
             if node is None:
                 missing.append(name)
                 continue
-            # one checkpoint region per block: torch saves a tensor that crosses into a later one
-            _compat.tag_recompute(node, node.meta.get(meta.BLOCK) or 0)
+            # one checkpoint region per block: torch saves a tensor that crosses into a later one;
+            # a value computed from constants alone is in none (each region recomputes it freely)
+            _compat.tag_recompute(node, None if node in constant else node.meta.get(meta.BLOCK) or 0)
             node.meta[meta.DECISION] = decision
             node.meta[meta.ROLE] = decisions.policy
     if ctx.user_tags is not None:  # what a SAC policy says to save stays saved (issue U)

@@ -180,3 +180,57 @@ def test_a_held_unit_is_kept_when_a_recompute_reads_it_and_never_recomputed(solv
         solve_remat(_held_toy(), 105, solver=solver)
     # the evaluator refuses a held unit recomputed
     assert evaluate(_held_toy(), ((), (0, 1))).violations
+
+
+def _saved_index_values(fw_graph) -> set[str]:
+    """Names of the values ``fw_graph`` (a forward Inductor compiled) saves for the backward
+    that it computes from constants alone."""
+    from lynx_compile.memory.inductor_model import index_values
+
+    nodes = list(fw_graph.nodes)
+    constant = index_values(nodes)
+    out, = [n for n in nodes if n.op == "output"]
+    return {a.name for a in out.all_input_nodes if a in constant}
+
+
+def _node(graph, name):
+    return next(n for n in graph.nodes if n.name == name)
+
+
+def test_a_causal_mask_is_recomputed_inside_the_kernels_that_read_it():
+    """A causal mask built in the graph (``ones(T, T).triu(1)``) is computed from constants
+    alone. torch.compile's own partition saves it (a bool tensor: the cheapest to keep by bytes),
+    so its forward writes it and its softmax kernels read it back; lynx under a budget recomputes
+    it, and Inductor computes it inside the kernels that read it, in the forward and the
+    backward: no kernel of its own, nothing saved, gradients as Inductor's."""
+    from lynx_compile.models import build_model, example_batch
+
+    torch.manual_seed(0)
+    base = build_model("gpt-tiny", n_layers=2, seq_len=64, dropout=0.0, attn_impl="manual")
+    idx = example_batch(base, 4)
+    grads = {}
+    for name, backend in (("inductor", "inductor"),
+                          ("lynx", lynx_compile.backend(memory_budget=0.8, plan_cache=False))):
+        torch._dynamo.reset()
+        model = __import__("copy").deepcopy(base)
+        with torch._inductor.config.patch(fx_graph_cache=False), _compat.recording_kernels() as seen:
+            loss = torch.compile(model, backend=backend)(idx, idx)
+            loss = loss[0] if isinstance(loss, tuple) else loss
+            loss.backward()
+        grads[name] = [p.grad for p in model.parameters()]
+        fw, bw = seen[0], seen[-1]
+        if name == "inductor":  # the reference: torch's partition saves the masks
+            assert _saved_index_values(fw.graph), "torch.compile saves no mask"
+            continue
+        assert not _saved_index_values(fw.graph)
+        from lynx_compile.memory.inductor_model import index_values
+
+        constant = {n.name for n in index_values(list(bw.graph.nodes))}
+        masks = {n for n in constant if getattr(_node(bw.graph, n).meta.get("val"), "dtype", None) == torch.bool}
+        assert any(_node(bw.graph, m).meta.get(meta.RECOMPUTED) for m in masks), masks
+        # no kernel of its own: each mask is in a loop kernel together with the ops reading it
+        assert not [names for names, _ in bw.kernels if names <= constant]
+        for m in masks:
+            assert any(loop and m in names and names - constant for names, loop in bw.kernels), m
+    for a, b in zip(grads["inductor"], grads["lynx"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

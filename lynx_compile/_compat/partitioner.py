@@ -313,13 +313,18 @@ def forward_node_names(joint_gm: fx.GraphModule) -> set[str]:
     return forward
 
 
-def tag_recompute(node: fx.Node, group: int) -> None:
+def tag_recompute(node: fx.Node, group: int | None) -> None:
     """Tag a joint-graph node for recomputation in checkpoint region ``group``.
 
     Consecutive regions with different ids keep their boundary tensor saved (torch's
-    ``cleanup_recompute_tags``), which is how each block input stays saved under ``full``."""
+    ``cleanup_recompute_tags``), which is how each block input stays saved under ``full``.
+    ``group`` None: in no region, so no region boundary pins it saved (a value every region
+    recomputes from constants: a causal mask, position ids)."""
     node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
-    node.meta["ac_graph_id"] = group
+    if group is None:
+        node.meta.pop("ac_graph_id", None)
+    else:
+        node.meta["ac_graph_id"] = group
 
 
 def is_recompute_tagged(node: fx.Node) -> bool:

@@ -174,6 +174,25 @@ def _is_constant(node: fx.Node) -> bool:
             and torch.Tag.nondeterministic_seeded not in _tags(node))
 
 
+def index_values(nodes: list[fx.Node]) -> set[fx.Node]:
+    """The values of ``nodes`` (a graph in order) computed from constants alone (``_is_constant``:
+    ``iota``, ``full``) through pointwise ops and views: a causal mask built in the graph
+    (``ones(T, T).triu(1)``, ``arange(T)[:, None] > arange(T)``), position ids. Inductor computes
+    such a value from the loop's indices in every kernel that reads it, reading no memory; saved
+    for the backward, it is written once in the forward and read from a buffer in each reader
+    (on CPU, a boolean mask loaded as a vector mask: its forward softmax kernel ran 3x slower in
+    gpt-tiny, fp32, torch 2.13)."""
+    out: set[fx.Node] = set()
+    for n in nodes:
+        if n.op != "call_function" or not isinstance(n.meta.get("val"), torch.Tensor):
+            continue
+        if _is_constant(n) or ((_is_loop(n) or _is_view(n)) and n.all_input_nodes
+                               and torch.Tag.nondeterministic_seeded not in _tags(n)
+                               and all(i in out for i in n.all_input_nodes)):
+            out.add(n)
+    return out
+
+
 def fused_interior(node: fx.Node, extern: frozenset = frozenset()) -> bool:
     """A value Inductor computes inside the kernels that read it, so it never materializes: a
     pointwise op or a constant whose every reader reads it in a loop kernel (a pointwise op or

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from lynx_compile.costs import is_collective_node, is_free_node, is_wait_node, tensor_bytes_of
-from lynx_compile.memory.inductor_model import is_loop_kernel, reads_in_loop
+from lynx_compile.memory.inductor_model import index_values, is_loop_kernel, reads_in_loop
 from lynx_compile.decisions import DEMAND, KEEP, OFFLOAD, Decisions
 from lynx_compile.decisions import Window as DecisionWindow
 from lynx_compile.memory.simulate import backward_inputs, held_tangents, simulate_graph
@@ -40,6 +40,11 @@ class UnitIndex:
     """unit id → names of the joint nodes to tag when the unit is recomputed."""
 
     nodes: tuple[tuple[str, ...], ...]
+    free: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """(name, its nodes) of each value every plan of the solver recomputes and no unit holds:
+    under Inductor, one computed from constants alone (``inductor_model.index_values``: a causal
+    mask), which each kernel reading it computes from its indices at no cost; saving it costs a
+    write and a read from memory in every reader."""
 
 
 def _cost(node: fx.Node | None) -> float:
@@ -118,6 +123,8 @@ def extract_remat_problem(joint: fx.GraphModule, fw_ref: fx.GraphModule, bw_ref:
                 need[i] = (min(start, need[i][0]), max(end, need[i][1])) if i in held else (start, end)
                 held.add(i)
     kept = [op for op in unit_ops if op in need]
+    free = _free_units(kept, members, joint, joint_by_name) if ctx.config.compiler == "inductor" else []
+    kept = [op for op in kept if op not in free]
     ids = {op: i for i, op in enumerate(kept)}
     must = {op: (op in boundary and op not in held) or not _recomputable(joint_by_name.get(op.name), ctx)
             for op in kept}
@@ -157,7 +164,17 @@ def extract_remat_problem(joint: fx.GraphModule, fw_ref: fx.GraphModule, bw_ref:
         block_groups=_block_groups(ctx.record.block_hashes), reference_peak=ctx.record.reference_peak_bytes or 0,
         graph_hash=structural_hash(list(joint.graph.nodes)),
         region_caps=problem_caps(ctx.region_check, units))
-    return problem, UnitIndex(nodes=tuple(tuple(members[op]) for op in kept))
+    return problem, UnitIndex(nodes=tuple(tuple(members[op]) for op in kept),
+                              free=tuple((op.name, tuple(members[op])) for op in free))
+
+
+def _free_units(ops: list[fx.Node], members: dict[fx.Node, list[str]], joint: fx.GraphModule,
+                joint_by_name: dict[str, fx.Node]) -> list[fx.Node]:
+    """The units among ``ops`` whose nodes are all computed from constants alone
+    (``UnitIndex.free``)."""
+    constant = index_values(list(joint.graph.nodes))
+    return [op for op in ops
+            if all(joint_by_name.get(m) in constant for m in dict.fromkeys([op.name, *members[op]]))]
 
 
 def _output_bytes(op, fw_keys, fw_nodes, bw_read, readers, must, joint_by_name, ctx) -> tuple[int, int]:
@@ -347,6 +364,8 @@ def unit_decisions(problem: RematProblem, index: UnitIndex, solution, source: st
     for i in getattr(solution, "offload", ()):
         units[problem.units[i].name] = OFFLOAD
     members = {u.name: names for u, names in zip(problem.units, index.nodes)}
+    for name, names in index.free:
+        units[name], members[name] = DEMAND, names
     return Decisions.make("lynx", units, members, source)
 
 
