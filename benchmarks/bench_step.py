@@ -4,6 +4,7 @@
     python benchmarks/bench_step.py --quick --model gpt-tiny,gqa:gpt-tiny,hf-llama:gpt-tiny
     python benchmarks/bench_step.py                              # CPU: gpt-small, GQA, HF Llama; fp32, batch 4
     python benchmarks/bench_step.py --device cuda                # gpt-1.3b (24 layers), GQA, HF Llama; bf16
+    python benchmarks/bench_step.py --model tt-llama3 --layers 2 --variants inductor,lynx-b0.7   # torchtitan's llama3
     python benchmarks/bench_step.py --device cuda --model gpt-1.3b --layers 4 --attn sdpa --dropout 0.1 \\
         --variants eager,inductor,inductor-b0.5,lynx-b0.5 --solver highs --lynx-compiler eager
 
@@ -31,7 +32,14 @@ Models (``--model``, comma list): a zoo preset (``gpt-tiny`` ... ``gpt-1.3b``, b
 ``gqa:<preset>``: ``foreign_models.PostLNGQALM`` (post-LN, grouped-query attention with a quarter
 of the heads as key/value heads, GELU MLP, tied embeddings; loss inside forward) sized like that
 GPT preset; ``hf-llama:<preset>``: HF ``transformers`` ``LlamaForCausalLM`` sized the same way
-(skipped, with a note, when ``transformers`` is not installed).
+(skipped, with a note, when ``transformers`` is not installed); ``tt-llama3`` (or
+``tt-llama3:debugmodel``): torchtitan's llama3 ``debugmodel`` (dim 256, 16 heads, vocabulary 2048,
+SDPA attention; ``lynx_compile.tools.torchtitan_models.build``) with torchtitan's
+``CrossEntropyLoss`` inside the compiled module's forward (``TorchtitanLM``), tokens from
+``torchtitan_models.batch``: ``--layers`` keeps its first blocks (default all 6), ``--batch`` and
+``--seq`` (default 256) size the batch, ``--dtype`` casts its floating tensors (RoPE's complex
+cache stays complex), ``--attn`` and ``--dropout`` do not apply;
+skipped, with a note, when torchtitan is not installed.
 
 ``--interleave ROUNDS``: step times from one process. After the per-variant processes, one
 more process prepares every variant that ran (each on its own copy of the model), warms each
@@ -144,6 +152,8 @@ def build(s: Settings) -> tuple[torch.nn.Module, Callable[[torch.nn.Module], tor
     ``torch.manual_seed(0)``, the batch from its own generator: the same in every process."""
     from lynx_compile.models import build_model, example_batch, get_config
 
+    if s.model.split(":")[0] == "tt-llama3":
+        return build_torchtitan(s)
     kind, _, preset = s.model.rpartition(":")
     shape = {"n_layers": s.layers, "seq_len": s.seq}
     shape = {k: v for k, v in shape.items() if v is not None}
@@ -171,7 +181,48 @@ def build(s: Settings) -> tuple[torch.nn.Module, Callable[[torch.nn.Module], tor
         with torch.device(s.device):
             model = hf_llama(hidden=cfg.hidden, attn="sdpa" if s.attn == "sdpa" else "eager", **dims)
         return model.to(dtype), lambda m: m(input_ids=idx, labels=targets).loss
-    raise ValueError(f"unknown model {s.model!r}: a zoo preset, gqa:<preset> or hf-llama:<preset>")
+    raise ValueError(f"unknown model {s.model!r}: a zoo preset, gqa:<preset>, hf-llama:<preset> or tt-llama3")
+
+
+TT_FLAVORS = ("debugmodel",)
+TT_SEQ = 256  # bench_budget.TT_SHAPE's sequence: the default when --seq is not given
+
+
+class TorchtitanLM(torch.nn.Module):
+    """torchtitan's model with torchtitan's loss in its forward: ``forward(tokens, labels)`` ->
+    scalar loss, so that compiling this module compiles model and loss as one graph, as the
+    other kinds (loss inside the model's forward) do."""
+
+    def __init__(self, model: torch.nn.Module, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        super().__init__()
+        self.model = model
+        self.loss = loss
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.loss(self.model(tokens), labels)
+
+
+def build_torchtitan(s: Settings) -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
+    """``tt-llama3`` / ``tt-llama3:debugmodel``: torchtitan's llama3 ``debugmodel``
+    (``lynx_compile.tools.torchtitan_models.build``: SDPA attention, meta-device build,
+    ``init_weights`` under ``torch.manual_seed(0)``), its first ``s.layers`` blocks (None: all 6),
+    wrapped with torchtitan's ``CrossEntropyLoss`` (eager-built, summed / the number of tokens)
+    in ``TorchtitanLM``; tokens and labels from ``torchtitan_models.batch(s.batch, s.seq or
+    TT_SEQ)`` (seed 1). ``s.attn`` and ``s.dropout`` do not apply (SDPA, no dropout)."""
+    import torchtitan_models as tt
+
+    name, _, flavor = s.model.partition(":")
+    if flavor not in ("", *TT_FLAVORS):
+        raise ValueError(f"model {s.model!r}: torchtitan's {name} is built as {', '.join(TT_FLAVORS)} only")
+    why = tt.available()
+    if why is not None:
+        raise RuntimeError(why)
+    model = TorchtitanLM(tt.build(name, seed=0, layers=s.layers), tt.loss(None)).to(s.device)
+    dtype = DTYPES[s.dtype]
+    if dtype != torch.float32:  # floating tensors only: Module.to(dtype) drops RoPE's complex cache's imaginary part
+        model._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
+    tokens, labels = (t.to(s.device) for t in tt.batch(s.batch, s.seq or TT_SEQ, seed=1))
+    return model, lambda m: m(tokens, labels)
 
 
 # ----------------------------------------------------------------------------------- variants
@@ -444,8 +495,10 @@ def write_results(out: str, stem: str, rows: list[dict], settings: Sequence[Sett
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None,
-                   help="comma list of zoo presets, gqa:<preset>, hf-llama:<preset> (default: gpt-small "
-                        "on CPU, gpt-1.3b on CUDA, each also as gqa: and hf-llama:; --quick: gpt-tiny only)")
+                   help="comma list of zoo presets, gqa:<preset>, hf-llama:<preset>, tt-llama3 (or "
+                        "tt-llama3:debugmodel: torchtitan's llama3 debugmodel, --layers keeps its first blocks, "
+                        "--seq default 256) (default: gpt-small on CPU, gpt-1.3b on CUDA, each also as gqa: "
+                        "and hf-llama:; --quick: gpt-tiny only)")
     p.add_argument("--attn", default="manual", choices=["manual", "sdpa"])
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--layers", type=int, default=None, help="override the preset's layers")
@@ -507,6 +560,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                           args.rounds)))
         return 0
     from foreign_models import hf_available
+    from torchtitan_models import available as tt_available
 
     preset = "gpt-1.3b" if args.device == "cuda" else "gpt-small"
     default = QUICK_SHAPE["model"] if args.quick else f"{preset},gqa:{preset},hf-llama:{preset}"
@@ -523,7 +577,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "`pip install transformers` to include HF LlamaForCausalLM).")
                 print(notes[-1], file=sys.stderr)
                 continue
+            if model.split(":")[0] == "tt-llama3" and tt_available() is not None:
+                notes.append(f"{model} skipped: {tt_available()}.")
+                print(notes[-1], file=sys.stderr)
+                continue
             s = settings_from(args, model)
+            if model.split(":")[0] == "tt-llama3":
+                notes.append(f"{model}: torchtitan's llama3 debugmodel, {s.layers or 'all 6'} layers, seq "
+                             f"{s.seq or TT_SEQ}, SDPA attention, no dropout (--attn / --dropout do not apply), "
+                             "torchtitan's CrossEntropyLoss compiled with the model.")
             settings.append(s)
             ref = os.path.join(work, f"grads_{len(settings)}.pt")
             for v in variants:

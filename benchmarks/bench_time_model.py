@@ -1,25 +1,31 @@
-"""lynx's recompute time model against the backward times Inductor's code measures (issue R, item 3).
+"""lynx's recompute time model against the backward and step times Inductor's code measures (issue R, item 3).
 
     python benchmarks/bench_time_model.py                         # gpt-tiny, HF Llama, post-LN GQA; 4 layers
     python benchmarks/bench_time_model.py --model gpt-tiny --rounds 9
+    python benchmarks/bench_time_model.py --model tt-llama3 --layers 2   # torchtitan's llama3 debugmodel
 
-For each model (``bench_step.build``: zoo preset, ``hf-llama:<preset>``, ``gqa:<preset>``; fp32,
-one thread, batch ``--batch`` x ``--seq``), every candidate is compiled by lynx with Inductor in
+For each model (``bench_step.build``: zoo preset, ``hf-llama:<preset>``, ``gqa:<preset>``,
+``tt-llama3``: torchtitan's llama3 ``debugmodel`` cut to ``--layers`` blocks, its loss compiled
+with it; fp32, one thread, batch ``--batch`` x ``--seq``), every candidate is compiled by lynx with Inductor in
 one process, each on its own copy of the model (``lynx_compile.variants.prepare``):
 ``lynx-none``, ``lynx-full``, ``lynx-selective``, torch's min-cut at ``--torch-budgets``
 (``lynx-torch-b<B>``) and lynx's own choice at ``--budgets`` (``lynx-b<B>``; a refused budget is a
 row saying so). Then ``--rounds`` rounds run one step per candidate, the order rotating each
-round, and time the backward alone (``loss.backward()``, the forward untimed): drift on a shared
-machine falls on every candidate alike.
+round, and time its forward (``loss_of(fn)``: model and loss) and its backward
+(``loss.backward()``) apart: drift on a shared machine falls on every candidate alike.
 
 Per candidate: ``predicted_ms``, the recompute its plans expose on demand in lynx's model
 (``RecomputePlan.exposed_s`` summed over the compiled graphs: what candidates compete on);
 ``measured_ms``, its median backward time minus ``lynx-none``'s (what the recompute costs as
 Inductor runs it; the error is taken on ``predicted_ms`` minus ``lynx-none``'s, as Inductor's own
-partition recomputes cheap pointwise ops too); ``peak``: the plans' predicted peak as a fraction of the no-recompute one.
-Per model: Spearman's rank correlation of predicted against measured over the candidates, and
-the mean absolute error; per budget: lynx's pick against the fastest measured candidate whose
-predicted peak fits the budget.
+partition recomputes cheap pointwise ops too); ``bw_ms``, ``fw_ms``: median backward and forward
+times; ``step_ms``: the median of forward + backward per round; ``measured_step_ms``: ``step_ms``
+minus ``lynx-none``'s (what the plan costs over the whole step: a plan also changes the forward,
+which saves less and may fuse differently); ``peak``: the plans' predicted peak as a fraction of the no-recompute one.
+Per model: Spearman's rank correlation of predicted against measured (backward) over the
+candidates, and the mean absolute error; per budget: lynx's pick against the fastest candidate
+by measured backward whose predicted peak fits the budget, and (``step`` line) against the
+fastest fitting one by measured step time.
 
 Run it with another checkout's package first on ``PYTHONPATH`` to measure that code's model
 (the script uses only public APIs): the plans of ``none``, ``full``, ``selective`` and torch's
@@ -47,6 +53,7 @@ import torch  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
 MODELS = ("gpt-tiny", "hf-llama:gpt-tiny", "gqa:gpt-tiny")
+EXTRA_MODELS = ("tt-llama3",)  # accepted by --model, not run by default (torchtitan is optional)
 TORCH_BUDGETS = (0.9, 0.7, 0.5, 0.3, 0.1)
 BUDGETS = (0.9, 0.8, 0.7, 0.6, 0.5)
 
@@ -123,22 +130,32 @@ def run_model(model_name: str, args: argparse.Namespace) -> list[dict]:
         rows.append(row)
         print(f"{model_name} {name}: predicted {row['predicted_ms']:.3f} ms, peak {row['peak']:.3f} "
               f"({row['solver']})", flush=True)
-    times = {n: [] for n in ready}
+    times = {n: [] for n in ready}  # (forward s, backward s) per round
     names = list(ready)
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             fn, model = ready[name]
-            loss = loss_of(fn)
             t0 = time.perf_counter()
+            loss = loss_of(fn)
+            t1 = time.perf_counter()
             loss.backward()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append((t1 - t0, time.perf_counter() - t1))
             for p in model.parameters():
                 p.grad = None
-    none = statistics.median(times["lynx-none"]) * 1e3
+
+    def median_ms(name: str, part: slice) -> float:
+        return statistics.median(sum(t[part]) for t in times[name]) * 1e3
+
+    fw, bw, step = slice(0, 1), slice(1, 2), slice(0, 2)
+    none_bw, none_step = median_ms("lynx-none", bw), median_ms("lynx-none", step)
     for row in rows:
         if row["candidate"] in times:
-            row["bw_ms"] = statistics.median(times[row["candidate"]]) * 1e3
-            row["measured_ms"] = row["bw_ms"] - none
+            name = row["candidate"]
+            row["bw_ms"] = median_ms(name, bw)
+            row["measured_ms"] = row["bw_ms"] - none_bw
+            row["fw_ms"] = median_ms(name, fw)
+            row["step_ms"] = median_ms(name, step)
+            row["measured_step_ms"] = row["step_ms"] - none_step
     return rows
 
 
@@ -162,13 +179,18 @@ def summarize(rows: list[dict], budgets: Sequence[float]) -> list[str]:
             best = min(fits, key=lambda r: r["bw_ms"])
             lines.append(f"  - budget {b:g}: lynx picks {pick['solver']} ({pick['bw_ms']:.2f} ms backward); fastest "
                          f"fitting {best['candidate']} ({best['bw_ms']:.2f} ms): {pick['bw_ms'] / best['bw_ms']:.3f}x")
+            best = min(fits, key=lambda r: r["step_ms"])
+            lines.append(f"  - budget {b:g} step: lynx picks {pick['solver']} ({pick['step_ms']:.2f} ms step); fastest "
+                         f"fitting by step {best['candidate']} ({best['step_ms']:.2f} ms): "
+                         f"{pick['step_ms'] / best['step_ms']:.3f}x")
     return lines
 
 
 def write(rows: list[dict], lines: list[str], args: argparse.Namespace, argv: Sequence[str]) -> str:
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, args.stem)
-    keys = ["model", "candidate", "status", "solver", "peak", "predicted_ms", "measured_ms", "bw_ms", "compile_s"]
+    keys = ["model", "candidate", "status", "solver", "peak", "predicted_ms", "measured_ms", "bw_ms", "fw_ms",
+            "step_ms", "measured_step_ms", "compile_s"]
     with open(stem + ".csv", "w", newline="") as f:
         w = csv.DictWriter(f, keys, extrasaction="ignore")
         w.writeheader()
@@ -180,13 +202,16 @@ def write(rows: list[dict], lines: list[str], args: argparse.Namespace, argv: Se
         head = "?"
     import lynx_compile
 
-    md = ["# Recompute time model vs measured backward (CPU, Inductor)", "",
+    md = ["# Recompute time model vs measured backward and step (CPU, Inductor)", "",
           f"{datetime.date.today()}; {platform.processor() or platform.machine()} ({os.cpu_count()} cores, shared); "
           f"torch {torch.__version__}; python {platform.python_version()}; {args.threads} thread(s); "
           f"git HEAD {head}; lynx_compile from {os.path.dirname(lynx_compile.__file__)}.", "",
           f"Command: `python benchmarks/bench_time_model.py {' '.join(argv)}`", "",
-          "| model | candidate | status | solver | peak | predicted_ms | measured_ms | bw_ms |",
-          "|---|---|---|---|---|---|---|---|"]
+          f"Batch {args.batch} x seq {args.seq}, {args.layers} layers, median of {args.rounds} rounds. "
+          "bw_ms / fw_ms: median backward / forward (model and loss); step_ms: median of forward + backward; "
+          "measured_ms / measured_step_ms: bw_ms / step_ms minus lynx-none's.", "",
+          "| " + " | ".join(keys[:-1]) + " |",
+          "|" + "---|" * len(keys[:-1])]
     for r in rows:
         md.append("| " + " | ".join(f"{r[k]:.3f}" if isinstance(r.get(k), float) else str(r.get(k, "-"))
                                      for k in keys[:-1]) + " |")
@@ -198,7 +223,10 @@ def write(rows: list[dict], lines: list[str], args: argparse.Namespace, argv: Se
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", type=lambda v: v.split(","), default=list(MODELS))
+    p.add_argument("--model", type=lambda v: [m.strip() for m in v.split(",") if m.strip()], default=list(MODELS),
+                   help="comma list of bench_step models: zoo presets, hf-llama:<preset>, gqa:<preset>, tt-llama3 "
+                        f"(torchtitan's llama3 debugmodel, --layers keeps its first blocks; {','.join(EXTRA_MODELS)} "
+                        f"needs torchtitan) (default: {','.join(MODELS)})")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=64)
@@ -206,9 +234,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--torch-budgets", type=lambda v: [float(x) for x in v.split(",")], default=list(TORCH_BUDGETS))
     p.add_argument("--budgets", type=lambda v: [float(x) for x in v.split(",")], default=list(BUDGETS))
-    p.add_argument("--out", default=RESULTS)
+    p.add_argument("--out", default=RESULTS, help="folder of <stem>.csv and <stem>.md (default benchmarks/results)")
     p.add_argument("--stem", default="time_model")
     args = p.parse_args(argv)
+    if any(m.split(":")[0] in EXTRA_MODELS for m in args.model):
+        from torchtitan_models import available
+
+        if available() is not None:
+            p.error(f"tt-llama3: {available()}")
     rows = []
     for m in args.model:
         rows += run_model(m, args)

@@ -99,11 +99,13 @@ def under_inductor(name: str, lynx_compiler: str = "inductor") -> bool:
     return v.kind == "inductor" or (v.kind == "lynx" and lynx_compiler == "inductor")
 
 
-def transformer_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The model's block list: its largest ``nn.ModuleList``."""
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's blocks: its largest ``nn.ModuleList`` or ``nn.ModuleDict`` (torchtitan keeps
+    its layers in one)."""
+    lists = [list(m.values()) if isinstance(m, torch.nn.ModuleDict) else list(m) for m in model.modules()
+             if isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))]
     if not lists:
-        raise ValueError(f"{type(model).__name__} has no nn.ModuleList of blocks to checkpoint")
+        raise ValueError(f"{type(model).__name__} has no nn.ModuleList or nn.ModuleDict of blocks to checkpoint")
     return max(lists, key=len)
 
 
