@@ -234,3 +234,56 @@ def test_a_causal_mask_is_recomputed_inside_the_kernels_that_read_it():
             assert any(loop and m in names and names - constant for names, loop in bw.kernels), m
     for a, b in zip(grads["inductor"], grads["lynx"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _win_toy():
+    """a: 100 B read by the backward at event 1, recomputed in 1 us, its forward write 3 us
+    (``Unit.write_s``); b: 100 B read at event 0, recomputed in 5 us, written anyway (write_s 0).
+    Both kept, the backward's event 0 holds 200 B; a recomputed, 100 B at every event."""
+    from lynx_compile.remat.problem import RematProblem, Unit
+
+    a = Unit(id=0, name="a", nbytes=100, compute_s=1e-6, write_s=3e-6, fw_pos=0, fw_last=0, first_use=1,
+             need_start=1, need_end=1)
+    b = Unit(id=1, name="b", nbytes=100, compute_s=5e-6, fw_pos=1, fw_last=1, first_use=0, need_start=0,
+             need_end=0)
+    return RematProblem(units=(a, b), num_fw_events=2, num_bw_events=2, fw_base=(0, 0), bw_base=(0, 0),
+                        reference_peak=200)
+
+
+@pytest.mark.parametrize("solver", ["highs", "heu"])
+def test_a_recompute_cheaper_than_its_forward_write_is_taken_at_any_budget(solver):
+    """Hand-computed: with room for everything, recomputing a (1 us) saves its 3 us write, so the
+    best plan recomputes it and keeps b: exposed 1 - 3 = -2 us; at 100 B one of them must go and
+    it is a again (b would expose 5 us)."""
+    from lynx_compile.remat.solve import solve_remat
+
+    pytest.importorskip("highspy") if solver == "highs" else None
+    for budget in (1000, 100):
+        sol = solve_remat(_win_toy(), budget, solver=solver)
+        assert set(sol.demand) == {0} and set(sol.keep) == {1}, (budget, sol)
+        assert sol.exposed_s == pytest.approx(-2e-6, abs=1e-12)
+
+
+def test_a_value_written_only_to_be_saved_is_computed_in_its_readers_kernel():
+    """The values ``written_to_be_saved`` names in torch.compile's forward (its own partition,
+    nothing recomputed) are returned for the backward and, in Inductor's generated code, computed
+    in one kernel with a reader of theirs that is no output: not saved, they would be that
+    kernel's interior values. The norm's normalized input (read only by its affine multiply) is
+    among them; lynx's unit for it is priced at its write (``Unit.write_s``)."""
+    from lynx_compile.memory.inductor_model import written_to_be_saved, value_readers
+
+    torch.manual_seed(0)
+    model, x = _MLP(), torch.randn(4, 16, 32)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False), _compat.recording_kernels() as seen:
+        torch.compile(model, backend="inductor")(x).backward()
+    fw = seen[0]
+    nodes = list(fw.graph.nodes)
+    written = written_to_be_saved(nodes)
+    assert written, "torch.compile's forward saves no value of a norm"
+    out, = [n for n in nodes if n.op == "output"]
+    returned = {a for a in out.all_input_nodes}
+    for v in written:
+        readers = {r.name for r in value_readers(v) if r.op != "output"}
+        assert v in returned or any(u in returned for u in v.users), v
+        assert any(loop and v.name in names and names & readers for names, loop in fw.kernels), v.name

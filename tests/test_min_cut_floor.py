@@ -106,6 +106,8 @@ def test_a_choice_holding_more_than_the_budget_is_not_extracted(monkeypatch):
     # selective floor is 6.05 us against lynx's 6.06 us)
     assert over and any(k.startswith("torch@") for k in over), json.dumps(a.stats["candidates"])
     assert all(b.stats["candidates"][k]["exposed_s"] >= 0 for k in over)  # realized there
-    # the reference (torch.compile's step) and lynx's plan: with .grad None as it compiles, the
-    # gradients stay returned (grad_in_graph.RETURNED_NEW), so no joint with them added in the graph
-    assert n_skipped == 2 < n_realized, (n_skipped, n_realized)
+    # the reference (torch.compile's step), lynx's plan and at most one baseline whose recompute
+    # floor, less the forward writes any plan may save (seeds._writes_bound), is below lynx's: with
+    # .grad None as it compiles, the gradients stay returned (grad_in_graph.RETURNED_NEW), so no
+    # joint with them added in the graph
+    assert n_skipped <= 3 < n_realized, (n_skipped, n_realized)

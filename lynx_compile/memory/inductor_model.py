@@ -205,6 +205,35 @@ def fused_interior(node: fx.Node, extern: frozenset = frozenset()) -> bool:
     return bool(node.users) and all(_reads_in_loop(u, node, extern) for u in node.users)
 
 
+def written_to_be_saved(nodes: list[fx.Node]) -> set[fx.Node]:
+    """The values of a forward graph ``nodes`` that Inductor writes out only because the graph
+    returns them (saved for the backward): pointwise values every other reader reads inside a
+    loop kernel, which :func:`realized_on_reuse` leaves unrealized. Not saved, they would be
+    computed inside their readers' kernels and never written (a norm's normalized input, read
+    only by its affine multiply)."""
+    def read_in_loop_or_returned(node: fx.Node, producer: fx.Node) -> bool:
+        if node.op == "output":
+            return True
+        if _is_view(node) and node.users:
+            return all(read_in_loop_or_returned(u, node) for u in node.users)
+        return _reads_in_loop(node, producer)
+
+    cands = {n for n in nodes if _is_loop(n) and any(u.op != "output" for u in value_readers(n))
+             and all(read_in_loop_or_returned(u, n) for u in n.users)
+             and any(u.op == "output" for u in _value_users(n))}
+    return realized_on_reuse(nodes, cands)
+
+
+def _value_users(node: fx.Node) -> list[fx.Node]:
+    """The users of ``node`` and of its views (the graph's output among them)."""
+    out = []
+    for u in node.users:
+        out.append(u)
+        if _is_view(u):
+            out.extend(_value_users(u))
+    return out
+
+
 def _expands_to(t: torch.Tensor, out: torch.Tensor) -> bool:
     try:
         return tuple(torch.broadcast_shapes(t.shape, out.shape)) == tuple(out.shape)

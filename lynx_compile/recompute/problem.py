@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from lynx_compile.costs import is_collective_node, is_free_node, is_wait_node, tensor_bytes_of
-from lynx_compile.memory.inductor_model import index_values, is_loop_kernel, reads_in_loop
+from lynx_compile.memory.inductor_model import index_values, is_loop_kernel, reads_in_loop, written_to_be_saved
 from lynx_compile.decisions import DEMAND, KEEP, OFFLOAD, Decisions
 from lynx_compile.decisions import Window as DecisionWindow
 from lynx_compile.memory.simulate import backward_inputs, held_tangents, simulate_graph
@@ -130,6 +130,7 @@ def extract_remat_problem(joint: fx.GraphModule, fw_ref: fx.GraphModule, bw_ref:
             for op in kept}
     parts = {op: _output_bytes(op, fw_keys, fw_nodes, bw_read, readers, must, joint_by_name, ctx) for op in kept}
     profile = joint.meta.get(meta.KERNEL_PROFILE)  # Inductor: priced by kernel
+    written = written_to_be_saved(fw_nodes) if profile is not None else set()
     units = []
     for op in kept:
         start, end = need[op]
@@ -137,6 +138,7 @@ def extract_remat_problem(joint: fx.GraphModule, fw_ref: fx.GraphModule, bw_ref:
             id=ids[op], name=op.name,
             nbytes=sum(parts[op]),
             compute_s=_unit_seconds(op, members[op], joint_by_name, bw_reads[op], profile),
+            write_s=profile.memory_seconds(parts[op][0]) if op in written and parts[op][0] else 0.0,
             inputs=tuple(sorted(ids[i] for i in inputs[op] if i in ids)),
             block=region[op], fw_pos=pos_fw[op], fw_last=fw_last[op],
             first_use=min(uses[op]) if uses[op] else None, need_start=start, need_end=end,

@@ -27,7 +27,7 @@ from lynx_compile import _compat
 from lynx_compile.budget import budget_error as refuse
 from lynx_compile.costs.analytic import is_free_node
 from lynx_compile.costs.comm import is_collective_node, is_wait_node
-from lynx_compile.decisions import Decisions, Window
+from lynx_compile.decisions import Decisions, Demand, Window
 from lynx_compile.distributed.agreement import gather_values, planning_world_size
 from lynx_compile.costs.inductor_kernels import recompute_seconds, written_seconds
 from lynx_compile.memory.inductor_model import is_loop_kernel, value_readers
@@ -68,9 +68,30 @@ at best). Only when nothing else fits: a budget that something fits pays nothing
 
 def exposed(applied: Applied, joint: fx.GraphModule) -> float:
     """Exposed seconds of a candidate: on-demand recompute (``exposed_s``) plus the part of its
-    host copies compute does not hide (offload plans): the one measure candidates compete on."""
+    host copies compute does not hide (offload plans), less the forward writes of the units it
+    recomputes (``writes_saved``): the one measure candidates compete on, as the optimizer's
+    objective prices it."""
     off = applied.record.stats.get("offload", {})
-    return exposed_s(applied.bw, joint) + off.get("exposed_fw_s", 0.0) + off.get("exposed_bw_s", 0.0)
+    return (exposed_s(applied.bw, joint) + off.get("exposed_fw_s", 0.0) + off.get("exposed_bw_s", 0.0)
+            - writes_saved(applied))
+
+
+def writes_saved(applied: Applied) -> float:
+    """Seconds of forward writes a candidate saves: ``Unit.write_s`` of each unit of the
+    optimizer's problem (``record.problem``) it recomputes (on demand or in a window)."""
+    problem = applied.record.problem
+    if problem is None:
+        return 0.0
+    decisions = applied.decisions
+    return sum((u.write_s for u in problem.units
+                if u.write_s and isinstance(decisions[u.name], (Demand, Window))), 0.0)
+
+
+def _writes_bound(ctx: PassContext) -> float:
+    """The most forward-write seconds any candidate saves (every unit's ``write_s``): what a
+    floor on recompute alone is lowered by before it is compared with a candidate's net cost."""
+    problem = ctx.record.problem
+    return sum((u.write_s for u in problem.units), 0.0) if problem is not None else 0.0
 
 
 def exposed_s(bw: fx.GraphModule, joint: fx.GraphModule) -> float:
@@ -290,7 +311,8 @@ class _Weighing:
             return  # above one of the model's region budgets: not a plan, nor a floor
         if in_floor:
             self.floor[name] = applied
-        if applied.mem.peak_bytes <= self.budget and (self.best is None or cost < self.best[1] * (1 - 1e-9)):
+        if applied.mem.peak_bytes <= self.budget and (self.best is None
+                                                      or cost < self.best[1] - 1e-9 * abs(self.best[1])):
             outcome = self.outcome
             self.best = (name, cost, LynxOutcome(
                 applied=as_seed(applied), problem=outcome.problem if outcome else self.ctx.record.problem,
@@ -364,7 +386,7 @@ def baseline_candidates(joint: fx.GraphModule, ctx: PassContext, kw: dict, polic
         if policy != "torch":
             user = policy == USER
             decisions = Decisions(policy=USER) if user else baseline_decisions(joint, sub, policy)
-            floor = exposed_floor(joint, ctx, decisions) if beat is not None and not user else None
+            floor = exposed_floor(joint, ctx, decisions) - _writes_bound(ctx) if beat is not None and not user else None
             if floor is not None and floor >= beat:
                 yield name, Skipped(exposed_at_least_s=floor)
                 continue
@@ -400,7 +422,7 @@ def baseline_candidates(joint: fx.GraphModule, ctx: PassContext, kw: dict, polic
 def _check_choice(joint: fx.GraphModule, ctx: PassContext, beat: float, budget: int | None, storages: dict,
                   saved: frozenset) -> None:
     """Raise :class:`_CannotWin` when a min-cut choice that saves ``saved`` cannot win."""
-    floor = min_cut_floor(joint, ctx, saved)
+    floor = min_cut_floor(joint, ctx, saved) - _writes_bound(ctx)
     if floor >= beat:
         raise _CannotWin(Skipped(exposed_at_least_s=floor))
     held = saved_floor_bytes(joint, ctx, saved, storages) if budget is not None else 0

@@ -61,6 +61,8 @@ class ProblemArrays:
         self.ids = np.array([u.id for u in us], dtype=np.int64)
         self.m = np.array([u.nbytes for u in us], dtype=np.int64)
         self.c = np.array([u.compute_s for u in us], dtype=np.float64)
+        self.k = np.array([u.write_s for u in us], dtype=np.float64)
+        """The forward write a unit's recompute saves (``Unit.write_s``)."""
         self.fw_pos = np.array([u.fw_pos for u in us], dtype=np.int64)
         self.fw_last = np.array([u.fw_last for u in us], dtype=np.int64)
         self.ns = np.array([u.need_start for u in us], dtype=np.int64)
@@ -217,11 +219,13 @@ class ProblemArrays:
         return np.bincount(win[inw], weights=self.kappa * self.c[inw], minlength=self.W)
 
     def times(self, state: np.ndarray, win: np.ndarray) -> tuple[float, float]:
-        """(exposed_s, recompute_s) of an assignment."""
+        """(exposed_s, recompute_s) of an assignment: exposed net of the forward writes the
+        recomputed units save (``k``)."""
         dem = float(self.c[state == DEMAND].sum())
         over = float(np.maximum(self.window_load(state, win) - self.win_tau, 0.0).sum()) if self.W else 0.0
         off = float(self.off_exposed[state == OFFLOAD].sum())
-        return dem + over + off, dem + float(self.c[state == WINDOW].sum())
+        saved = float(self.k[(state == DEMAND) | (state == WINDOW)].sum())
+        return dem + over + off - saved, dem + float(self.c[state == WINDOW].sum())
 
     def kept_in_region(self, state: np.ndarray, r: int) -> int:
         """Bytes region ``r`` (``RegionCap`` order) keeps saved on the device."""

@@ -217,8 +217,8 @@ def refill(arr: ProblemArrays, budget: int, state: np.ndarray, win: np.ndarray) 
     within the budget. A switch that only fits once the inputs it no longer needs are dropped
     is checked on the exact profile."""
     fw, bw = arr.profile(state, win)
-    dem = np.flatnonzero(state == DEMAND)
-    dens = arr.c[dem] / np.maximum(arr.m[dem], 1)
+    dem = np.flatnonzero((state == DEMAND) & (arr.c > arr.k))  # keeping a cheaper recompute costs time
+    dens = (arr.c[dem] - arr.k[dem]) / np.maximum(arr.m[dem], 1)
     for i in dem[np.lexsort((arr.ids[dem], -dens))]:
         if state[i] != DEMAND or any(state[c] == WINDOW for c in arr.consumers[i]):
             continue                               # keeping is fine for them too, but stay simple
@@ -238,6 +238,23 @@ def refill(arr: ProblemArrays, budget: int, state: np.ndarray, win: np.ndarray) 
         f2, b2 = arr.profile(st, wn)
         if max(f2.max(initial=0), b2.max(initial=0)) <= budget and arr.regions_fit(st):
             state[:], win[:], fw, bw = st, wn, f2, b2
+
+
+def take_wins(arr: ProblemArrays, budget: int, state: np.ndarray, win: np.ndarray) -> None:
+    """In place: kept units whose recompute costs less than the forward write it saves
+    (``Unit.write_s``) recomputed on demand, the largest net saving first, where the step's
+    exposed time drops and the peak stays within the budget."""
+    cand = np.flatnonzero((state == KEEP) & (arr.k > arr.c) & ~arr.must & ~arr.hold)
+    if cand.size == 0:
+        return
+    exposed = arr.times(state, win)[0]
+    for i in cand[np.lexsort((arr.ids[cand], -(arr.k[cand] - arr.c[cand])))]:
+        if state[i] != KEEP:
+            continue
+        st, wn = _switch(arr, state, win, i)
+        e2 = arr.times(st, wn)[0]
+        if e2 < exposed - 1e-15 and _peak(arr, st, wn)[2] <= budget and arr.regions_fit(st):
+            state[:], win[:], exposed = st, wn, e2
 
 
 def all_demand(arr: ProblemArrays) -> tuple[np.ndarray, np.ndarray]:
@@ -356,6 +373,7 @@ def _solve_from(problem: RematProblem, arr: ProblemArrays, budget_bytes: int, po
     cleanup(arr, state, win)
     if arr.can_off.any():
         prefer_offload(arr, budget_bytes, state, win)
+    take_wins(arr, budget_bytes, state, win)
     for _ in range(5):                             # a refill can free inputs: refill again
         before = state.copy()
         refill(arr, budget_bytes, state, win)

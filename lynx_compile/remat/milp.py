@@ -197,7 +197,8 @@ def build_model(problem: RematProblem, budget_bytes: int | None, *, units: Itera
     else:
         T = float(arr.c[F].sum()) or 1.0
         R = float(max(arr.reference, int(arr.m.sum()), 1))
-        M.obj = pyo.Objective(expr=(pyo.quicksum(float(arr.c[i]) * M.r[i] for i in F)
+        M.obj = pyo.Objective(expr=(pyo.quicksum(float(arr.c[i] - arr.k[i]) * M.r[i] for i in F)
+                                    - pyo.quicksum(float(arr.k[i]) * M.o[i, w] for i, w in pairs if arr.k[i])
                                     + pyo.quicksum(M.over[w] for w in W)
                                     + pyo.quicksum(float(arr.off_exposed[i]) * M.f[i] for i in OFF)) / T
                               + TIE_BREAK / R * (pyo.quicksum(float(arr.m[i]) * M.s[i] for i in F)

@@ -78,7 +78,9 @@ is in the base.
 bytes its units keep on the device for the backward: Σ_{a∈R} m_a·s_a ≤ ``max_bytes`` (an
 offloaded unit is in host memory and does not count).
 
-[Objective] minimize exposed time Σ_a c_a·r_a + Σ_w over_w + Σ_a offload_exposed_s_a·f_a.
+[Objective] minimize exposed time Σ_a c_a·r_a + Σ_w over_w + Σ_a offload_exposed_s_a·f_a
+− Σ_a k_a·(r_a + Σ_w o_aw), with k_a the forward write a recomputed unit saves (``Unit.write_s``):
+the step time a plan adds to the no-recompute step, below zero where recomputing is cheaper.
 """
 from __future__ import annotations
 
@@ -97,6 +99,12 @@ class Unit:
     nbytes: int
     compute_s: float
     """Time to recompute it (its op, plus the views that lead to what the backward reads)."""
+    write_s: float = 0.0
+    """Time the forward spends writing it only because it is saved: a value Inductor would
+    compute inside the kernels that read it (``memory.inductor_model.fused_interior``, a norm's
+    normalized input before its affine) is written out when saved. Every plan that does not keep
+    it (or offload it) saves this time: its net price is ``compute_s - write_s``, below zero
+    where recomputing costs less than writing and reading back."""
     inputs: tuple[int, ...] = ()
     """Unit ids its recomputation reads (parameters and inputs are always available)."""
     block: int | None = None
@@ -204,7 +212,7 @@ class RematSolution:
     """Unit ids saved in host memory."""
     exposed_s: float = 0.0
     """Objective: time on the critical path (demand recompute + window overflow + the offload
-    copies' exposed part)."""
+    copies' exposed part), less the forward writes of the recomputed units (``Unit.write_s``)."""
     offload_exposed_s: float = 0.0
     """The offload copies' part of ``exposed_s``."""
     recompute_s: float = 0.0

@@ -73,6 +73,7 @@ def _matrix(arr: ProblemArrays, positions, cols):
                 loads[j, w] = loads.get((j, w), 0.0) + arr.kappa * arr.c[a]
             else:
                 cost[j] += arr.c[a]
+            cost[j] -= arr.k[a]            # recomputed (on demand or in a window): no forward write
         if kind == "r":
             m = m * ~arr.transient[units]     # a demanded one-event unit counts in chain rows
         np.add.at(d[:, j], F + start, m)
