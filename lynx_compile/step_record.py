@@ -84,6 +84,16 @@ def _activation_bytes(args: tuple) -> int:
     return sum(seen.values())
 
 
+def _cached_refusal(entry: dict | None) -> tuple[int, int, str] | None:
+    """(predicted, reference, why) of a step plan-cache entry that keeps a refusal; None for any
+    other entry (a plan, nothing, or a malformed refusal, then recorded again)."""
+    refused = (entry or {}).get("refused")
+    try:
+        return (int(refused["predicted"]), int(refused["reference"]), str(refused["why"])) if refused else None
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def _with_choices(steps) -> bool:
     """Some graph's ``GraphChoices`` (None for a graph with none) offers more than one candidate:
     there is something to plan together."""
@@ -129,6 +139,7 @@ class StepRecorder:
         self.budget_bytes: int | None = None
         self._key: str | None = None  # the plan cache's key of the step's plan
         self._cached = False  # the step's plan came from the plan cache
+        self._refused: tuple[int, int, str] | None = None  # (predicted, reference, why): a cached refusal
         self.refusals: dict[int, BudgetError] = {}
         """Per graph id: a whole graph's budget refused on its own peak (``defer``)."""
 
@@ -158,15 +169,23 @@ class StepRecorder:
         self.refusals[record.graph_id] = refusal
 
     def _refuse_alone(self) -> None:
-        """At the end of step 1: the deferred refusal of a whole graph, raised when no other graph
-        with choices shared the step (the refusal on its own peak was the step's)."""
-        refusals, self.refusals = self.refusals, {}
-        deferred = [p for p in self.calls if p.record.graph_id in refusals]
+        """At the end of a step: the deferred refusal of a whole graph the step called, raised
+        when no other graph with choices shared the step (the refusal on its own peak was the
+        step's), or when no step plan is to come (the recorder is past its recording: the graph
+        is another model's, compiled with these options after the first one's plan). Kept after
+        it is raised: the same model called again is refused again, never run above the budget;
+        and the step count restarts, so a model compiled next with these options is refused at
+        its own step 1 (a notebook cell run again after a refusal)."""
+        deferred = [p for p in self.calls if p.record.graph_id in self.refusals]
         if not deferred:
             return
-        if not _with_choices(p.record.step for p in self.calls if p.record.graph_id not in refusals):
+        others = [p for p in self.calls if p.record.graph_id not in self.refusals]
+        if self.state != "warming" or not _with_choices(p.record.step for p in others):
             self.calls, self.marks, self.mark_grads = [], [], []
-            raise refusals[deferred[0].record.graph_id]
+            self.steps_seen = 0
+            raise self.refusals[deferred[0].record.graph_id]
+        for p in deferred:
+            self.refusals.pop(p.record.graph_id, None)
         log.info("lynx: graph(s) %s out of reach on their own peak share the step with other compiled graphs: "
                  "the step's plan decides (step %d recorded)",
                  ", ".join(str(i) for i in dict.fromkeys(p.record.graph_id for p in deferred)), RECORDED_STEP)
@@ -231,7 +250,7 @@ class StepRecorder:
         if self.open or not self.calls:
             return
         self.steps_seen += 1
-        if self.steps_seen == 1 and self.refusals:
+        if self.refusals:
             self._refuse_alone()
         if self.state == "warming" and self.steps_seen == 1 and self._cached_step():
             self.calls, self.marks, self.mark_grads = [], [], []
@@ -262,6 +281,15 @@ class StepRecorder:
         self._key = self._step_key()
         entry = plan_cache.load_step(self._key) if self._key else None
         pick = None
+        refused = _cached_refusal(entry)
+        if refused is not None:
+            with planning_group(self.backend.planning_group), _compat.eager_dispatch():
+                if len(set(gather_values(refused))) > 1:
+                    return False
+            log.info("lynx plan cache: hit %s (the step's refusal: nothing recorded)", self._key[:12])
+            self._refused = refused
+            self.state = "recorded"
+            return True
         if entry is not None:
             try:
                 graphs = list(dict.fromkeys(p.key for p in self.calls))
@@ -297,6 +325,18 @@ class StepRecorder:
             "graphs": [[c.name for c in self.choice.pick[g]] for g in order],
             "predicted": self.choice.predicted, "reference": self.reference, "budget_bytes": self.budget_bytes,
             "outside": max(self.outside, default=0)})
+
+    def _store_refusal(self, predicted: int, why: str) -> None:
+        """Keep the step's refusal under its key: the same command refused again names the same
+        smallest budget, whatever the recorded step's measure would read in that run (under gloo
+        the memory outside the compiled pieces moves between runs: some collectives' buffers are
+        freed at different points)."""
+        if not self._key:
+            return
+        from lynx_compile import plan_cache
+
+        plan_cache.store_step(self._key, {"refused": {"predicted": int(predicted), "reference": int(self.reference),
+                                                      "why": why}})
 
     def _mark(self, call: int, kind: str) -> None:
         if self.state == "recording":
@@ -535,6 +575,10 @@ class StepRecorder:
 
     def _apply(self) -> None:
         self.state = "done"
+        if self._refused is not None:  # a refusal from the plan cache: the same as when recorded
+            predicted, reference, why = self._refused
+            raise budget_error(self.backend.config.budget, reference, predicted, why + " (the step's refusal "
+                               f"from the plan cache, as when step {RECORDED_STEP} was recorded)")
         choice, model = self.choice, self.model
         outside_peak = max(self.outside, default=0)
         seen = "from the plan cache" if self._cached else f"step {RECORDED_STEP} recorded"
@@ -554,11 +598,12 @@ class StepRecorder:
             choice = dataclasses.replace(choice, fits=True)
         if not choice.fits:
             config = self.backend.config
-            raise budget_error(config.budget, self.reference, choice.predicted,
-                               f"the compiled pieces of this step ({summary}) cannot be planned within "
-                               f"{format_bytes(self.budget_bytes)}; what runs outside them (embedding, LM head, "
-                               "loss) is not recomputed: compile it too (the whole model, or the module "
-                               "computing the loss) or raise the budget")
+            why = (f"the compiled pieces of this step ({summary}) cannot be planned within "
+                   f"{format_bytes(self.budget_bytes)}; what runs outside them (embedding, LM head, "
+                   "loss) is not recomputed: compile it too (the whole model, or the module "
+                   "computing the loss) or raise the budget")
+            self._store_refusal(choice.predicted, why)
+            raise budget_error(config.budget, self.reference, choice.predicted, why)
         changed = [f"graph {p.record.graph_id}: its own peak planned within {format_bytes(int(p.record.step_choice[5:]))}"
                    for p in self.pieces if (p.record.step_choice or "").startswith("plan@")]
         planned = [p for p in self.pieces if p.key in choice.pick]

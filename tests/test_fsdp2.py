@@ -132,16 +132,64 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 MODES = ("whole", "per_block")
 
 
-def _train_modes(rank: int, world: int) -> dict:
-    """``_train_policies`` for each mode, one after the other in this rank's process."""
-    return {mode: _train_policies(rank, world, mode) for mode in MODES}
+REFUSED = 0.6
+"""Below the step's smallest under FSDP2 per block (0.756 of none's): refused at step 3."""
+
+
+def _reruns(rank: int, world: int, cache_dir: str) -> dict:
+    """Per budget (``BUDGET``, ``REFUSED``), the same per-block run twice with the plan cache on
+    in ``cache_dir`` (the second one: a rerun of the same command): each run's plan fingerprints
+    and step peaks, or its refusal (message and smallest bytes)."""
+    import os
+
+    from lynx_compile.decisions import BudgetError
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    out = {}
+    for budget in (BUDGET, REFUSED):
+        runs = []
+        for _ in range(2):
+            try:
+                graphs = _train(rank, world, "per_block", {"policy": "lynx", "memory_budget": budget})["graphs"]
+                runs.append([(g["fingerprint"], g["step_peak"]) for g in graphs])
+            except BudgetError as e:
+                runs.append({"refused": str(e), "smallest": e.smallest_bytes})
+        out[budget] = runs
+    return out
+
+
+def _train_modes(rank: int, world: int, cache_dir: str) -> dict:
+    """``_train_policies`` for each mode, one after the other in this rank's process, then the
+    reruns (``_reruns``)."""
+    out = {mode: _train_policies(rank, world, mode) for mode in MODES}
+    out["reruns"] = _reruns(rank, world, cache_dir)
+    return out
 
 
 @pytest.fixture(scope="module")
-def fsdp2_runs() -> list[dict]:
+def fsdp2_runs(tmp_path_factory) -> list[dict]:
     """Each rank's ``_train_modes``: one run of 2 ranks for both modes (a process's first
     Inductor compile pays for warming Inductor up; if the run fails, both modes fail with it)."""
-    return run_ranks(_train_modes, 2, timeout_s=1100)
+    return run_ranks(_train_modes, 2, str(tmp_path_factory.mktemp("rerun_cache")), timeout_s=1100)
+
+
+@pytest.mark.timeout(1200)
+def test_the_same_command_rerun_plans_and_refuses_alike(fsdp2_runs):
+    """Issue S item 1: the same 2-rank command run twice (the plan cache kept between them, as
+    on a machine that ran it before) gives the same plan on every rank, and a budget out of
+    reach is refused naming the same smallest budget: the second run takes the first's step plan
+    or its refusal, whatever the recorded step's measure would read (under gloo the memory
+    outside the compiled pieces moves between runs)."""
+    for rank_runs in (r["reruns"] for r in fsdp2_runs):
+        fits, refused = rank_runs[BUDGET], rank_runs[REFUSED]
+        assert isinstance(fits[0], list) and fits[0] and fits[0] == fits[1], fits
+        assert all(fp and peak is not None for fp, peak in fits[0]), fits
+        assert isinstance(refused[0], dict) and isinstance(refused[1], dict), refused
+        assert refused[0]["smallest"] == refused[1]["smallest"], refused
+        use = [r["refused"].split(" The smallest reachable")[0] for r in refused]  # "... Use memory_budget >= x"
+        assert use[0] == use[1] and "Use memory_budget >=" in use[0], use
+        assert "from the plan cache" in refused[1]["refused"], refused
+    assert fsdp2_runs[0]["reruns"] == fsdp2_runs[1]["reruns"]  # every rank alike
 
 
 @pytest.mark.timeout(1200)

@@ -142,8 +142,19 @@ def test_a_whole_model_alone_is_refused_at_the_end_of_step_1(one_thread):
     (record,) = backend.records
     assert record.step_choice.startswith("plan@")  # its smallest peak
     assert any("until the step shows whether other compiled graphs share it" in n for n in record.notes)
-    with pytest.raises(BudgetError, match=r"Use memory_budget >= 0\.\d+"):
+    with pytest.raises(BudgetError, match=r"Use memory_budget >= 0\.\d+") as first:
         out.loss.backward()
+    # called again (a notebook cell run again after the error): refused again, never run above
+    # the budget; a second model compiled with the same backend too, at its own step 1 (the
+    # step count restarts: it once stayed at 1, and the next model's refusal was never raised)
+    _set_none(model)
+    with pytest.raises(BudgetError, match=r"Use memory_budget >= 0\.\d+"):
+        torch.compile(model, backend=backend)(x).loss.backward()
+    torch.manual_seed(0)
+    other = build_model("gpt-tiny", dropout=0.0, n_layers=2)
+    with pytest.raises(BudgetError) as second:
+        torch.compile(other, backend=backend)(x).loss.backward()
+    assert second.value.smallest_bytes == first.value.smallest_bytes
 
 
 def test_with_grads_allocated_the_smallest_budget_is_policy_fulls_measured_step(one_thread):
