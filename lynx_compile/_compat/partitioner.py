@@ -318,13 +318,16 @@ def tag_recompute(node: fx.Node, group: int | None) -> None:
 
     Consecutive regions with different ids keep their boundary tensor saved (torch's
     ``cleanup_recompute_tags``), which is how each block input stays saved under ``full``.
-    ``group`` None: in no region, so no region boundary pins it saved (a value every region
-    recomputes from constants: a causal mask, position ids)."""
+    ``group`` None: a value every region recomputes from constants alone (a causal mask,
+    position ids), which no region boundary may pin saved: its id is ``NO_REGION``, above every
+    block's, so no reader's region id is greater (torch 2.11's ``cleanup_recompute_tags`` reads
+    ``ac_graph_id`` on every tagged node; torch 2.13's skips a node without one)."""
     node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
-    if group is None:
-        node.meta.pop("ac_graph_id", None)
-    else:
-        node.meta["ac_graph_id"] = group
+    node.meta["ac_graph_id"] = NO_REGION if group is None else group
+
+
+NO_REGION = 1 << 30
+"""The checkpoint-region id of a value recomputed from constants alone (``tag_recompute``)."""
 
 
 def is_recompute_tagged(node: fx.Node) -> bool:
