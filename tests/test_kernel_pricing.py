@@ -228,8 +228,10 @@ def test_a_causal_mask_is_recomputed_inside_the_kernels_that_read_it():
         constant = {n.name for n in index_values(list(bw.graph.nodes))}
         masks = {n for n in constant if getattr(_node(bw.graph, n).meta.get("val"), "dtype", None) == torch.bool}
         assert any(_node(bw.graph, m).meta.get(meta.RECOMPUTED) for m in masks), masks
-        # no kernel of its own: each mask is in a loop kernel together with the ops reading it
-        assert not [names for names, _ in bw.kernels if names <= constant]
+        # no recomputed constant in a kernel of its own (the backward's own constants may be: torch
+        # 2.11 writes out a `full` of its own); each mask is in a loop kernel with the ops reading it
+        recomputed = {n.name for n in bw.graph.nodes if n.meta.get(meta.RECOMPUTED)}
+        assert not [names for names, _ in bw.kernels if names <= constant and names & recomputed]
         for m in masks:
             assert any(loop and m in names and names - constant for names, loop in bw.kernels), m
     for a, b in zip(grads["inductor"], grads["lynx"]):
