@@ -273,8 +273,9 @@ class StepRecorder:
         return plan_cache.step_key(keys, self.backend.config.budget.given())
 
     def _cached_step(self) -> bool:
-        """At the end of step 1: the step's plan from the plan cache (a script run before), to
-        apply at step 2's first forward without recording; every rank must hit alike."""
+        """At the end of step 1: the step's plan, or its refusal, from the plan cache (a script
+        run before), applied (or raised) at step 2's first forward without recording; every rank
+        must hit alike."""
         from lynx_compile import plan_cache
         from lynx_compile.distributed.agreement import gather_values, planning_group
 
@@ -282,15 +283,7 @@ class StepRecorder:
         entry = plan_cache.load_step(self._key) if self._key else None
         pick = None
         refused = _cached_refusal(entry)
-        if refused is not None:
-            with planning_group(self.backend.planning_group), _compat.eager_dispatch():
-                if len(set(gather_values(refused))) > 1:
-                    return False
-            log.info("lynx plan cache: hit %s (the step's refusal: nothing recorded)", self._key[:12])
-            self._refused = refused
-            self.state = "recorded"
-            return True
-        if entry is not None:
+        if entry is not None and refused is None:
             try:
                 graphs = list(dict.fromkeys(p.key for p in self.calls))
                 by_key = {p.key: p for p in self.calls}
@@ -301,9 +294,17 @@ class StepRecorder:
                 log.warning("lynx plan cache: the step plan %s does not fit this step (%s); recording step %d",
                             self._key[:12], e, RECORDED_STEP)
                 pick = None
+        # one all-gather whatever this rank found: every rank takes the same path
         with planning_group(self.backend.planning_group), _compat.eager_dispatch():
-            if len(set(gather_values(pick is not None))) > 1 or pick is None:
+            if len(set(gather_values((refused, pick is not None)))) > 1:
                 return False
+        if refused is not None:
+            log.info("lynx plan cache: hit %s (the step's refusal: nothing recorded)", self._key[:12])
+            self._refused = refused
+            self.state = "recorded"
+            return True
+        if pick is None:
+            return False
         log.info("lynx plan cache: hit %s (the step's plan across pieces: nothing recorded)", self._key[:12])
         self.model = StepModel(graphs={g: by_key[g].record.step for g in pick}, calls=tuple(p.key for p in self.calls),
                                segments=())

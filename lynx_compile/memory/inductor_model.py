@@ -218,20 +218,10 @@ def written_to_be_saved(nodes: list[fx.Node]) -> set[fx.Node]:
             return all(read_in_loop_or_returned(u, node) for u in node.users)
         return _reads_in_loop(node, producer)
 
-    cands = {n for n in nodes if _is_loop(n) and any(u.op != "output" for u in value_readers(n))
-             and all(read_in_loop_or_returned(u, n) for u in n.users)
-             and any(u.op == "output" for u in _value_users(n))}
+    # returned and read by some node: its readers are the output and others
+    cands = {n for n in nodes if _is_loop(n) and {r.op == "output" for r in value_readers(n)} == {True, False}
+             and all(read_in_loop_or_returned(u, n) for u in n.users)}
     return realized_on_reuse(nodes, cands)
-
-
-def _value_users(node: fx.Node) -> list[fx.Node]:
-    """The users of ``node`` and of its views (the graph's output among them)."""
-    out = []
-    for u in node.users:
-        out.append(u)
-        if _is_view(u):
-            out.extend(_value_users(u))
-    return out
 
 
 def _expands_to(t: torch.Tensor, out: torch.Tensor) -> bool:

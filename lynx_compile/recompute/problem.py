@@ -175,8 +175,7 @@ def _free_units(ops: list[fx.Node], members: dict[fx.Node, list[str]], joint: fx
     """The units among ``ops`` whose nodes are all computed from constants alone
     (``UnitIndex.free``)."""
     constant = index_values(list(joint.graph.nodes))
-    return [op for op in ops
-            if all(joint_by_name.get(m) in constant for m in dict.fromkeys([op.name, *members[op]]))]
+    return [op for op in ops if all(joint_by_name.get(m) in constant for m in members[op])]
 
 
 def _output_bytes(op, fw_keys, fw_nodes, bw_read, readers, must, joint_by_name, ctx) -> tuple[int, int]:
