@@ -281,9 +281,6 @@ def test_cpu_calibration_is_positive_and_cached(tmp_path):
     assert [f for f, _ in p.matmul_rates] == sorted(f for f, _ in p.matmul_rates) and len(p.matmul_rates) == 5
     assert max(r for _, r in p.matmul_rates) == p.peak_flops["float32"]
     assert p.cache_bytes >= 32 << 10 and p.cache_bandwidth_bytes_per_s > 1e8
-    # an exp's math outruns its bytes on a CPU core (Sleef's vector exp: ~6x an add here)
-    assert 0 < p.elementwise_s["exp"] < 1e-6
-    assert "exp" in p.summary()["elementwise_ns"]
     assert calibrate_cpu_profile() is p  # per-process cache
     stored = json.loads(cache.read_text())
     (key,) = stored

@@ -14,8 +14,6 @@
 """
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from torch import nn
@@ -23,7 +21,6 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import lynx_compile
 from lynx_compile import _compat
-from lynx_compile.costs.analytic import analytic_node_cost
 from lynx_compile.costs.hardware import HardwareProfile
 from lynx_compile.costs.inductor_kernels import kernels, recompute_seconds
 from lynx_compile.passes import meta
@@ -73,29 +70,6 @@ def test_a_pointwise_recompute_a_matmul_reads_is_a_kernel_of_its_own():
     # reads x, writes y, one launch
     expected = max(64 * 64 / (1e15 * 0.5), 2 * nbytes / (1e9 * 0.5)) + 1e-5
     assert recompute_seconds(nodes, {y}, SLOW_BYTES) == pytest.approx(expected, rel=1e-12)
-
-
-def _exp_read_by_pointwise(x):
-    y = torch.exp(x)  # recomputed
-    return y + 1.0    # a kernel that runs anyway
-
-
-def test_a_transcendental_recompute_costs_its_measured_time_per_element():
-    """An ``exp`` priced per element (``HardwareProfile.elementwise_s``, measured on the CPU
-    profile) costs that time per element, not one FLOP at the peak rate: memory-bound on one
-    FLOP per element (nothing added), compute-bound at 1 ns per element."""
-    nodes, by = _graph(_exp_read_by_pointwise, (N,))
-    y = by["exp"]
-    assert recompute_seconds(nodes, {y}, SLOW_BYTES) == 0.0
-    per_exp = dataclasses.replace(SLOW_BYTES, elementwise_s={"exp": 1e-9})
-    # the add's kernel: max(compute, bytes) reading x instead of y (the same bytes) plus N exps
-    nbytes = 2 * N * 4
-    assert recompute_seconds(nodes, {y}, per_exp) == pytest.approx(
-        max(N * 1e-9, nbytes / (1e9 * 0.5)) - nbytes / (1e9 * 0.5), rel=1e-12)
-    # a kernel of its own (eager's price of the node alike): the exps or the bytes, one launch
-    assert analytic_node_cost(y, per_exp).runtime_s == pytest.approx(max(N * 1e-9, nbytes / (1e9 * 0.5)) + 1e-5)
-    # an op the profile does not price per element keeps its one FLOP per element
-    assert analytic_node_cost(by["add"], per_exp).runtime_s == analytic_node_cost(by["add"], SLOW_BYTES).runtime_s
 
 
 class _Block(nn.Module):

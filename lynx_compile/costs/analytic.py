@@ -147,19 +147,6 @@ def _dtype_of(node: torch.fx.Node) -> torch.dtype:
     return torch.float32
 
 
-def elementwise_seconds(node: torch.fx.Node, profile: HardwareProfile) -> float | None:
-    """The compute time of a pointwise ``node`` whose math the profile prices per element
-    (``HardwareProfile.elementwise_s``: ``exp``, ``sigmoid``, ``sin``, ... on the CPU): its
-    output elements times that; None for every other node (one FLOP per element)."""
-    if not profile.elementwise_s:
-        return None
-    name = getattr(getattr(node.target, "overloadpacket", None), "__name__", None)
-    per = profile.elementwise_s.get(name) if name else None
-    if per is None:
-        return None
-    return per * sum(map(numel, iter_tensors(node.meta.get("val"))))
-
-
 def roofline_time(flops: float, nbytes: int, peak_flops: float, profile: HardwareProfile, *,
                   matmul_flops: float = 0.0) -> float:
     """max(compute time, memory time) + launch overhead, with the profile's efficiencies; a
@@ -215,13 +202,9 @@ def analytic_node_cost(
         return comm_node_cost(node, link or LINKS[profile.default_link], world_size)
     flops, moved, out_b, matmul_like = node_work(node)
     peak = profile.peak_flops_for(_dtype_of(node), matmul=matmul_like)
-    per_element = None if matmul_like else elementwise_seconds(node, profile)
-    runtime = (roofline_time(flops, moved, peak, profile,
-                             matmul_flops=matrix_flops(node, flops) if matmul_like else 0.0)
-               if per_element is None else
-               max(per_element, profile.memory_seconds(moved)) + profile.launch_overhead_s)
     return NodeCost(
-        runtime_s=runtime,
+        runtime_s=roofline_time(flops, moved, peak, profile,
+                                matmul_flops=matrix_flops(node, flops) if matmul_like else 0.0),
         out_bytes=out_b,
         flops=flops,
         bytes_moved=moved,

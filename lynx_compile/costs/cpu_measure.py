@@ -45,8 +45,7 @@ def cache_bytes() -> int:
 
 def measure(budget: float) -> dict[str, Any]:
     """fp32 mm FLOP/s at sizes 32 to 512 (the best is the peak), bf16/fp16 mm FLOP/s (256), copy
-    and add bandwidth over 64 MB buffers, copy bandwidth within one core's L2 cache, the time per
-    element of the transcendental pointwise ops there (:func:`elementwise_seconds`), and the
+    and add bandwidth over 64 MB buffers, copy bandwidth within one core's L2 cache, and the
     median time of a 1-element add (dispatch overhead)."""
     fp32, rates = 0.0, []
     for n in (32, 64, 128, 256, 512):
@@ -68,7 +67,6 @@ def measure(budget: float) -> dict[str, Any]:
     small_src, small_dst = torch.randn(k), torch.empty(k)
     cache_bw = 2 * 4 * k / best_time(lambda: small_dst.copy_(small_src), 0.05 * budget, max_reps=2000,
                                    min_reps=200)  # ~10 us each
-    elementwise = elementwise_seconds(small_src, small_dst, 0.1 * budget)
     x = torch.ones(1)
     per_op = []
     deadline = time.perf_counter() + 0.1 * budget
@@ -85,30 +83,7 @@ def measure(budget: float) -> dict[str, Any]:
         "matmul_rates": rates,
         "cache_bytes": l2,
         "cache_bytes_per_s": cache_bw,
-        "elementwise_s": elementwise,
     }
-
-
-ELEMENTWISE_OPS = ("exp", "expm1", "log", "log1p", "sigmoid", "tanh", "erf", "sin", "cos", "rsqrt", "sqrt")
-"""Pointwise ops whose per-element math may cost more than their memory traffic (Inductor's
-CPU code computes them with vectorized Sleef routines; a silu is decomposed to an ``exp``)."""
-
-
-def elementwise_seconds(src: torch.Tensor, dst: torch.Tensor, budget: float) -> dict[str, float]:
-    """Seconds per element of each op of :data:`ELEMENTWISE_OPS` over ``src`` (a buffer within
-    one core's cache, positive values), kept where it exceeds twice an ``add``'s over the same
-    buffers: the ops whose math, not their bytes, sets a kernel's time."""
-    x = src.abs() + 0.5
-    n = x.numel()
-    each = budget / (len(ELEMENTWISE_OPS) + 1)
-    add = best_time(lambda: torch.add(x, x, out=dst), each, max_reps=2000, min_reps=50) / n
-    out = {}
-    for name in ELEMENTWISE_OPS:
-        fn = getattr(torch, name)
-        t = best_time(lambda: fn(x, out=dst), each, max_reps=2000, min_reps=50) / n
-        if t > 2 * add:
-            out[name] = t
-    return out
 
 
 if __name__ == "__main__":

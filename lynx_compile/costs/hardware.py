@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import types
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from collections.abc import Iterator, Mapping
 from typing import Any, Callable
@@ -69,13 +69,6 @@ class HardwareProfile:
     L2 on the CPU profile); 0: every byte at ``memory_bandwidth_bytes_per_s``."""
     cache_bandwidth_bytes_per_s: float = 0.0
     """Measured copy bandwidth over buffers within ``cache_bytes`` (the CPU profile)."""
-    elementwise_s: dict[str, float] = field(default_factory=dict)
-    """Seconds per output element of the pointwise ops whose vector math outruns their memory
-    traffic, by aten op name (``exp``, ``sigmoid``, ``sin``, ...): the compute term of a kernel
-    computing them (``costs.analytic.compute_seconds``). Measured on the CPU profile (one thread:
-    an ``exp`` costs ~6x an ``add``, which one FLOP per element at the matmul peak priced at
-    1/170 of its time); empty on the datasheet profiles (a GPU's special-function units keep
-    them under the memory time: one FLOP per element, as before)."""
     host_link_bytes_per_s: float = 25e9
     """Device<->host copy bandwidth, one direction, bytes/s: what prices activation offload.
     PCIe 4 x16 ~25e9 achieved (32 GB/s raw), PCIe 5 x16 ~50e9, NVLink-C2C (GH200) ~450e9
@@ -134,8 +127,6 @@ class HardwareProfile:
                                       "fraction_of_peak": round(self.matmul_fraction(self.matmul_rates[0][0]), 3)}
         if self.cache_bytes:
             out["cache"] = {"bytes": self.cache_bytes, "gb_s": round(self.cache_bandwidth_bytes_per_s / 1e9, 1)}
-        if self.elementwise_s:
-            out["elementwise_ns"] = {k: round(v * 1e9, 3) for k, v in sorted(self.elementwise_s.items())}
         return out
 
     def __hash__(self) -> int:  # the dict field would make the generated hash fail
@@ -148,7 +139,7 @@ class HardwareProfile:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HardwareProfile:
         """Inverse of :meth:`to_dict`."""
-        return cls(**{**d, "peak_flops": dict(d["peak_flops"]), "elementwise_s": dict(d.get("elementwise_s", {})),
+        return cls(**{**d, "peak_flops": dict(d["peak_flops"]),
                       "matmul_rates": tuple(tuple(pt) for pt in d.get("matmul_rates", ()))})
 
 
@@ -252,10 +243,9 @@ def cpu_profile_cache_path() -> Path:
 _cpu_profiles: dict[str, HardwareProfile] = {}  # per-process calibration cache, by machine key
 
 
-CPU_PROFILE_VERSION = 3
+CPU_PROFILE_VERSION = 2
 """Bumped when the CPU profile measures something new (2: matmul rates by size, the cache's
-bandwidth; 3: the per-element time of transcendental pointwise ops): a profile cached by an
-older version is measured again."""
+bandwidth): a profile cached by an older version is measured again."""
 
 
 def _cpu_key() -> str:
@@ -343,7 +333,6 @@ def _measured_fields(m: dict[str, Any]) -> dict[str, Any]:
         matmul_rates=tuple((float(f), float(r)) for f, r in m["matmul_rates"]),
         cache_bytes=int(m["cache_bytes"]),
         cache_bandwidth_bytes_per_s=float(m["cache_bytes_per_s"]),
-        elementwise_s={k: float(v) for k, v in m.get("elementwise_s", {}).items()},
     )
 
 

@@ -35,8 +35,8 @@ from collections.abc import Collection, Iterable
 
 import torch.fx as fx
 
-from lynx_compile.costs.analytic import (_dtype_of, analytic_node_cost, elementwise_seconds, is_free_node,
-                                         matrix_flops, node_flops, tensor_bytes_of)
+from lynx_compile.costs.analytic import (_dtype_of, analytic_node_cost, is_free_node, matrix_flops, node_flops,
+                                         tensor_bytes_of)
 from lynx_compile.costs.hardware import HardwareProfile
 from lynx_compile.costs.types import iter_tensors, tensor_read_bytes
 from lynx_compile.memory.inductor_model import interior_nodes, is_loop_kernel, view_source
@@ -99,14 +99,9 @@ def _memory_seconds(nbytes: int, profile: HardwareProfile) -> float:
 def loop_seconds(body: Iterable[fx.Node], reads: Iterable[fx.Node], written: int,
                  profile: HardwareProfile, *, launch: bool = True) -> float:
     """Roofline of a loop kernel computing ``body``, reading ``reads``' values and writing
-    ``written`` bytes: max(FLOPs at each node's rate, bytes at the memory rate), plus a launch.
-    A transcendental op the profile prices per element (``HardwareProfile.elementwise_s``: an
-    ``exp`` on the CPU) counts that time, not one FLOP per element."""
+    ``written`` bytes: max(FLOPs at each node's rate, bytes at the memory rate), plus a launch."""
     compute = 0.0
     for n in body:
-        if (per_element := elementwise_seconds(n, profile)) is not None:
-            compute += per_element
-            continue
         flops, matmul_like = node_flops(n)
         if flops:
             rate = profile.peak_flops_for(_dtype_of(n), matmul=matmul_like) * profile.matmul_efficiency
