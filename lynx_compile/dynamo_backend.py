@@ -134,8 +134,11 @@ class LynxBackend:
                 log.info("lynx plan cache: step hint %s: graph %d planned within its peak %s at once, as the "
                          "step's plan across graphs chose in an earlier run", hint_key[:12], record.graph_id,
                          record.step_choice[len(step_hint.PREFIX):])
+        from lynx_compile.progress import Progress
+
         try:
-            compiled = self._compile(gm, example_inputs, record)
+            with Progress(f"graph {record.graph_id} ({len(gm.graph.nodes)} nodes): tracing, planning and compiling"):
+                compiled = self._compile(gm, example_inputs, record)
         except BudgetError as e:
             if record.step_choice is None:  # a first compile: its refusal left to the step where it can be
                 compiled = self._deferred(gm, example_inputs, record, e)
