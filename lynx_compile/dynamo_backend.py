@@ -23,7 +23,7 @@ import torch.fx as fx
 from lynx_compile import _compat, autograd_cache
 from lynx_compile.config import OPTIONS_ENV, LynxConfig, make_config, options_from_env
 from lynx_compile.decisions import BudgetError
-from lynx_compile.errors import LynxOptionError, PlanningDone, without_tracebacks
+from lynx_compile.errors import LynxOptionError, PlanningDone, shown_as_raised, without_tracebacks
 from lynx_compile.memory import optimizer_state
 from lynx_compile.passes import GraphRecord, check_pass_names
 from lynx_compile.recompute.partition import lynx_partition
@@ -143,7 +143,7 @@ class LynxBackend:
             if record.step_choice is None:  # a first compile: its refusal left to the step where it can be
                 compiled = self._deferred(gm, example_inputs, record, e)
                 if compiled is None:
-                    raise
+                    raise shown_as_raised(e)  # the refusal as lynx words it, not wrapped by dynamo
             else:
                 log.warning("lynx plan cache: step hint %s no longer applies to graph %d (%s); planning it as a "
                             "first compile does", hint_key[:12], record.graph_id, e)

@@ -19,6 +19,34 @@ class LynxOptionError(ValueError, _compat.dynamo_passthrough_error()):
         self.first_useful_frame = None  # dynamo strips its own frames from the traceback
 
 
+_SHOWN: dict[type, type] = {}
+
+
+def shown_as_raised(error: BaseException) -> BaseException:
+    """``error`` made an instance of a subclass of its own class that dynamo re-raises as is
+    (``_compat.dynamo_passthrough_error``): raised from the backend, the user reads lynx's message
+    (a refused budget: the fix first) under a traceback of their own frames and the one that raised
+    it, instead of torch's ``BackendCompilerFailed`` with ~100 lines of dynamo's, AOTAutograd's and
+    Inductor's frames. ``except BudgetError`` and its attributes hold as before. Dynamo still
+    appends its two-line ``TORCHDYNAMO_VERBOSE`` hint to the message."""
+    base = _compat.dynamo_passthrough_error()
+    if isinstance(error, base):
+        return error
+    cls = type(error)
+    sub = _SHOWN.get(cls)
+    if sub is None:
+        sub = _SHOWN[cls] = type(cls.__name__, (cls, base), {"__module__": cls.__module__,
+                                                             "__qualname__": cls.__qualname__})
+    error.__class__ = sub
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    # the traceback starts where lynx raised it (torch's frames between the backend and that
+    # point, AOTAutograd's and Inductor's, are dynamo's to strip: TORCHDYNAMO_VERBOSE=1 keeps them)
+    error.first_useful_frame = tb.tb_frame if tb is not None else None
+    return error
+
+
 def without_tracebacks(error: BaseException) -> BaseException:
     """``error`` with its traceback and those of the exceptions it was raised from or during
     cleared, to be kept past the ``except`` block (a refusal deferred to the step's end, a

@@ -119,6 +119,29 @@ def test_bad_option_at_first_call_is_lynxs_error_not_dynamos():
     assert str(info.value).startswith("unknown lynx option(s) ['budget']")
 
 
+def test_a_refused_budget_at_first_call_is_lynxs_error_with_the_fix_first():
+    """A budget no plan reaches, refused while dynamo compiles: lynx's BudgetError as raised
+    (not torch's BackendCompilerFailed, whose text asks the user to report a bug to PyTorch),
+    its first line naming the fix, dynamo's frames stripped from the traceback."""
+    import traceback
+
+    from lynx_compile.decisions import BudgetError
+
+    model = build_model("gpt-tiny")
+    compiled = torch.compile(model, backend=lynx_compile.backend(policy="full", memory_budget=0.05))
+    with pytest.raises(BudgetError) as info:
+        compiled(example_batch(model, 2))
+    text = "".join(traceback.format_exception(info.value))
+    assert "BackendCompilerFailed" not in text
+    assert str(info.value).startswith("memory_budget=0.05") and "Use memory_budget >=" in str(info.value).split(". ")[1]
+    assert info.value.smallest_bytes > 0
+    # the caller's frames down to torch.compile's entry, then the frame where lynx raised it:
+    # none of dynamo's tracing, AOTAutograd's or Inductor's in between
+    frames = [line for line in text.splitlines() if line.lstrip().startswith("File ")]
+    assert "lynx_compile" in frames[-1] and "eval_frame.py" in frames[-2], text
+    assert not any(part in text for part in ("_functorch", "_inductor", "convert_frame.py")), text
+
+
 def test_make_config_keeps_plain_types():
     cfg = make_config({"time_limit_s": 5, "measure_repeats": 3})
     assert cfg.time_limit_s == 5.0 and type(cfg.time_limit_s) is float
