@@ -4,7 +4,8 @@ Compiling a graph (tracing its backward, planning the recompute, Inductor's code
 take a minute on a large model, and until now nothing was printed: the user could not tell work
 from a hang. :class:`Progress` wraps such work: silent when it ends within ``after_s`` seconds,
 else one line then (``lynx: graph 0 (1843 nodes): compiling and planning, 5 s so far``), another
-every ``every_s`` seconds, and one when it ends (``... done in 41.2 s``). The lines come from a
+every ``every_s`` seconds, and one when it ends (``... done in 41.2 s``; none when it raises:
+the error says what happened). The lines come from a
 timer thread; the work itself runs undisturbed on the calling thread.
 
 ``LYNX_PROGRESS=0`` turns the lines off (``verbose`` / ``LYNX_DEBUG`` logs more detail on its
@@ -62,10 +63,8 @@ class Progress:
             self._done = True
             if self._timer is not None:
                 self._timer.cancel()
-            if self._said:
-                failed = exc[0] is not None
-                self._write(f"lynx: {self.what}: {'stopped' if failed else 'done'} in "
-                            f"{self._clock() - self._start:.1f} s")
+            if self._said and exc[0] is None:  # (an error says what happened itself)
+                self._write(f"lynx: {self.what}: done in {self._clock() - self._start:.1f} s")
 
     def _schedule(self, delay: float) -> None:
         self._timer = threading.Timer(delay, self._tick)
