@@ -202,3 +202,26 @@ def test_demo_on_cuda_without_a_gpu_is_one_line_and_exit_2(capsys):
     assert cli.main(["demo", "--device", "cuda"]) == 2
     err = capsys.readouterr().err
     assert err.strip() == "lynx: error: --device cuda: no CUDA device is available (use --device cpu or auto)"
+
+
+def test_the_demo_concludes_what_its_rows_show():
+    """``demo_table.conclusion``: per peer, the fastest lynx row at no more memory and its step
+    time as a multiple of the peer's; then lynx's lowest peak against the peers' (hand-made rows)."""
+    from lynx_compile.tools.demo_table import conclusion
+
+    def row(variant, peak, ms, result="ok"):
+        return {"variant": variant, "peak_MiB": peak, "step_ms": ms, "result": result}
+
+    rows = [row("eager", 100.0, 50.0), row("checkpoint", 40.0, 80.0), row("inductor", 90.0, 40.0),
+            row("inductor-b0.5", 50.0, 44.0), row("lynx-b0.7", 63.0, 42.0), row("lynx-b0.5", 45.0, 43.0),
+            row("lynx-b0.2", 20.0, 60.0), row("lynx-b0.1", None, 0.0, result="refused (reachable >= 0.18)")]
+    lines = conclusion(rows)
+    assert lines[0].startswith("What this table shows")
+    by_peer = {line.split(" than ")[1].split(" (")[0]: line for line in lines[1:] if " than " in line}
+    assert "lynx-b0.7 (63.00 MiB) takes 0.84x its step time (faster)" in by_peer["eager"]          # 42 / 50
+    assert "lynx-b0.2 (20.00 MiB) takes 0.75x its step time (faster)" in by_peer["checkpoint"]     # 60 / 80
+    assert "lynx-b0.7 (63.00 MiB) takes 1.05x its step time (slower)" in by_peer["inductor"]       # 42 / 40
+    assert "lynx-b0.5 (45.00 MiB) takes 0.98x its step time (faster)" in by_peer["inductor-b0.5"]  # 43 / 44
+    assert lines[-1] == ("- lowest memory: lynx-b0.2 at 20.00 MiB, 0.50x the lowest of the others (checkpoint, "
+                         "40.00 MiB), at 0.75x its step time")
+    assert conclusion([row("eager", 100.0, 50.0)]) == []

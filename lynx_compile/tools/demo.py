@@ -43,7 +43,7 @@ import torch
 
 from lynx_compile.report import environment, human_bytes, markdown_table
 from lynx_compile.tools.demo_plot import plot_demo
-from lynx_compile.tools.demo_table import TABLE_COLUMNS, short_result, table_rows
+from lynx_compile.tools.demo_table import TABLE_COLUMNS, conclusion, short_result, table_rows
 from lynx_compile.variants import GRAD_RTOL, run_variant, under_inductor
 
 DEMO_VARIANTS = ("eager", "checkpoint", "inductor", "inductor-b0.5", "lynx-b0.7", "lynx-b0.5", "lynx-b0.2")
@@ -200,6 +200,8 @@ def write_report(rows: Sequence[dict], *, shape: str, device: str, threads: int,
     failed = [r for r in rows if r["result"] != "ok"]
     if failed:
         lines += ["", *(f"- {r['variant']}: {r['result']}" for r in failed)]
+    if said := conclusion(rows):
+        lines += ["", *said]
     wall_s = time.perf_counter() - started if started is not None else 0.0
     if started is not None:
         lines += ["", f"Wall time: {wall_s:.0f} s (model, every variant's compile and steps, the report)."]

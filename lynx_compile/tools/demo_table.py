@@ -38,6 +38,40 @@ def table_rows(rows: Sequence[dict]) -> list[dict]:
     return out
 
 
+def conclusion(rows: Sequence[dict]) -> list[str]:
+    """What the table supports, in a few lines: for each peer that ran (eager, checkpoint,
+    torch.compile at its budgets), the fastest lynx row whose measured peak is no higher, and its
+    step time as a multiple of the peer's; then the lowest peak lynx measured against the lowest
+    of the peers. Nothing where no lynx row ran."""
+    ran = [r for r in rows if r["result"] == "ok" and r.get("peak_MiB") is not None]
+    lynx = [r for r in ran if parse_variant(r["variant"]).kind == "lynx"]
+    peers = [r for r in ran if parse_variant(r["variant"]).kind != "lynx"]
+    if not lynx or not peers:
+        return []
+    lines = []
+    for p in peers:
+        fits = [r for r in lynx if r["peak_MiB"] <= p["peak_MiB"]]
+        if not fits:
+            lines.append(f"- at {p['variant']}'s memory ({human_bytes(p['peak_MiB'] * 2**20)}): no lynx row "
+                         "fits in it")
+            continue
+        best = min(fits, key=lambda r: r["step_ms"])
+        ratio = best["step_ms"] / p["step_ms"]
+        lines.append(f"- at no more memory than {p['variant']} ({human_bytes(p['peak_MiB'] * 2**20)}): "
+                     f"{best['variant']} ({human_bytes(best['peak_MiB'] * 2**20)}) takes {ratio:.2f}x its step time "
+                     f"({'faster' if ratio < 1 else 'slower' if ratio > 1 else 'the same'})")
+    low, low_peer = min(lynx, key=lambda r: r["peak_MiB"]), min(peers, key=lambda r: r["peak_MiB"])
+    if low["peak_MiB"] < low_peer["peak_MiB"]:
+        lines.append(f"- lowest memory: {low['variant']} at {human_bytes(low['peak_MiB'] * 2**20)}, "
+                     f"{low['peak_MiB'] / low_peer['peak_MiB']:.2f}x the lowest of the others "
+                     f"({low_peer['variant']}, {human_bytes(low_peer['peak_MiB'] * 2**20)}), at "
+                     f"{low['step_ms'] / low_peer['step_ms']:.2f}x its step time")
+    else:
+        lines.append(f"- lowest memory: {low_peer['variant']} ({human_bytes(low_peer['peak_MiB'] * 2**20)}); "
+                     f"lynx's lowest is {low['variant']} at {human_bytes(low['peak_MiB'] * 2**20)}")
+    return ["What this table shows (measured, this machine):", *lines]
+
+
 def what(row: dict) -> str:
     """``describe`` of the variant, saying when it was compiled per block."""
     text = describe(row["variant"])
