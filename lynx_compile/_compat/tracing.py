@@ -4,6 +4,7 @@ a compile, the dispatch-mode base class, and the exception dynamo passes on as i
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import torch
@@ -130,10 +131,24 @@ def dispatch_mode_base() -> type:
     return TorchDispatchMode
 
 
+@functools.lru_cache(maxsize=None)
 def dynamo_passthrough_error() -> type:
-    """``torch._dynamo.exc.ShortenTraceback``: an exception a backend raises that dynamo re-raises
-    as is (any other is wrapped in ``BackendCompilerFailed``, whose message starts with dynamo's
-    text); a subclass must set ``first_useful_frame`` (None: keep the whole traceback)."""
+    """A subclass of ``torch._dynamo.exc.ShortenTraceback``: an exception a backend raises that
+    dynamo re-raises as is (any other is wrapped in ``BackendCompilerFailed``, whose message starts
+    with dynamo's text); a subclass must set ``first_useful_frame`` (None: keep the whole
+    traceback). It never holds a ``real_stack`` (reads raise AttributeError, writes are dropped):
+    dynamo attaches one to an exception leaving a traced frame (``TracingContext.current_frame``)
+    and ``exc.augment_exc_message`` then appends ``from user code`` and a ``TORCHDYNAMO_VERBOSE``
+    hint to its message, which is lynx's one line (same on 2.11 and 2.13). One class per process."""
     from torch._dynamo.exc import ShortenTraceback
 
-    return ShortenTraceback
+    class LynxPassthrough(ShortenTraceback):
+        @property
+        def real_stack(self):
+            raise AttributeError("real_stack")
+
+        @real_stack.setter
+        def real_stack(self, value) -> None:
+            pass
+
+    return LynxPassthrough
