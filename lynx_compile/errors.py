@@ -27,8 +27,8 @@ def shown_as_raised(error: BaseException) -> BaseException:
     (``_compat.dynamo_passthrough_error``): raised from the backend, the user reads lynx's message
     (a refused budget: the fix first) under a traceback of their own frames and the one that raised
     it, instead of torch's ``BackendCompilerFailed`` with ~100 lines of dynamo's, AOTAutograd's and
-    Inductor's frames. ``except BudgetError`` and its attributes hold as before. Dynamo still
-    appends its two-line ``TORCHDYNAMO_VERBOSE`` hint to the message."""
+    Inductor's frames. ``except BudgetError`` and its attributes hold as before; the message
+    stays lynx's one line (dynamo ends it with a newline)."""
     base = _compat.dynamo_passthrough_error()
     if isinstance(error, base):
         return error
