@@ -17,9 +17,13 @@ class _Clock:
         return self.t
 
 
-def _wait_for(stream: io.StringIO, lines: int, event: threading.Event) -> None:
-    while stream.getvalue().count("\n") < lines:
+def _wait_for(stream: io.StringIO, lines: int, event: threading.Event, limit_s: float = 30.0) -> None:
+    """Until ``stream`` holds ``lines`` lines (the timer thread wrote them); fails after ``limit_s``."""
+    for _ in range(int(limit_s / 0.01)):
+        if stream.getvalue().count("\n") >= lines:
+            return
         event.wait(0.01)
+    raise AssertionError(f"no progress line within {limit_s} s: {stream.getvalue()!r}")
 
 
 def test_short_work_is_silent():
