@@ -3,14 +3,16 @@
 Compiling a graph (tracing its backward, planning the recompute, Inductor's code generation) can
 take a minute on a large model, and until now nothing was printed: the user could not tell work
 from a hang. :class:`Progress` wraps such work: silent when it ends within ``after_s`` seconds,
-else one line then (``lynx: graph 0 (1843 nodes): compiling and planning, 5 s so far``), another
+else one line then (``lynx: graph 0 (194 nodes): tracing, planning and compiling, 5 s so far``), another
 every ``every_s`` seconds, and one when it ends (``... done in 41.2 s``; none when it raises:
 the error says what happened). The lines come from a
 timer thread; the work itself runs undisturbed on the calling thread.
 
 ``LYNX_PROGRESS=0`` turns the lines off (``verbose`` / ``LYNX_DEBUG`` logs more detail on its
-own); a work nested in another (the step's plan recompiling a graph) prints under the outer one
-only.
+own); a ``Progress`` entered inside another on the same thread (a backend called while another
+graph compiles) prints nothing of its own. Only a graph's first compile is wrapped
+(``LynxBackend.__call__``): the recompiles for the step's plan (``step_record``, at step 3) and
+Inductor's backward, compiled at the first backward, print nothing.
 """
 from __future__ import annotations
 

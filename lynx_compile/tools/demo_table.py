@@ -48,27 +48,30 @@ def conclusion(rows: Sequence[dict]) -> list[str]:
     peers = [r for r in ran if parse_variant(r["variant"]).kind != "lynx"]
     if not lynx or not peers:
         return []
+
+    def peak(r: dict) -> str:
+        return human_bytes(r["peak_MiB"] * 2**20)
+
     lines = []
     for p in peers:
         fits = [r for r in lynx if r["peak_MiB"] <= p["peak_MiB"]]
         if not fits:
-            lines.append(f"- at {p['variant']}'s memory ({human_bytes(p['peak_MiB'] * 2**20)}): no lynx row "
-                         "fits in it")
+            lines.append(f"- at {p['variant']}'s memory ({peak(p)}): no lynx row fits in it")
             continue
         best = min(fits, key=lambda r: r["step_ms"])
         ratio = best["step_ms"] / p["step_ms"]
-        lines.append(f"- at no more memory than {p['variant']} ({human_bytes(p['peak_MiB'] * 2**20)}): "
-                     f"{best['variant']} ({human_bytes(best['peak_MiB'] * 2**20)}) takes {ratio:.2f}x its step time "
+        lines.append(f"- at no more memory than {p['variant']} ({peak(p)}): "
+                     f"{best['variant']} ({peak(best)}) takes {ratio:.2f}x its step time "
                      f"({'faster' if ratio < 1 else 'slower' if ratio > 1 else 'the same'})")
     low, low_peer = min(lynx, key=lambda r: r["peak_MiB"]), min(peers, key=lambda r: r["peak_MiB"])
     if low["peak_MiB"] < low_peer["peak_MiB"]:
-        lines.append(f"- lowest memory: {low['variant']} at {human_bytes(low['peak_MiB'] * 2**20)}, "
+        lines.append(f"- lowest memory: {low['variant']} at {peak(low)}, "
                      f"{low['peak_MiB'] / low_peer['peak_MiB']:.2f}x the lowest of the others "
-                     f"({low_peer['variant']}, {human_bytes(low_peer['peak_MiB'] * 2**20)}), at "
+                     f"({low_peer['variant']}, {peak(low_peer)}), at "
                      f"{low['step_ms'] / low_peer['step_ms']:.2f}x its step time")
     else:
-        lines.append(f"- lowest memory: {low_peer['variant']} ({human_bytes(low_peer['peak_MiB'] * 2**20)}); "
-                     f"lynx's lowest is {low['variant']} at {human_bytes(low['peak_MiB'] * 2**20)}")
+        lines.append(f"- lowest memory: {low_peer['variant']} ({peak(low_peer)}); "
+                     f"lynx's lowest is {low['variant']} at {peak(low)}")
     return ["What this table shows (measured, this machine):", *lines]
 
 
