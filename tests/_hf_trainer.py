@@ -3,8 +3,10 @@ the docs tell Trainer users to (``model.compile(backend="lynx")`` before the ``T
 from ``LYNX_OPTIONS`` or ``options=``), each step's forward + backward measured.
 
 Imported by ``tests/test_hf_trainer.py`` (one process) and run as a script under ``torchrun``
-(several processes: the Trainer wraps the model in DDP over gloo), printing one JSON line per rank:
-``python tests/_hf_trainer.py STEPS UNMEASURED`` runs Inductor, then lynx with ``LYNX_OPTIONS``.
+(several processes: the Trainer wraps the model in DDP over gloo), writing one JSON file per rank,
+``result-RANK.json`` in the working directory (not stdout, where the Trainer's own prints of another
+rank can land inside a line): ``python tests/_hf_trainer.py STEPS UNMEASURED`` runs Inductor, then
+lynx with ``LYNX_OPTIONS``.
 """
 from __future__ import annotations
 
@@ -91,13 +93,15 @@ if __name__ == "__main__":
     result = {"rank": int(os.environ.get("RANK", 0)),
               "inductor": train("inductor", steps=steps, unmeasured=unmeasured),
               "lynx": train("lynx", steps=steps, unmeasured=unmeasured)}
-    print("RESULT " + json.dumps(result), flush=True)
+    with open(f"result-{result['rank']}.json.part", "w") as f:
+        json.dump(result, f)
+    os.replace(f"result-{result['rank']}.json.part", f"result-{result['rank']}.json")
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
     # no interpreter finalization (as python -m lynx_compile.torchtitan_train): under load a rank
-    # aborted there, "terminate called without an active exception", after its results were printed
+    # aborted there, "terminate called without an active exception", after its results were written
     sys.stderr.flush()
     os._exit(0)

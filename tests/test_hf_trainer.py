@@ -73,7 +73,7 @@ def test_trainer_two_processes_ddp_at_a_budget(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(Path(__file__).parent / "_hf_trainer.py"), str(STEPS), str(RECORDED)]
     done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=840)
-    results = [json.loads(line.split("RESULT ", 1)[1]) for line in done.stdout.splitlines() if "RESULT " in line]
+    results = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("result-*.json"))]
     assert done.returncode == 0 and len(results) == 2, done.stdout[-3000:] + done.stderr[-5000:]
     for r in results:
         assert len(r["lynx"]["losses"]) == STEPS
