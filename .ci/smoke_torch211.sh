@@ -51,7 +51,7 @@ echo "torch==$("$PY" -c 'import torch; print(torch.__version__)')" > "$constrain
 has_torch211 || { echo "smoke_torch211: torch in $VENV is not $TORCH_VERSION after installing the deps" >&2; exit 1; }
 deps=$(date +%s)
 
-# plus the pieces of a step planned together (autograd hooks, profiler marks: step_record), and
+# plus the pieces of a step planned together (autograd hooks, profiler marks: step.recorder), and
 # one ZBV pipeline on 2 gloo ranks with per-micro-batch variants: torch 2.11's multi-stage
 # schedules differ from 2.13's (their warm-up sent to the rank's own other stage)
 "$PY" -m pytest -q -p no:cacheprovider --timeout 600 tests/test_smoke_versions.py tests/test_pipeline_per_microbatch.py \

@@ -74,7 +74,7 @@ allocated when that step starts:
   while later graphs run, so the step peak is above the max and below the sum (for per-block
   with one graph reused by every block, the max is one block's peak, far below the step's).
 - ``pred_step_MiB`` / ``pred_step_ref_MiB``: where lynx planned the pieces together from the
-  recorded second step (``lynx_compile.step_record``; scope ``step``): its prediction of the
+  recorded second step (``lynx_compile.step.recorder``; scope ``step``): its prediction of the
   whole step's peak, and of the same step with no piece recomputing (what a fraction is of).
 - ``inductor_est_MiB``: ``RecomputePlan.compiled_peak_bytes`` (Inductor's estimate of the compiled
   graph's peak; lynx rows under ``compiler="inductor"`` only), max over graphs (per graph in
@@ -195,7 +195,7 @@ def lynx_opts(compiler: str, budget: Optional[float]) -> Optional[dict]:
 def prepare(module: Any, style: str, compiler: str, budget: Optional[float], model: str) -> Callable:
     import torch
 
-    from lynx_compile.variants import compile_blocks
+    from lynx_compile.tools.variants import compile_blocks
 
     opts = lynx_opts(compiler, budget)
     if opts is None and compiler == "eager":
@@ -216,10 +216,10 @@ def run_row(model: str, style: str, compiler: str, budget: Optional[float], attn
 
     import lynx_compile
     import lynx_compile.memory.measure as measure_mod
-    from lynx_compile.dynamo_backend import find_backend_error
+    from lynx_compile.compiler.dynamo_backend import find_backend_error
     from lynx_compile.decisions import BudgetError
     from lynx_compile.memory.measure import cpu_peak_bytes, measure_step
-    from lynx_compile.variants import describe_failure
+    from lynx_compile.tools.variants import describe_failure
 
     torch.set_num_threads(threads)
     row: dict[str, Any] = {"result": "ok"}
@@ -439,7 +439,7 @@ def summary(rows: Sequence[dict]) -> list[str]:
 def environment_line() -> str:
     import torch
 
-    from lynx_compile.report import environment
+    from lynx_compile.tools.report import environment
 
     env = environment()
     try:
@@ -459,7 +459,7 @@ def environment_line() -> str:
 def write(out: str, stem: str, rows: Sequence[dict], argv: Sequence[str], notes: Sequence[str],
           env_line: str, done: bool, pending: Sequence[tuple] = (), git_state_start: str = "",
           attn: str = "default") -> str:
-    from lynx_compile.report import csv_text, markdown_table
+    from lynx_compile.tools.report import csv_text, markdown_table
 
     os.makedirs(out, exist_ok=True)
     table = finish(rows)

@@ -140,10 +140,10 @@ def run_row(model: str, variant: str) -> dict:
     import torch
 
     from lynx_compile import _compat
-    from lynx_compile.dynamo_backend import find_backend_error
+    from lynx_compile.compiler.dynamo_backend import find_backend_error
     from lynx_compile.decisions import BudgetError
     from lynx_compile.memory.measure import measure_step
-    from lynx_compile.variants import describe_failure
+    from lynx_compile.tools.variants import describe_failure
 
     torch.set_num_threads(1)
     options, keep, fusion = VARIANTS[variant]

@@ -6,7 +6,7 @@ measured peak, on gloo CPU ranks (issues Q and V).
 
 ``torch.compile(DistributedDataParallel(model, bucket_cap_mb=1), backend=...)``: dynamo's
 DDPOptimizer splits the model at bucket boundaries, so lynx plans several graphs as one step
-(``lynx_compile.step_record``). Each step's peak is the CPU allocator's (``cpu_peak_bytes``),
+(``lynx_compile.step.recorder``). Each step's peak is the CPU allocator's (``cpu_peak_bytes``),
 taken on rank 0, steps 1, 2, 4 and 5; step 3 is the one lynx records (one profiler at a time).
 Step 2 is inflated alike in both: DDP rebuilds its buckets as step 2 starts, and the profiler
 sees the new buckets allocated but not the old ones freed. ``--grads``: ``allocated``

@@ -9,7 +9,7 @@ Rows (each in its own process, with its own empty torch.compile cache):
   (``torch._dynamo.compiled_autograd._enable`` around forward and backward, its graph compiled
   by the same backend; lynx's step recorder is off, its hooks cannot be traced there);
 - ``lynx``: ``backend="lynx"`` at a budget (``none``: policy none, no recompute);
-- ``lynx+acc``: the same with ``accumulate_grad_in_graph=True`` (``lynx_compile.grad_in_graph``).
+- ``lynx+acc``: the same with ``accumulate_grad_in_graph=True`` (``lynx_compile.memory.grad_in_graph``).
 
 Columns: ``peak_MiB`` = ``measure_step(params=...)`` (every parameter has a ``.grad`` before the
 measured step, the gradients the step allocates count while alive); ``frac`` = that over the
@@ -53,7 +53,7 @@ def run_row(model: str, variant: str, budget: str | None) -> dict:
     import torch
 
     import lynx_compile
-    from lynx_compile.dynamo_backend import find_backend_error
+    from lynx_compile.compiler.dynamo_backend import find_backend_error
     from lynx_compile.decisions import BudgetError
     from lynx_compile.memory.measure import grad_rel_diff, grad_snapshot, measure_step
 

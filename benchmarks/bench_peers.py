@@ -133,10 +133,10 @@ def build(model: str) -> tuple[Any, Callable[[Any], Callable[[Callable], Any]]]:
 
 def blocks(module: Any) -> list:
     """The transformer blocks: torchtitan's ``layers`` (an ``nn.ModuleDict``), else the model's
-    largest ``nn.ModuleList`` (``lynx_compile.variants.transformer_blocks``)."""
+    largest ``nn.ModuleList`` (``lynx_compile.tools.variants.transformer_blocks``)."""
     import torch
 
-    from lynx_compile.variants import transformer_blocks
+    from lynx_compile.tools.variants import transformer_blocks
 
     layers = getattr(module, "layers", None)
     if isinstance(layers, torch.nn.ModuleDict):
@@ -295,10 +295,10 @@ def _rockmate_row(module: Any, model: str) -> dict:
 def run_row(model: str, peer: str, budget: Optional[float], warmup: int, steps: int, threads: int) -> dict:
     import torch
 
-    from lynx_compile.dynamo_backend import find_backend_error
+    from lynx_compile.compiler.dynamo_backend import find_backend_error
     from lynx_compile.decisions import BudgetError
     from lynx_compile.memory.measure import measure_step
-    from lynx_compile.variants import describe_failure
+    from lynx_compile.tools.variants import describe_failure
 
     torch.set_num_threads(threads)
     row: dict[str, Any] = {"result": "ok"}
@@ -560,7 +560,7 @@ def plot(table: Sequence[dict], path: str) -> None:
 def write(out: str, stem: str, rows: Sequence[dict], argv: Sequence[str], notes: Sequence[str],
           env_line: str, git_state: str, pending: Sequence[tuple] = (), done: bool = False,
           command: Optional[str] = None) -> str:
-    from lynx_compile.report import csv_text, markdown_table
+    from lynx_compile.tools.report import csv_text, markdown_table
 
     os.makedirs(out, exist_ok=True)
     table = finish(rows)

@@ -21,7 +21,7 @@ import torch
 
 from policy_run import run_policy
 from lynx_compile.models import build_model, example_batch
-from lynx_compile.report import csv_text, environment, markdown_table
+from lynx_compile.tools.report import csv_text, environment, markdown_table
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

@@ -129,7 +129,7 @@ def search_table() -> list[dict]:
     """Plan search on gpt-1.3b-style models planned on the meta device: HEU against the exact
     MILP (HiGHS; GLPK at budget 0.5 on the 48-layer model) on the same problem, per budget;
     ``vs_highs`` is HEU's exposed time over HiGHS's optimum."""
-    from lynx_compile.remat.solve import solve_remat
+    from lynx_compile.solver.solve import solve_remat
 
     rows = []
     for layers, seq in SEARCH_CONFIGS:
@@ -174,7 +174,7 @@ def main() -> None:
         preset, method, budget, batch, steps = args.one
         print(json.dumps(run_one(preset, method, None if budget == "None" else float(budget), int(batch), int(steps))))
         return
-    from lynx_compile.report import csv_text, environment, markdown_table
+    from lynx_compile.tools.report import csv_text, environment, markdown_table
 
     env = environment()
     head = (f"{datetime.date.today().isoformat()}; {env['cpu']}, {env['threads']} torch threads; python "

@@ -19,7 +19,7 @@ cuda`` without CUDA.
 Variants (``--variants``, comma list; each runs in its own process: fresh in-memory compile
 caches and allocator statistics, and a cold Inductor/Triton on-disk cache directory, or torch's
 usual ones, kept across variants and runs, with ``--shared-cache`` / ``--quick``) are
-``lynx_compile.variants`` names: ``eager``; ``checkpoint`` (``torch.utils.checkpoint``
+``lynx_compile.tools.variants`` names: ``eager``; ``checkpoint`` (``torch.utils.checkpoint``
 per transformer block, eager); ``inductor``, ``inductor-b<B>`` (``torch.compile``, with
 ``activation_memory_budget = B``); ``lynx-none``, ``lynx-full``, ``lynx-selective``,
 ``lynx-torch-b<B>``, ``lynx-b<B>`` (policy lynx, ``memory_budget`` B, solver ``--solver``):
@@ -47,7 +47,7 @@ up, then runs ROUNDS rounds of one step per variant, rotating the order every ro
 becomes that median and ``step_ms_own_process`` keeps the per-process one. Drift on a shared
 machine then falls on every variant alike, which per-process medians minutes apart cannot give.
 
-Measurement, per variant (``lynx_compile.variants.run_variant``, as ``lynx demo``): an eager
+Measurement, per variant (``lynx_compile.tools.variants.run_variant``, as ``lynx demo``): an eager
 reference step (fp32 only) from the same seeds; then ``--warmup`` steps (the first compiles;
 its wall time is ``first_step_s``, loss ``loss``), then ``--steps`` timed steps, median
 ``step_ms`` (CUDA: events; CPU: ``time.perf_counter``). Gradients accumulate (no optimizer, no
@@ -85,11 +85,11 @@ if HERE not in sys.path:  # sibling benchmark modules, also when imported from t
 from bench_kernels import environment as gpu_environment  # noqa: E402
 from bench_kernels import header_line  # noqa: E402
 
-from lynx_compile import variants  # noqa: E402
+from lynx_compile.tools import variants  # noqa: E402
 from lynx_compile.memory.measure import grad_rel_diff, grad_snapshot  # noqa: E402
-from lynx_compile.report import csv_text, markdown_table  # noqa: E402
-from lynx_compile.report import environment as host_environment  # noqa: E402
-from lynx_compile.variants import (checkpoint_blocks, describe_failure, parse_variant,  # noqa: E402,F401
+from lynx_compile.tools.report import csv_text, markdown_table  # noqa: E402
+from lynx_compile.tools.report import environment as host_environment  # noqa: E402
+from lynx_compile.tools.variants import (checkpoint_blocks, describe_failure, parse_variant,  # noqa: E402,F401
                                    plot_pareto, transformer_blocks, under_inductor)
 
 RESULTS = os.path.join(HERE, "results")
@@ -249,7 +249,7 @@ def eager_reference(s: Settings) -> tuple[float, list]:
 
 
 def run_variant(variant: str, s: Settings, ref_grads_path: Optional[str] = None) -> dict:
-    """Measure ``variant`` in this process (``lynx_compile.variants.run_variant``); one result row
+    """Measure ``variant`` in this process (``lynx_compile.tools.variants.run_variant``); one result row
     (see the module docstring). ``ref_grads_path``: the ``inductor`` variant writes its
     first-step gradients there (fp32); the other compiled variants compare with them when the
     file exists."""
@@ -438,7 +438,7 @@ def summary(rows: Sequence[dict]) -> list[str]:
 
 
 def plot(rows: Sequence[dict], path: str, title: str) -> None:
-    """Pareto plot per model (``lynx_compile.variants.plot_pareto``)."""
+    """Pareto plot per model (``lynx_compile.tools.variants.plot_pareto``)."""
     plot_pareto(rows, path, title)
 
 

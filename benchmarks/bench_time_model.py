@@ -7,7 +7,7 @@
 For each model (``bench_step.build``: zoo preset, ``hf-llama:<preset>``, ``gqa:<preset>``,
 ``tt-llama3``: torchtitan's llama3 ``debugmodel`` cut to ``--layers`` blocks, its loss compiled
 with it; fp32, one thread, batch ``--batch`` x ``--seq``), every candidate is compiled by lynx with Inductor in
-one process, each on its own copy of the model (``lynx_compile.variants.prepare``):
+one process, each on its own copy of the model (``lynx_compile.tools.variants.prepare``):
 ``lynx-none``, ``lynx-full``, ``lynx-selective``, torch's min-cut at ``--torch-budgets``
 (``lynx-torch-b<B>``) and lynx's own choice at ``--budgets`` (``lynx-b<B>``; a refused budget is a
 row saying so). Then ``--rounds`` rounds run one step per candidate, the order rotating each
@@ -88,7 +88,7 @@ def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
 def run_model(model_name: str, args: argparse.Namespace) -> list[dict]:
     import lynx_compile
     from bench_step import Settings, build
-    from lynx_compile import variants
+    from lynx_compile.tools import variants
     from lynx_compile.decisions import BudgetError
 
     torch.set_num_threads(args.threads)
@@ -113,7 +113,7 @@ def run_model(model_name: str, args: argparse.Namespace) -> list[dict]:
                 loss_of(fn).backward()
                 # .grad None at every step, as in the timed rounds (zero_grad()'s default): a
                 # .grad kept into the next step is gradient accumulation, which lynx compiles for
-                # (the gradients added in the graph: compiled_piece.Piece)
+                # (the gradients added in the graph: step.piece.Piece)
                 for p in model.parameters():
                     p.grad = None
         except BudgetError as e:

@@ -164,7 +164,7 @@ install_shim() {  # lynx_compile as setup.py lays it out, plus the backend's ent
     cp -r passes "$shim/lynx_compile/passes"
     cp -r kernels "$shim/lynx_compile/kernels"
     printf 'Metadata-Version: 2.1\nName: lynx-compile\nVersion: 0.1.0\n' >"$dist/METADATA"
-    printf '[console_scripts]\nlynx = lynx_compile.tools.cli:main\n\n[torch_dynamo_backends]\nlynx = lynx_compile.dynamo_backend:lynx_backend\n' \
+    printf '[console_scripts]\nlynx = lynx_compile.tools.cli:main\n\n[torch_dynamo_backends]\nlynx = lynx_compile.compiler.dynamo_backend:lynx_backend\n' \
         >"$dist/entry_points.txt"
     export PYTHONPATH=$shim${PYTHONPATH:+:$PYTHONPATH}
 }

@@ -1,6 +1,6 @@
 """Train a copy of a model under one lynx policy (or eager) and measure it: the helper of
 ``bench_policies.py`` and ``bench_remat.py`` (it was ``lynx_compile.demo.run_policy`` until the
-demo moved to ``lynx_compile.variants``, 08d0d4e).
+demo moved to ``lynx_compile.tools.variants``, 08d0d4e).
 
 Every run trains the same model (same seed, same batches, same dropout seeds) for a few AdamW
 steps; the step time is the median of the steps after the first (compile excluded); the peak is

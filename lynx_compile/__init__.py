@@ -4,7 +4,7 @@ Use it as ``torch.compile(model, backend="lynx", options={...})`` or bind option
 :func:`lynx_compile.backend`.
 
 Importing the package loads nothing but its version: the names below load their module on first
-use, so a subpackage (``lynx_compile.kernels``, ``lynx_compile.remat``, ``lynx_compile.models``)
+use, so a subpackage (``lynx_compile.kernels``, ``lynx_compile.solver``, ``lynx_compile.models``)
 imports on its own, without torch.compile's machinery.
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ from lynx_compile._version import __version__
 
 #: public name -> the module that defines it
 _LAZY = {
-    "LynxBackend": "lynx_compile.dynamo_backend",
-    "backend": "lynx_compile.dynamo_backend",
+    "LynxBackend": "lynx_compile.compiler.dynamo_backend",
+    "backend": "lynx_compile.compiler.dynamo_backend",
     "LynxConfig": "lynx_compile.config",
     "make_config": "lynx_compile.config",
     "RecomputePlan": "lynx_compile.plan",
@@ -30,7 +30,7 @@ __all__ = ["LynxBackend", "LynxConfig", "RecomputePlan", "backend", "make_config
 
 if TYPE_CHECKING:
     from lynx_compile.config import LynxConfig, make_config
-    from lynx_compile.dynamo_backend import LynxBackend, backend
+    from lynx_compile.compiler.dynamo_backend import LynxBackend, backend
     from lynx_compile.pipelining import pipeline
     from lynx_compile.plan import RecomputePlan
     from lynx_compile.recompute.regions import region_budget

@@ -57,7 +57,7 @@ class LynxConfig:
     storage bytes of the graph's inputs (parameters, buffers, the batch) and the state the
     optimizers seen stepping hold for them (``memory.optimizer_state``); for ``lynx plan`` the
     inputs. AdamW's state is created by the first ``optimizer.step()``, after that read: the
-    budget is checked again as step 2 starts (``step_record``), and a plan that no longer fits
+    budget is checked again as step 2 starts (``step.recorder``), and a plan that no longer fits
     beside the state is made again, or refused naming the smallest ``device_budget``. With
     ``memory_budget`` too, the tighter bound in bytes applies. Resident bytes at or above it are
     a ``BudgetError`` at compile time; a budget no plan reaches is one naming the smallest
@@ -92,7 +92,7 @@ class LynxConfig:
     """Reuse plans made earlier for the same graph and options: in this process (the solve, by
     graph, budget and solver) and, for a whole model under policy ``lynx`` with a budget, across
     processes from ``lynx/plans`` under torch.compile's cache directory (``TORCHINDUCTOR_CACHE_DIR``;
-    ``lynx_compile.plan_cache``: the winning plan after seeding, re-checked against the budget;
+    ``lynx_compile.caches.plans``: the winning plan after seeding, re-checked against the budget;
     ``lynx cache clear`` empties it). ``False`` turns both off."""
 
     cost_source: CostSource = "analytic"
@@ -145,7 +145,7 @@ class LynxConfig:
     pipeline stage it changes nothing but the compile time."""
 
     accumulate_grad_in_graph: bool | None = None
-    """Where parameter gradients go (``lynx_compile.grad_in_graph``). None (default): each is
+    """Where parameter gradients go (``lynx_compile.memory.grad_in_graph``). None (default): each is
     added into ``.grad`` inside the compiled backward right after it is computed, as eager
     PyTorch does (its tensor and post-accumulate-grad hooks run there), instead of all being
     returned at the backward's end for autograd to add (the "gradient pile", which sets the
@@ -365,7 +365,7 @@ def _check_solver_installed(options: dict[str, Any]) -> None:
     """A MILP solver asked for by name must be installed when the optimizer will run."""
     if options.get("policy", "lynx") != "lynx" or options.get("solver") not in ("highs", "glpk"):
         return
-    from lynx_compile.remat.milp_solvers import require_solver
+    from lynx_compile.solver.milp_solvers import require_solver
 
     try:
         require_solver(options["solver"])
@@ -418,7 +418,7 @@ def options_from_env(environ: dict[str, str] | None = None) -> dict[str, Any] | 
     ``LYNX_OPTIONS=lynx_options.json``. The keys are those of ``options=`` (:class:`LynxConfig`)
     and are validated by :func:`make_config`. A missing file, text that is not a JSON object, or a
     bad option raises ``ValueError`` naming ``LYNX_OPTIONS``. The backend refuses ``options=``
-    together with a set ``LYNX_OPTIONS`` (``lynx_compile.dynamo_backend.lynx_backend``): one source of
+    together with a set ``LYNX_OPTIONS`` (``lynx_compile.compiler.dynamo_backend.lynx_backend``): one source of
     options per compile; ``lynx_compile.backend(**options)`` never reads the variable."""
     text = (os.environ if environ is None else environ).get(OPTIONS_ENV, "").strip()
     if not text:

@@ -57,7 +57,7 @@ class RecomputePlan:
     blocks), ``"saved"`` (the activations the graph saves for its backward; a graph that is one
     block or a piece of a model, planned provisionally, before a step has run) or ``"step"`` (the
     peak of the whole step, its compiled pieces planned together from a recorded step:
-    ``lynx_compile.step_record``; ``step_peak_bytes`` is then the step's predicted peak)."""
+    ``lynx_compile.step.recorder``; ``step_peak_bytes`` is then the step's predicted peak)."""
     step_peak_bytes: int | None = None
     """Scope ``"step"``: the whole step's predicted peak with every piece as planned (measured
     outside the pieces, modelled inside them)."""
@@ -74,11 +74,11 @@ class RecomputePlan:
     resident_source: str = ""
     compiled_peak_bytes: int | None = None
     """``compiler="inductor"``: the step's activation peak as Inductor compiled it, from its own
-    memory estimate of the fused schedules (``lynx_compile.inductor.CompiledPeak``; not what the
+    memory estimate of the fused schedules (``lynx_compile.compiler.inductor_partition.CompiledPeak``; not what the
     budget is checked on); None for the eager compiler, for ``lynx plan`` (nothing compiles),
     until the backward is compiled (at the first backward), and when Inductor's FX-graph cache
     served either graph (its scheduler did not run) unless the plan came from lynx's plan cache
-    holding the estimate of an earlier compile (``lynx_compile.plan_cache``; set at the forward)."""
+    holding the estimate of an earlier compile (``lynx_compile.caches.plans``; set at the forward)."""
     notes: tuple[str, ...] = field(default_factory=tuple)
     decisions: Decisions = field(default_factory=lambda: Decisions(policy="none"))
     """Per unit (forward op): ``Keep()`` / ``Demand()`` / ``Window(collective)``, as the policy

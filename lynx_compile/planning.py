@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from lynx_compile import _compat
-from lynx_compile.dynamo_backend import LynxBackend, PlanningDone, _graph_ids, find_backend_error
+from lynx_compile.compiler.dynamo_backend import LynxBackend, PlanningDone, _graph_ids, find_backend_error
 from lynx_compile.config import LynxConfig, make_config
 from lynx_compile.recompute.partition import lynx_partition
 from lynx_compile.passes import GraphRecord
@@ -84,7 +84,8 @@ class _VariantsBackend:
         self.records: list[list[GraphRecord]] = [[] for _ in configs]
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list, **_: Any):
-        from lynx_compile import grad_in_graph
+        from lynx_compile.caches.source_digest import lynx_source_digest
+        from lynx_compile.memory import grad_in_graph
 
         # where each config puts the parameter gradients, as its own LynxBackend decides
         records = [GraphRecord(graph_id=next(_graph_ids), policy=c.policy,
@@ -94,7 +95,8 @@ class _VariantsBackend:
         partition = _VariantsPartitioner(self.configs, records)
         on_meta = any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in example_inputs)
         if self.configs[0].compiler == "inductor" and not on_meta:  # as LynxBackend decides
-            return _compat.inductor_compile_with_partitioner(gm, example_inputs, partition, keep_placement=False)
+            return _compat.inductor_compile_with_partitioner(gm, example_inputs, partition, keep_placement=False,
+                                                             source_digest=lynx_source_digest())
         return _compat.aot_autograd(fw_compiler=_stop, bw_compiler=_stop, inference_compiler=_stop,
                                     partition_fn=partition)(gm, example_inputs)
 

@@ -5,7 +5,7 @@
 each partition; ``FORWARD_PIPELINE`` / ``BACKWARD_PIPELINE`` run on the partitioned forward /
 backward graphs. ``POST_GRAD_PIPELINE`` runs inside Inductor (``compiler="inductor"``), on each
 graph it compiles after its own post-grad passes, for lynx's own placements
-(``lynx_compile.inductor.LynxPostGrad``). Disable one with
+(``lynx_compile.compiler.inductor_partition.LynxPostGrad``). Disable one with
 ``options={"disable_passes": ("<name>",)}``.
 """
 from .alias_clones import alias_clones_pass

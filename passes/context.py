@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lynx_compile.plan import RecomputePlan
-from lynx_compile.step_model import GraphChoices
+from lynx_compile.step.model import GraphChoices
 
 if TYPE_CHECKING:  # the config module checks pass names against this package
     from lynx_compile.config import LynxConfig
@@ -50,21 +50,21 @@ class GraphRecord:
     segment_costs: Any = None
     """Per block and outside blocks: forward / backward seconds (``lynx_compile.pipeline``)."""
     step: Any = None
-    """Its candidates for the step's plan across graphs (``lynx_compile.step_model.GraphChoices``)."""
+    """Its candidates for the step's plan across graphs (``lynx_compile.step.model.GraphChoices``)."""
     takes_activations: bool = False
     """An input is an activation with gradients (not a parameter): the graph is a piece of a
     model compiled in pieces and is planned as one (``partition.lynx_partition``); set only
-    where the backend plans pieces together (``step_record``)."""
+    where the backend plans pieces together (``step.recorder``)."""
     fsdp: tuple[int, int, int] | None = None
     """FSDP2's collectives around this graph's backward (``distributed.fsdp.FsdpComm``), when
     its parameters are ``fully_shard``-ed over several ranks."""
     step_choice: str | None = None
-    """The candidate the step's plan chose for this graph (``lynx_compile.step_record``): a
+    """The candidate the step's plan chose for this graph (``lynx_compile.step.recorder``): a
     compile with it set applies that candidate as is."""
     provisional: bool = False
     """A piece's first plan, made before any step was recorded, which the step's plan across
-    graphs makes again (``step_record``): the candidate of least memory in a step of many calls
-    (``step_model.provisional_order``), so that the steps before it hold the budget (slower,
+    graphs makes again (``step.recorder``): the candidate of least memory in a step of many calls
+    (``step.model.provisional_order``), so that the steps before it hold the budget (slower,
     never above it)."""
     new_grad_bytes: int = 0
     """Bytes of the graph's parameters whose ``.grad`` was None when it compiled: the ``.grad``
@@ -76,14 +76,14 @@ class GraphRecord:
     its own peak (a piece's min-cut candidates compile as lynx's placements: the step's plan
     weighs them by lynx's memory model of that compile). Inductor compiles it with its
     peak-memory reordering on, as torch.compile does (it holds less there), and without lynx's
-    post-grad passes (``lynx_compile.inductor``); buffer reuse stays off (``_compat``)."""
+    post-grad passes (``lynx_compile.compiler.inductor_partition``); buffer reuse stays off (``_compat``)."""
     keep_recompute_apart: bool = False
     """Of a ``torch_partition``: a min-cut candidate that policy lynx chose for a graph planned on
     its own peak. Compiled as torch.compile compiles it, but with no horizontal fusion of a
     recomputed kernel sharing under 1 MiB of reads (``_compat.refusing_recompute_fusion``), the
     fusion that put a block's recomputed norm at the backward's start above the simulated peak."""
     grads_in_graph: Any = None
-    """Where the parameter gradients go (``lynx_compile.grad_in_graph.GradsInGraph``: added into
+    """Where the parameter gradients go (``lynx_compile.memory.grad_in_graph.GradsInGraph``: added into
     ``.grad`` inside the backward, or returned at its end, and why), decided when the graph
     compiles; None before."""
 

@@ -16,7 +16,7 @@ from lynx_compile.tools.cli import main
 
 def test_entry_point_registers_lynx():
     eps = importlib.metadata.entry_points(group="torch_dynamo_backends")
-    assert any(ep.name == "lynx" and ep.value == "lynx_compile.dynamo_backend:lynx_backend" for ep in eps)
+    assert any(ep.name == "lynx" and ep.value == "lynx_compile.compiler.dynamo_backend:lynx_backend" for ep in eps)
     assert "lynx" in torch._dynamo.list_backends()
 
 

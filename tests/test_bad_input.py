@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import lynx_compile
-from lynx_compile.dynamo_backend import find_backend_error
+from lynx_compile.compiler.dynamo_backend import find_backend_error
 from lynx_compile.config import make_config
 from lynx_compile.models import build_model, example_batch
 from lynx_compile.decisions import BudgetError
@@ -15,7 +15,7 @@ NO_COSTS = ("annotate_costs_pass",)
 
 def _budget_error(compiled, x) -> BudgetError:
     """The BudgetError compiling and running a step of ``compiled(x)`` raises, under dynamo's
-    wrappers (a whole graph's refusal comes at the end of step 1: step_record.StepRecorder.defer)."""
+    wrappers (a whole graph's refusal comes at the end of step 1: step.recorder.StepRecorder.defer)."""
     with pytest.raises(Exception) as info:
         compiled(x).loss.backward()
     err = find_backend_error(info.value, BudgetError)
@@ -118,7 +118,7 @@ def test_graph_breaks_compile_each_subgraph_and_say_so_once(caplog):
     caplog.set_level(logging.WARNING, logger="lynx_compile")
     model = _Broken()
     x = example_batch(model.inner, 2)
-    from lynx_compile.dynamo_backend import LynxBackend
+    from lynx_compile.compiler.dynamo_backend import LynxBackend
     from lynx_compile.config import make_config
 
     # a fresh backend (lynx_compile.backend() returns the cached one an earlier test with the

@@ -85,7 +85,7 @@ def test_copies_at_different_torch_budgets_each_compile_their_own_graph():
     budget: three copies at three settings give three compiled graphs, not one."""
     from torch._dynamo.utils import counters
 
-    from lynx_compile import variants
+    from lynx_compile.tools import variants
 
     torch.compiler.reset()
     before = counters["stats"]["unique_graphs"]

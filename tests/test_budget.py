@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import lynx_compile
-from lynx_compile.dynamo_backend import find_backend_error
+from lynx_compile.compiler.dynamo_backend import find_backend_error
 from lynx_compile.budget import Budget, format_bytes, parse_budget
 from lynx_compile.decisions import BudgetError
 from lynx_compile.memory import measure_step

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lynx_compile
-from lynx_compile.dynamo_backend import LynxOptionError, _log_to_stderr
+from lynx_compile.compiler.dynamo_backend import LynxOptionError, _log_to_stderr
 from lynx_compile.config import make_config, parse_budget
 from lynx_compile.models import build_model, example_batch
 from lynx_compile.tools.cli import build_parser, main
@@ -188,9 +188,9 @@ def test_cli_help_every_flag_and_strategy_values():
 
 @pytest.mark.parametrize("solver", ["highs", "glpk"])
 def test_milp_progress_lines_without_the_solver_log(solver, lynx_logging, capsys, monkeypatch):
-    from lynx_compile.remat import milp_solvers
-    from lynx_compile.remat.solve import solve_remat
-    from lynx_compile.remat.synthetic import synthetic_problem
+    from lynx_compile.solver import milp_solvers
+    from lynx_compile.solver.solve import solve_remat
+    from lynx_compile.solver.synthetic import synthetic_problem
 
     if solver not in milp_solvers.available_solvers():
         pytest.skip(f"{solver} is not installed")
@@ -210,9 +210,9 @@ def test_milp_progress_lines_without_the_solver_log(solver, lynx_logging, capsys
 
 
 def test_solver_log_once_when_verbose(lynx_logging, capsys):
-    from lynx_compile.remat import milp_solvers
-    from lynx_compile.remat.solve import solve_remat
-    from lynx_compile.remat.synthetic import synthetic_problem
+    from lynx_compile.solver import milp_solvers
+    from lynx_compile.solver.solve import solve_remat
+    from lynx_compile.solver.synthetic import synthetic_problem
 
     if "highs" not in milp_solvers.available_solvers():
         pytest.skip("HiGHS is not installed")

@@ -1,4 +1,4 @@
-"""What Inductor compiles, as lynx shapes and reports it (``lynx_compile.inductor``): the
+"""What Inductor compiles, as lynx shapes and reports it (``lynx_compile.compiler.inductor_partition``): the
 post-grad passes ``split_late_addmm_pass`` (Inductor's ``mm + add -> addmm`` fusion moved a tied
 weight's gradient matmul to the end of the backward), ``split_shared_pointwise_pass`` and no
 wrapper buffer reuse (Llama's recomputed MLP held past its matmuls), run by the pass runner
@@ -17,7 +17,7 @@ import torch.fx as fx
 
 import lynx_compile
 from lynx_compile import _compat
-from lynx_compile.dynamo_backend import find_backend_error
+from lynx_compile.compiler.dynamo_backend import find_backend_error
 from lynx_compile.decisions import BudgetError
 from lynx_compile.config import make_config
 from lynx_compile.memory import measure_step
@@ -177,7 +177,7 @@ def test_post_grad_hook_cache_key_names_the_passes_that_run():
     of one configuration, different when a pass is disabled (a graph compiled without the pass
     is not served the code of one compiled with it)."""
     from lynx_compile._compat.keyed_passes import _chained_post_grad_pass
-    from lynx_compile.inductor import LynxPostGrad
+    from lynx_compile.compiler.inductor_partition import LynxPostGrad
 
     def uuid(**options):
         record = GraphRecord(graph_id=0, policy="full")

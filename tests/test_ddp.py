@@ -5,7 +5,7 @@ graphs (issue Q items 1-2; issue V item 2).
 What is checked, each against ``backend="inductor"`` on the same DDP model and batch:
 
 - the parameter gradients leave every compiled graph where they are computed
-  (``lynx_compile.grad_in_graph``; DDP's reducer reads ``.grad`` from its hook on
+  (``lynx_compile.memory.grad_in_graph``; DDP's reducer reads ``.grad`` from its hook on
   ``AccumulateGrad``, which still runs), and the all-reduced gradients equal Inductor's;
 - the step is recorded and planned across the pieces (DDPOptimizer runs each compiled bucket on
   fake tensors while it compiles the next: those calls are not steps), and with ``.grad``

@@ -1,5 +1,5 @@
 """``lynx demo`` (lynx_compile/tools/demo.py, demo_table.py, demo_plot.py) and what it is built
-from: variant names and the per-block compile style (lynx_compile/variants.py), the plot's label
+from: variant names and the per-block compile style (lynx_compile/tools/variants.py), the plot's label
 placement, and the profiler's log filter (lynx_compile/memory/measure.py)."""
 import argparse
 import os
@@ -13,7 +13,7 @@ from lynx_compile.tools.demo import DEMO_BATCH, DEMO_LAYERS, DEMO_MODEL, DEMO_SE
     run_demo, why_not_equal
 from lynx_compile.tools.demo_plot import _centre, _crosses, _overlap, _segments_cross, label_boxes, plot_demo
 from lynx_compile.tools.demo_table import short_result
-from lynx_compile.variants import describe, lynx_options, min_warmup, parse_variant, prepare
+from lynx_compile.tools.variants import describe, lynx_options, min_warmup, parse_variant, prepare
 
 # the demo's code path on a small shape: the default model (gpt-small) at 2 layers and sequence
 # 128, per-block compiles; lynx at 0.7 (reachable: ~0.52 here) and at 0.1 (refused)

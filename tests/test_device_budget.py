@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import lynx_compile
-from lynx_compile.dynamo_backend import find_backend_error
+from lynx_compile.compiler.dynamo_backend import find_backend_error
 from lynx_compile.budget import Budget, check_device_budget, format_bytes
 from lynx_compile.decisions import BudgetError
 from lynx_compile.models import build_model, example_batch

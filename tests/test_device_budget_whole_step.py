@@ -17,7 +17,7 @@ import torch
 
 import lynx_compile
 from lynx_compile.decisions import BudgetError
-from lynx_compile.dynamo_backend import find_backend_error
+from lynx_compile.compiler.dynamo_backend import find_backend_error
 from lynx_compile.memory import optimizer_state
 from lynx_compile.memory.measure import cpu_peak_bytes
 from lynx_compile.models import build_model, example_batch

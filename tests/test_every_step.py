@@ -8,9 +8,9 @@ recompute (``backend="inductor"``, the budget's reference), +2%:
 - a model compiled whole: one graph, planned on its own peak from its first compile;
 - a model compiled per block (torchtitan's ``apply_compile``): each piece is first planned with
   the candidate of least memory in a step of many calls (``GraphRecord.provisional``,
-  ``step_model.provisional_order``; at 0.5 the candidate saving least, ``full``, measured 0.552
+  ``step.model.provisional_order``; at 0.5 the candidate saving least, ``full``, measured 0.552
   of Inductor's step at steps 1-2, the one chosen now 0.504), the step is recorded, and the pieces
-  are planned together (``lynx_compile.step_record``). Steps 1-2 run the provisional plans, step 3
+  are planned together (``lynx_compile.step.recorder``). Steps 1-2 run the provisional plans, step 3
   is recorded (a step measured by another profiler is not: the recording waits for one without),
   steps 4-5 run the plan of the step.
 """
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from lynx_compile.config import make_config
-from lynx_compile.dynamo_backend import LynxBackend
+from lynx_compile.compiler.dynamo_backend import LynxBackend
 from lynx_compile.memory.measure import cpu_peak_bytes
 from lynx_compile.models import build_model, example_batch
 

@@ -90,7 +90,7 @@ def _train(rank: int, world: int, mode: str, options: dict) -> dict:
     losses = sgd_losses(run, model, _batches(model), LR, rank, world)
     graphs = []
     # one record per graph, two for a graph whose calls run two compiles after the step's plan
-    # across pieces (lynx_compile.step_record): its block flag is its graph's
+    # across pieces (lynx_compile.step.recorder): its block flag is its graph's
     ids = list(dict.fromkeys(r.graph_id for r in backend.records[first:]))
     block_of = dict(zip(ids, is_block, strict=True))
     for r in backend.records[first:]:
@@ -210,7 +210,7 @@ def test_fsdp2_trains_with_single_process_losses_and_recomputes_in_blocks(mode, 
         assert all(g["fingerprint"] for g in graphs), graphs
         for g in graphs:
             # no module-list children in any graph: one block each, planned provisionally on
-            # what each saves, then together on the recorded step (lynx_compile.step_record)
+            # what each saves, then together on the recorded step (lynx_compile.step.recorder)
             if policy == "none":
                 assert g["scope"] == "saved" and g["demand"] == 0, g
             else:

@@ -1,4 +1,4 @@
-"""Parameter gradients added into ``.grad`` inside the compiled backward (``lynx_compile.grad_in_graph``;
+"""Parameter gradients added into ``.grad`` inside the compiled backward (``lynx_compile.memory.grad_in_graph``;
 on by default, ``accumulate_grad_in_graph=None``): the step no longer holds all of them at the
 backward's end (issues M and Q, "the gradient pile").
 
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import lynx_compile
-from lynx_compile.dynamo_backend import LynxOptionError
+from lynx_compile.compiler.dynamo_backend import LynxOptionError
 from lynx_compile.memory import measure_step
 from lynx_compile.memory.measure import grad_rel_diff, grad_snapshot
 from lynx_compile.models import build_model, example_batch
@@ -134,14 +134,14 @@ def test_accumulates_and_creates_grad():
 
 
 def test_returned_while_grad_is_none_added_once_it_accumulates():
-    """Under a budget (the graph runs as a ``compiled_piece.Piece``), ``.grad`` None as the graph
+    """Under a budget (the graph runs as a ``step.piece.Piece``), ``.grad`` None as the graph
     compiles: the backward returns the gradients (``RETURNED_NEW``: the bytes the op would keep,
     without its calls). The first call that finds a ``.grad`` kept (gradient accumulation)
     compiles it again with them added in the graph, once: the accumulating step no longer holds
     a second copy of every gradient at its end. A model whose step peaks there (batch 1 x 16
     tokens: its parameter gradients outweigh its activations); gradients equal eager's
     accumulated over the same micro-steps."""
-    from lynx_compile.grad_in_graph import RETURNED_NEW
+    from lynx_compile.memory.grad_in_graph import RETURNED_NEW
     from lynx_compile.memory.measure import cpu_peak_bytes
 
     def small():
@@ -176,7 +176,7 @@ def test_returned_while_grad_is_none_added_once_it_accumulates():
 
 def _smallest(acc):
     """The smallest budget lynx accepts (compiler eager), from its refusal of 0.05."""
-    from lynx_compile.dynamo_backend import find_backend_error
+    from lynx_compile.compiler.dynamo_backend import find_backend_error
     from lynx_compile.budget import parse_budget
     from lynx_compile.decisions import BudgetError
 
@@ -285,7 +285,7 @@ def test_gradients_added_in_groups_after_extern_kernels():
     between two ops of Inductor's (each ends a CPU kernel group); every gradient once; a bias
     gradient, a view of its (1, n) sum or a sum of its own, kept as ``.grad``
     (``KEEPS_GRAD``), not copied."""
-    from lynx_compile.grad_in_graph import rewrite_joint
+    from lynx_compile.memory.grad_in_graph import rewrite_joint
     from lynx_compile.memory.inductor_model import is_extern_kernel
     from lynx_compile.memory.storage import GRAD_BYTES, KEEPS_GRAD
 

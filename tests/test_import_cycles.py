@@ -150,13 +150,13 @@ def test_subpackages_import_on_their_own():
     of torch.fx) or ``.models`` loads neither lynx's backend nor torch.compile's machinery: the
     package ``__init__`` loads its names on first use. The names still resolve to the functions."""
     code = (
-        "import sys, lynx_compile.kernels, lynx_compile.remat, lynx_compile.models\n"
-        "loaded = [m for m in ('lynx_compile.dynamo_backend', 'lynx_compile.config', 'lynx_compile.passes',"
+        "import sys, lynx_compile.kernels, lynx_compile.solver, lynx_compile.models\n"
+        "loaded = [m for m in ('lynx_compile.compiler.dynamo_backend', 'lynx_compile.config', 'lynx_compile.passes',"
         " 'torch._dynamo', 'torch._inductor') if m in sys.modules]\n"
         "assert not loaded, loaded\n"
-        "import lynx_compile, lynx_compile.pipelining, lynx_compile.dynamo_backend\n"
+        "import lynx_compile, lynx_compile.pipelining, lynx_compile.compiler.dynamo_backend\n"
         "assert callable(lynx_compile.backend) and callable(lynx_compile.pipeline)\n"
-        "assert lynx_compile.backend is lynx_compile.dynamo_backend.backend\n"
+        "assert lynx_compile.backend is lynx_compile.compiler.dynamo_backend.backend\n"
         "assert lynx_compile.pipeline is lynx_compile.pipelining.pipeline\n"
     )
     _runs_in_a_fresh_interpreter(code)

@@ -1,4 +1,4 @@
-"""``compiled_piece.InputSpec``: the stand-ins a piece is compiled again on at step 3, once the
+"""``step.piece.InputSpec``: the stand-ins a piece is compiled again on at step 3, once the
 inputs it was first compiled with are gone. Reference: the original inputs' layout."""
 import gc
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lynx_compile.compiled_piece import InputSpec
+from lynx_compile.step.piece import InputSpec
 
 
 def test_plain_tensor_stands_in_with_its_layout_and_a_live_parameter_is_itself():

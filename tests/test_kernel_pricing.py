@@ -150,7 +150,7 @@ def _held_toy():
     """h: a block's input (10 B) that only the recompute of a reads (not the backward): held.
     a: 100 B, read by the backward at event 1, recomputable from h in 1 ms. The forward peaks at
     110 B (h and a); the backward's start holds 50 B besides the kept units."""
-    from lynx_compile.remat.problem import RematProblem, Unit
+    from lynx_compile.solver.problem import RematProblem, Unit
 
     h = Unit(id=0, name="h", nbytes=10, compute_s=1e-3, fw_pos=0, fw_last=1, first_use=None,
              need_start=1, need_end=1, recomputable=False)
@@ -166,9 +166,9 @@ def test_a_held_unit_is_kept_when_a_recompute_reads_it_and_never_recomputed(solv
     50 + 100 B); at 120 B a is recomputed from h, which is then kept and counted (the backward:
     50 + 10 B at its start, 10 + 100 B at a's use; the forward's 110 B is the peak), never
     recomputed itself (the model holds the block input a recompute reads)."""
-    from lynx_compile.remat.evaluate import evaluate
-    from lynx_compile.remat.problem import InfeasibleBudget
-    from lynx_compile.remat.solve import solve_remat
+    from lynx_compile.solver.evaluate import evaluate
+    from lynx_compile.solver.problem import InfeasibleBudget
+    from lynx_compile.solver.solve import solve_remat
 
     pytest.importorskip("highspy") if solver == "highs" else None
     roomy = solve_remat(_held_toy(), 160, solver=solver)
@@ -242,7 +242,7 @@ def _win_toy():
     """a: 100 B read by the backward at event 1, recomputed in 1 us, its forward write 3 us
     (``Unit.write_s``); b: 100 B read at event 0, recomputed in 5 us, written anyway (write_s 0).
     Both kept, the backward's event 0 holds 200 B; a recomputed, 100 B at every event."""
-    from lynx_compile.remat.problem import RematProblem, Unit
+    from lynx_compile.solver.problem import RematProblem, Unit
 
     a = Unit(id=0, name="a", nbytes=100, compute_s=1e-6, write_s=3e-6, fw_pos=0, fw_last=0, first_use=1,
              need_start=1, need_end=1)
@@ -257,7 +257,7 @@ def test_a_recompute_cheaper_than_its_forward_write_is_taken_at_any_budget(solve
     """Hand-computed: with room for everything, recomputing a (1 us) saves its 3 us write, so the
     best plan recomputes it and keeps b: exposed 1 - 3 = -2 us; at 100 B one of them must go and
     it is a again (b would expose 5 us)."""
-    from lynx_compile.remat.solve import solve_remat
+    from lynx_compile.solver.solve import solve_remat
 
     pytest.importorskip("highspy") if solver == "highs" else None
     for budget in (1000, 100):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lynx_compile
-from lynx_compile.dynamo_backend import find_backend_error
+from lynx_compile.compiler.dynamo_backend import find_backend_error
 from lynx_compile.recompute.seeds import TORCH_SETTINGS
 from lynx_compile.memory import measure_step
 from lynx_compile.models import build_model, example_batch
@@ -54,7 +54,7 @@ def _run(preset, options, batch=4, seed=7):
 
 
 # each solver on one of the two models (the four pairs took 183 s of the suite; each model's
-# plans under both solvers are compared in test_remat_heuristic / test_remat_solvers)
+# plans under both solvers are compared in test_solver_heuristic / test_solver_solvers)
 @pytest.mark.parametrize("preset,solver", [("gpt-tiny", "highs"), ("llama-tiny", "heu")])
 def test_budget_sweep_equals_eager_fits_and_is_monotone(preset, solver):
     peaks = []
@@ -78,7 +78,7 @@ def test_budget_below_smallest_reachable_is_an_error_naming_it():
     model = build_model("gpt-tiny")
     compiled = torch.compile(model, backend="lynx",
                              options={"policy": "lynx", "memory_budget": 0.05, "solver": "heu"})
-    with pytest.raises(Exception) as info:  # at the end of step 1 (step_record.StepRecorder.defer)
+    with pytest.raises(Exception) as info:  # at the end of step 1 (step.recorder.StepRecorder.defer)
         compiled(example_batch(model, 4)).loss.backward()
     err = find_backend_error(info.value, BudgetError)
     assert isinstance(err, BudgetError)

@@ -269,7 +269,7 @@ def test_recompute_goes_where_w_sits_in_a_bubble(unit):
 
 def test_progress_lines(monkeypatch):
     pytest.importorskip("highspy")
-    from lynx_compile.remat import milp_solvers
+    from lynx_compile.solver import milp_solvers
 
     monkeypatch.setattr(milp_solvers, "PROGRESS_EVERY_S", 0.0)
     (schedule, ranks, stages, m), variants, send = CASES["zbv-2x4-m3"]

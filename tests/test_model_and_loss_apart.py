@@ -6,7 +6,7 @@ decided only once the step is recorded (the loss and logits beside it). Before, 
 reach on the model graph's own peak was refused at step 1 naming the model graph's smallest
 budget (gpt-tiny 4 layers: 0.550), and asking for that was accepted at step 1 and refused at step
 3 naming the step's (0.562): two numbers. Now the model graph is compiled at its smallest peak
-and the refusal is left to the step (``step_record.StepRecorder.defer``): every unreachable
+and the refusal is left to the step (``step.recorder.StepRecorder.defer``): every unreachable
 budget names the step's smallest, and asking for it is accepted.
 
 References, independent of the number named: torch.compile's (``backend="inductor"``) same
@@ -27,13 +27,13 @@ from _steps import step_peaks
 from lynx_compile.budget import parse_budget
 from lynx_compile.config import make_config
 from lynx_compile.decisions import BudgetError
-from lynx_compile.dynamo_backend import LynxBackend, find_backend_error
+from lynx_compile.compiler.dynamo_backend import LynxBackend, find_backend_error
 from lynx_compile.memory.measure import cpu_peak_bytes
 from lynx_compile.models import build_model, example_batch
 from lynx_compile.models.common import lm_loss
 
 TOLERANCE = 0.02
-RECORDED = 2  # lynx_compile.step_record.RECORDED_STEP: not measured here (one profiler at a time)
+RECORDED = 2  # lynx_compile.step.recorder.RECORDED_STEP: not measured here (one profiler at a time)
 
 
 def _step(backend):

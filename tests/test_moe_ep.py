@@ -282,7 +282,7 @@ def test_a_graph_with_unbacked_sizes_compiles_again_under_inductor():
     partition = Partition()
 
     with _compat.static_tracing(inputs) as fakes:
-        compiled = _compat.inductor_compile_with_partitioner(gm, fakes, partition, keep_placement=False)
+        compiled = _compat.inductor_compile_with_partitioner(gm, fakes, partition, keep_placement=False, source_digest="")
     x2 = x.detach().clone().requires_grad_(True)
     out = compiled(*[x2 if t is x else t for t in inputs])  # in the graph's input order
     (out[0] if isinstance(out, (tuple, list)) else out).backward()

@@ -10,10 +10,10 @@ import lynx_compile
 from lynx_compile.costs import hardware
 from lynx_compile.decisions import DEMAND, OFFLOAD, Decisions
 from lynx_compile.models import build_model, example_batch
-from lynx_compile.remat import RematProblem, Unit
-from lynx_compile.remat.evaluate import evaluate
-from lynx_compile.remat.heuristic import solve_heu
-from lynx_compile.remat.milp import solve_milp
+from lynx_compile.solver import RematProblem, Unit
+from lynx_compile.solver.evaluate import evaluate
+from lynx_compile.solver.heuristic import solve_heu
+from lynx_compile.solver.milp import solve_milp
 from lynx_compile.runtime.offload import OFFLOAD as OFFLOAD_OP
 from lynx_compile.runtime.offload import RELOAD, offload_reference, reload_reference
 
@@ -117,10 +117,10 @@ def test_simulated_peak_of_an_offload_plan_is_within_the_model(monkeypatch):
     reload ops and its exact simulated peak is at most the model's (the model reloads at the
     unit's earliest possible need, the graph at its first actual use)."""
     from lynx_compile.recompute.apply import realize
-    from lynx_compile.recompute.problem import unit_decisions
-    from lynx_compile.remat.evaluate import KEEP, OFFLOAD as OFF, problem_arrays
-    from lynx_compile.remat.heuristic import initial_state
-    from lynx_compile.remat.problem import RematSolution
+    from lynx_compile.recompute.problem_from_graph import unit_decisions
+    from lynx_compile.solver.evaluate import KEEP, OFFLOAD as OFF, problem_arrays
+    from lynx_compile.solver.heuristic import initial_state
+    from lynx_compile.solver.problem import RematSolution
     _fast_host_link(monkeypatch)
     model = build_model("gpt-tiny", dropout=0.0)
     x = example_batch(model, 16)
@@ -227,7 +227,7 @@ def test_offload_under_inductor_reaches_below_the_recompute_floor_within_the_bud
     from _steps import measured_steps
     from lynx_compile.config import make_config
     from lynx_compile.decisions import BudgetError
-    from lynx_compile.dynamo_backend import LynxBackend, find_backend_error
+    from lynx_compile.compiler.dynamo_backend import LynxBackend, find_backend_error
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

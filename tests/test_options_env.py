@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import lynx_compile
-from lynx_compile.dynamo_backend import LynxOptionError
+from lynx_compile.compiler.dynamo_backend import LynxOptionError
 from lynx_compile.config import OPTIONS_ENV, options_from_env
 
 OPTIONS = {"policy": "full", "compiler": "eager"}  # eager compiler: no Inductor compile, quick

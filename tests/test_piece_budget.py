@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import lynx_compile
-from lynx_compile.dynamo_backend import LynxBackend
+from lynx_compile.compiler.dynamo_backend import LynxBackend
 from lynx_compile.config import make_config
 from lynx_compile.memory.measure import measure_step
 from lynx_compile.models import build_model, example_batch

@@ -1,4 +1,4 @@
-"""The persistent plan cache (``lynx_compile.plan_cache``, used by ``optimize.with_plan_cache``).
+"""The persistent plan cache (``lynx_compile.caches.plans``, used by ``optimize.with_plan_cache``).
 
 A second compile in a fresh process hits and compiles the same plan as the miss (decisions,
 predicted peak, what the plan reports, gradients); another budget, option or graph misses; an
@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 
-from lynx_compile import plan_cache
+from lynx_compile.caches import plans as plan_cache
 from lynx_compile.config import make_config
 from lynx_compile.decisions import DEMAND, Decisions
 from lynx_compile.tools.cli import main

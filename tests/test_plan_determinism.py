@@ -65,7 +65,7 @@ def _records(records) -> list[dict]:
 def _plan_variants(model, inputs, variants: list[dict], **common) -> list:
     """Each variant's records, or the ``BudgetError`` message when no plan reaches its budget
     (one trace per variant then: a failing variant would end a shared trace)."""
-    from lynx_compile.dynamo_backend import find_backend_error
+    from lynx_compile.compiler.dynamo_backend import find_backend_error
     from lynx_compile.decisions import BudgetError
     from lynx_compile.planning import plan_model_variants
 

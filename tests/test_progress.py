@@ -1,4 +1,4 @@
-"""Progress lines (``lynx_compile.progress``): silent for short work, a line while long work
+"""Progress lines (``lynx_compile.compiler.progress``): silent for short work, a line while long work
 runs and one at its end; off with LYNX_PROGRESS=0; nested work prints under the outer only.
 A fake clock and short thresholds: nothing here depends on how fast the machine is."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 import threading
 
-from lynx_compile.progress import Progress
+from lynx_compile.compiler.progress import Progress
 
 
 class _Clock:

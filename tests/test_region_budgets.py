@@ -13,15 +13,15 @@ import torch
 
 import lynx_compile
 from lynx_compile.config import make_config
-from lynx_compile.dynamo_backend import LynxBackend, find_backend_error
+from lynx_compile.compiler.dynamo_backend import LynxBackend, find_backend_error
 from lynx_compile.models import build_model
 
 from _steps import measured_steps
 from lynx_compile.recompute.regions import RegionBudgetError
-from lynx_compile.remat import RematProblem, Unit
-from lynx_compile.remat.heuristic import solve_heu
-from lynx_compile.remat.milp import solve_milp
-from lynx_compile.remat.problem import InfeasibleRegion, RegionCap
+from lynx_compile.solver import RematProblem, Unit
+from lynx_compile.solver.heuristic import solve_heu
+from lynx_compile.solver.milp import solve_milp
+from lynx_compile.solver.problem import InfeasibleRegion, RegionCap
 
 MS = 1e-3
 SOLVERS = [pytest.param(lambda p, b: solve_milp(p, b, solver="highs"), id="opt-highs"),

@@ -28,7 +28,7 @@ import torch
 import lynx_compile
 from lynx_compile.budget import parse_budget
 from lynx_compile.decisions import BudgetError
-from lynx_compile.dynamo_backend import find_backend_error
+from lynx_compile.compiler.dynamo_backend import find_backend_error
 from lynx_compile.memory import measure_step
 from lynx_compile.models import build_model, example_batch
 from lynx_compile.planning import plan_model

@@ -1,5 +1,5 @@
 """A rerun compiles a whole graph once where the first run compiled it twice (issue P, warm
-runs; ``lynx_compile.step_hint``).
+runs; ``lynx_compile.step.hint``).
 
 torchtitan's trainer compiles the model and its loss apart: two graphs of one step. At budget 0.7
 the model graph is planned at step 1 within 0.7 of its own peak; the step recorded at step 2
@@ -22,9 +22,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import torchtitan_models as tt  # noqa: E402
 
-from lynx_compile import step_hint  # noqa: E402
+from lynx_compile.step import hint as step_hint  # noqa: E402
 from lynx_compile.config import make_config  # noqa: E402
-from lynx_compile.dynamo_backend import LynxBackend  # noqa: E402
+from lynx_compile.compiler.dynamo_backend import LynxBackend  # noqa: E402
 
 _MISSING = tt.available()
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),

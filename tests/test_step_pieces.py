@@ -1,5 +1,5 @@
-"""The compiled pieces of one step planned together (issue M item 3: ``lynx_compile.step_model``,
-``lynx_compile.step_record``).
+"""The compiled pieces of one step planned together (issue M item 3: ``lynx_compile.step.model``,
+``lynx_compile.step.recorder``).
 
 Oracles: hand-computed step peaks and choices for the arithmetic; for the runtime, eager
 PyTorch's gradients and the measured peak of torch.compile's own per-block step (no lynx).
@@ -11,12 +11,12 @@ import copy
 import pytest
 import torch
 
-from lynx_compile.dynamo_backend import LynxBackend
+from lynx_compile.compiler.dynamo_backend import LynxBackend
 from lynx_compile.config import make_config
 from lynx_compile.decisions import BudgetError
 from lynx_compile.memory.measure import cpu_peak_bytes, measure_step
 from lynx_compile.models import build_model, example_batch
-from lynx_compile.step_model import Candidate, GraphChoices, Segment, StepModel, choose
+from lynx_compile.step.model import Candidate, GraphChoices, Segment, StepModel, choose
 
 
 def _c(name, exposed, saved, fw=None, bw=None):
@@ -107,7 +107,7 @@ def test_the_transients_that_ran_are_taken_as_measured():
 def test_a_recording_gives_each_marks_peak_and_level():
     """Allocator events (time, address, bytes) cut at marks: per mark the highest live bytes since
     the previous mark and the live bytes at it. Hand-computed."""
-    from lynx_compile.memory.step_recording import segment_memory
+    from lynx_compile.step.memory_marks import segment_memory
 
     events = [(1, 10, 100), (2, 11, 50), (3, 10, -100), (5, 12, 30), (6, 11, -50), (8, 13, 10)]
     peaks, levels = segment_memory(events, [4, None, 7, 9])
@@ -267,7 +267,7 @@ def test_the_provisional_candidate_is_the_least_step_peak_of_many_calls(n, grad_
     allocated (adds none). gpt-tiny's block candidates as measured: ``full`` saves nothing but
     peaks in its backward as high as no recompute; the candidate saving least is not the answer
     where ``.grad`` is None."""
-    from lynx_compile.step_model import provisional_pick
+    from lynx_compile.step.model import provisional_pick
 
     cands = [_c("none", 0.0, 560128, 592896, 789504), _c("full", 4.0, 0, 229376, 788480),
              _c("torch@0.3", 2.0, 167936, 331776, 528384), _c("torch@0.1", 3.0, 39936, 230400, 564224)]
@@ -283,7 +283,7 @@ def test_the_provisional_candidate_weighs_what_it_saves_against_its_transient():
     lower in any step of up to 9 calls (gpt-tiny per block, 4 calls: 0.455 of the step against
     0.467), and costs at most 2% in a step of very many; the other candidate's worst is 6.4%
     (one call). Oracle: the step model's arithmetic at 4 calls."""
-    from lynx_compile.step_model import provisional_pick
+    from lynx_compile.step.model import provisional_pick
 
     low_saved, low_transient = _c("torch@0.1", 3.0, 72704, 230400, 596992), _c("torch@0.3", 2.0, 200704, 331776, 561152)
     assert provisional_pick([low_saved, low_transient], 196608) == low_transient

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import torchtitan_models as tt  # noqa: E402
 
-from lynx_compile.dynamo_backend import LynxBackend  # noqa: E402
+from lynx_compile.compiler.dynamo_backend import LynxBackend  # noqa: E402
 from lynx_compile.config import make_config  # noqa: E402
 from lynx_compile.memory.measure import measure_step  # noqa: E402
 
@@ -143,7 +143,7 @@ def test_qwen3_per_block_apply_compile():
 
 
 def test_qwen3_whole_tied_embedding_without_a_budget_is_inductor_bit_for_bit():
-    """Regression (lynx_compile/dynamo_backend.py): with no budget lynx ran its own post-grad passes
+    """Regression (lynx_compile/compiler/dynamo_backend.py): with no budget lynx ran its own post-grad passes
     under Inductor although its partition is torch's; ``split_late_addmm_pass`` split Inductor's
     ``addmm`` of the tied embedding / LM head weight's two gradients, and that gradient differed
     from backend="inductor"'s by one ulp (3.7e-9 of 0.06; two runs of "inductor" itself agree

@@ -97,7 +97,7 @@ def test_lynx_at_a_budget_is_within_inductors_tolerance(runs):
     options = {"memory_budget": BUDGET[parallel], "plan_cache": False}
     # TP: the pieces are compiled again at step 3 on stand-ins for their gone inputs, DTensors
     # whose local shard (block 0's input under sequence parallelism) is an unwaited
-    # AsyncCollectiveTensor (compiled_piece.InputSpec, _compat.dtensor_stand_in): a plain stand-in
+    # AsyncCollectiveTensor (step.piece.InputSpec, _compat.dtensor_stand_in): a plain stand-in
     # made code that segfaulted reading the wrapper's null data pointer
     budget = _run(tmp, parallel, "lynx", options)
     lynx = budget["lynx"]

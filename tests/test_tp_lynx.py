@@ -195,14 +195,14 @@ def _rank1_solves_differently(rank, world):
     """Rank 1's solver answers the same problem with another plan (as a MILP stopped by its time
     limit on a loaded machine may): every rank still compiles rank 0's plan, with no error."""
     from lynx_compile.distributed.agreement import plan_fingerprint
-    from lynx_compile.remat import solve as solve_module
+    from lynx_compile.solver import solve as solve_module
 
     differed = []
     if rank == 1:
         real = solve_module.solve_remat
 
         def other(problem, target, **kw):  # the plan of a slightly smaller target, where that is another plan
-            from lynx_compile.remat.problem import InfeasibleBudget
+            from lynx_compile.solver.problem import InfeasibleBudget
 
             own = real(problem, target, **kw)
             for fraction in (0.97, 0.93, 0.9):
@@ -346,7 +346,7 @@ MATMULS = ("mm", "bmm", "addmm", "baddbmm")
 def _inductor_window_code(rank, world, windows, pin=True):
     from torch._inductor.utils import run_and_get_code
 
-    import lynx_compile.inductor as lynx_inductor
+    import lynx_compile.compiler.inductor_partition as lynx_inductor
     from lynx_compile.decisions import Window
     from lynx_compile.passes import meta
 

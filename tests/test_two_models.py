@@ -12,7 +12,7 @@ import copy
 import torch
 
 from lynx_compile.config import make_config
-from lynx_compile.dynamo_backend import LynxBackend
+from lynx_compile.compiler.dynamo_backend import LynxBackend
 from lynx_compile.memory.measure import cpu_peak_bytes
 from lynx_compile.models import build_model, example_batch
 

@@ -20,7 +20,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from lynx_compile.config import make_config
 from lynx_compile.decisions import BudgetError
-from lynx_compile.dynamo_backend import LynxBackend, find_backend_error
+from lynx_compile.compiler.dynamo_backend import LynxBackend, find_backend_error
 from lynx_compile.memory.measure import cpu_peak_bytes
 from lynx_compile.models import build_model, example_batch
 

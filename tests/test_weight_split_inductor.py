@@ -1,6 +1,6 @@
 """Option ``weight_split`` under Inductor: the backward compiled as two Inductor graphs, B (input
 gradients) and W (weight gradients), as the zero-bubble pipeline schedules run them
-(``lynx_compile.inductor.WeightSplitCompile``, ``runtime.weight_split``). Reference: eager
+(``lynx_compile.compiler.inductor_partition.WeightSplitCompile``, ``runtime.weight_split``). Reference: eager
 PyTorch's gradients of the same model, fp32, dropout 0."""
 import pytest
 import torch

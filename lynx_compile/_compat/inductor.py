@@ -41,7 +41,7 @@ def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, 
                                       post_grad: Callable | None = None,
                                       post_fusion: Callable | None = None,
                                       inner_compile: Callable | None = None,
-                                      autograd_cache: bool = False) -> Callable:
+                                      autograd_cache: bool = False, *, source_digest: str) -> Callable:
     """Compile a dynamo graph with Inductor end to end (``compile_fx``: decompositions, joint
     passes, then ``partitioner`` instead of min-cut, post-grad passes, fused codegen) —
     ``torch.compile``'s own pipeline with only the partition replaced.
@@ -63,7 +63,10 @@ def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, 
     ``post_fusion``'s class (2.13: a ``CustomSchedulerPass``; 2.11: the pass pickled as that
     hash); a cache hit skips the scheduler, so ``post_fusion`` is not called. ``inner_compile``: what compiles each
     partitioned graph in place of ``compile_fx_inner`` (it gets the same arguments, the
-    backward's with ``is_backward=True``; see :func:`inductor_compile_graph`)."""
+    backward's with ``is_backward=True``; see :func:`inductor_compile_graph`). ``source_digest``:
+    lynx's sources (``caches.source_digest``), part of the partitioner's and ``post_grad``'s keys
+    in Inductor's and AOTAutograd's caches, so that a changed lynx never reuses their entries
+    (the caller passes it: ``_compat`` imports nothing of lynx)."""
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
@@ -85,16 +88,16 @@ def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, 
                                           {k: getattr(inductor_config, k) for k in settings if k != "allow_buffer_reuse"})
     if post_grad is not None:
         patches["post_grad_custom_post_pass"] = _chained_post_grad_pass(inductor_config.post_grad_custom_post_pass,
-                                                                        post_grad)
+                                                                        post_grad, source_digest)
     if post_fusion is not None:
         patches.update(_scheduler_pass(post_fusion))
     # ``autograd_cache``: AOTAutograd's cache may return an earlier compile of this graph
     # without calling the partitioner (its key holds the partitioner's uuid); the caller then
-    # restores the plan (lynx_compile.autograd_cache). Off, the partitioner always runs.
+    # restores the plan (lynx_compile.caches.autograd). Off, the partitioner always runs.
     # Inductor's FX-graph cache (of each partitioned graph) and its kernel caches stay on.
     # (config_patches, not a patch around the call: the backward may be compiled lazily, at the
     # first backward, and compile_fx re-applies these to every inner compile.)
-    with inductor_config.patch(custom_partitioner_fn=_keyed_partitioner_class()(partitioner)), \
+    with inductor_config.patch(custom_partitioner_fn=_keyed_partitioner_class()(partitioner, source_digest=source_digest)), \
             _functorch_config.patch(enable_autograd_cache=autograd_cache
                                     and _functorch_config.enable_autograd_cache):
         if inner_compile is None:

@@ -29,9 +29,9 @@ def _keyed_partitioner_class() -> type:
     from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
     class KeyedPartitioner(CustomPartitionerFn):
-        def __init__(self, fn: Any, uuid: Any = None):
+        def __init__(self, fn: Any, uuid: Any = None, source_digest: str = ""):
             self.fn = fn
-            self._uuid = uuid if fn is None else (type(fn).__qualname__, _lynx_source_digest())
+            self._uuid = uuid if fn is None else (type(fn).__qualname__, source_digest)
 
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
             return self.fn(*args, **kwargs)
@@ -49,12 +49,6 @@ def _keyed_partitioner_class() -> type:
 def _unpickled_partitioner(uuid: Any) -> Any:
     """What a pickled ``KeyedPartitioner`` (in a cache key) loads as: one that partitions nothing."""
     return _keyed_partitioner_class()(None, uuid)
-
-
-def _lynx_source_digest() -> str:
-    from lynx_compile.source_digest import lynx_source_digest
-
-    return lynx_source_digest()
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,7 +86,7 @@ def _unpickled_scheduled_pass(uuid: Any) -> Any:
     return _scheduled_pass_class()(None, uuid)
 
 
-def _chained_post_grad_pass(user_pass: Any, fn: Callable[[fx.Graph], None]) -> Any:
+def _chained_post_grad_pass(user_pass: Any, fn: Callable[[fx.Graph], None], source_digest: str) -> Any:
     """A ``CustomGraphPass`` running the user's own post-grad pass(es), if any, then ``fn`` (a
     function, or an object whose ``uuid()`` says what else decides its rewrite)."""
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -111,6 +105,6 @@ def _chained_post_grad_pass(user_pass: Any, fn: Callable[[fx.Graph], None]) -> A
             src = fn if inspect.isfunction(fn) else type(fn)
             own = get_hash_for_files((inspect.getfile(src),), getattr(src, "__qualname__", ""))
             extra = (fn.uuid(),) if hasattr(fn, "uuid") else ()
-            return (own, _lynx_source_digest(), *extra, *(p.uuid() if hasattr(p, "uuid") else repr(p) for p in users))
+            return (own, source_digest, *extra, *(p.uuid() if hasattr(p, "uuid") else repr(p) for p in users))
 
     return Chained()

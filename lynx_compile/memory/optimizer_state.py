@@ -21,7 +21,7 @@ from typing import Iterable
 
 import torch
 
-COUNTED_LATER = "; optimizer state created later is counted when the step is recorded (step_record)"
+COUNTED_LATER = "; optimizer state created later is counted when the step is recorded (step.recorder)"
 """The end of a resident reading's description where no optimizer state was there yet (cut off
 where the state is counted later)."""
 

@@ -7,7 +7,7 @@ micro-batches): autograd's ``AccumulateGrad`` keeps the backward's gradient as `
 first case and adds it into ``.grad`` and frees it in the second. Same plan, two peaks: from the
 moment a parameter's gradient is accumulated, the first regime holds its bytes more.
 
-lynx records one step to plan the compiled pieces together (``lynx_compile.step_record``). When
+lynx records one step to plan the compiled pieces together (``lynx_compile.step.recorder``). When
 that step ran with ``.grad`` allocated, :class:`GradWatch` counts, at each mark, the bytes of the
 parameter gradients accumulated so far, so that the plan holds in both regimes. It finds the
 parameters from the backward's roots (a watch on Python's profile hook for the call of

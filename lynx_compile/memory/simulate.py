@@ -9,7 +9,7 @@ Parameters and inputs (forward placeholders) are the baseline and not counted. T
 the backward returns are counted from where they are computed to the end of the backward: a
 compiled backward returns them together, and only then does autograd add them into ``.grad``
 (the gradient storage, allocated before the step in steady state: ``lynx_compile.budget``).
-Where lynx adds them into ``.grad`` inside the backward (``lynx_compile.grad_in_graph``), each
+Where lynx adds them into ``.grad`` inside the backward (``lynx_compile.memory.grad_in_graph``), each
 dies at its ``lynx::accumulate_grads``; a ``.grad`` that op creates (None when the graph
 compiled) is counted to the end: the gradient's own storage where the op keeps it
 (``storage.KEEPS_GRAD``), else the copy's bytes from the op on (``storage.GRAD_BYTES``).

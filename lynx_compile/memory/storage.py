@@ -114,7 +114,7 @@ def _leaves(prefix: str, val) -> list[tuple[str, int]]:
 GRAD_BYTES = "lynx_grad_bytes"
 """node.meta key: bytes of a ``.grad`` the node creates and keeps past the graph's end (the
 parameter gradients ``lynx::accumulate_grads`` copies into ``.grad``s that were None;
-``lynx_compile.grad_in_graph``). Its storage key ends with :data:`KEPT`."""
+``lynx_compile.memory.grad_in_graph``). Its storage key ends with :data:`KEPT`."""
 
 KEPT = ":kept"
 

@@ -94,7 +94,7 @@ class LocalPipeline:
         try:
             out = self.schedule.step(*(inputs if self.is_first else ()), **kwargs)
         except Exception as e:
-            from lynx_compile.dynamo_backend import find_backend_error
+            from lynx_compile.compiler.dynamo_backend import find_backend_error
             from lynx_compile.decisions import BudgetError
 
             budget_error = find_backend_error(e, BudgetError)
@@ -213,7 +213,7 @@ def pipeline(model: nn.Module, example_inputs: Sequence[Any], *, num_stages: int
     (``pipeline.microbatch_plan``), and each stage compiles the variants it uses and runs, per
     micro-batch, the chosen one (``runtime.per_microbatch``). With ``plan=`` it needs the
     ``costs=`` that plan was made from (``plan_pipeline`` returns both)."""
-    from lynx_compile.dynamo_backend import LynxBackend
+    from lynx_compile.compiler.dynamo_backend import LynxBackend
     from lynx_compile.config import make_config
     from lynx_compile.distributed.agreement import SOLO
 
@@ -333,7 +333,7 @@ def _plan_microbatches(plan: StagePlan, costs: PipelineCosts, ranks: int, option
 
 def _per_microbatch_backend(stage_opts: dict[str, Any], budgets, choice):
     """A ``PerMicrobatchBackend`` over one lynx backend per variant (``memory_budget`` None: policy none)."""
-    from lynx_compile.dynamo_backend import LynxBackend
+    from lynx_compile.compiler.dynamo_backend import LynxBackend
     from lynx_compile.config import make_config
     from lynx_compile.runtime.per_microbatch import PerMicrobatchBackend
 

@@ -136,7 +136,7 @@ def solve_milp(orders, variants, send_s, memory_limit, name, time_limit_s, mip_g
     step). The outcome (status, gap) is the first solve's: it is about the step."""
     import pyomo.environ as pyo
 
-    from lynx_compile.remat.milp_solvers import run_solver
+    from lynx_compile.solver.milp_solvers import run_solver
 
     m = len({j for o in orders for _, _, j in o})
     unit = max((sum(min(v.seconds(k) for v in variants[s]) for k, s, _ in order) for order in orders), default=0.0)
@@ -189,7 +189,7 @@ def smallest_choice(orders, variants, solver: str) -> tuple[Choice | None, tuple
     bytes count on its own rank only, so the ranks are independent). Exact when every stage has
     a variant with both the least held and the least carry bytes (all on it); else a
     memory-only MILP (its incumbent if its time limit stops it); (None, None, why) without one."""
-    from lynx_compile.remat.milp_solvers import pick_solver, run_solver
+    from lynx_compile.solver.milp_solvers import pick_solver, run_solver
 
     m = len({j for o in orders for _, _, j in o})
     least = []

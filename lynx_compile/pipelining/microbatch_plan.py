@@ -162,7 +162,7 @@ def plan_microbatches(orders: Sequence[Sequence[Action]], variants: Sequence[Seq
     back to the greedy, with a note. The reported step and
     peaks are ``replay``'s. Raises ``MicrobatchPlanError`` (a ValueError) naming the smallest
     reachable peak per rank when no choice fits."""
-    from lynx_compile.remat.milp_solvers import HIGHS_INSTALL, pick_solver, require_solver
+    from lynx_compile.solver.milp_solvers import HIGHS_INSTALL, pick_solver, require_solver
 
     t0 = time.perf_counter()
     m = _check(orders, variants, send_s, memory_limit)

@@ -35,7 +35,7 @@ import itertools
 import math
 from typing import Sequence
 
-from lynx_compile.report import human_bytes
+from lynx_compile.budget import format_bytes
 
 from .pipeline_costs import PipelineCosts
 from .placement import check_placement, default_ranks
@@ -183,9 +183,9 @@ def plan_stages(costs: PipelineCosts, num_stages: int, num_microbatches: int,
 def _too_small(pr: StagePricer, need: int) -> StagePlanError:
     shared = f", the stages of a rank together on {pr.ranks} ranks" if pr.ranks < pr.p else ""
     return StagePlanError(
-        f"memory_per_device={pr.memory} B ({human_bytes(pr.memory)}) is too small for any split of {pr.n} blocks "
+        f"memory_per_device={pr.memory} B ({format_bytes(pr.memory)}) is too small for any split of {pr.n} blocks "
         f"into {pr.p} stages with {pr.m} micro-batches ({pr.schedule}{shared}): even with full recompute the "
-        f"smallest split needs {need} B ({human_bytes(need)}) on its fullest device. Give each device at least "
+        f"smallest split needs {need} B ({format_bytes(need)}) on its fullest device. Give each device at least "
         f"that, use more stages, or a smaller micro-batch.")
 
 

@@ -36,8 +36,8 @@ def profile_pipeline(module: nn.Module, example_inputs: Sequence[Any], options: 
     """Costs of ``module`` (whose forward returns the tensor the last stage hands to the loss)
     for one micro-batch ``example_inputs``; also returns the block module paths in order."""
     from lynx_compile.planning import plan_model
-    from lynx_compile.remat.heuristic import solve_heu
-    from lynx_compile.remat.problem import InfeasibleBudget
+    from lynx_compile.solver.heuristic import solve_heu
+    from lynx_compile.solver.problem import InfeasibleBudget
 
     opts = {k: v for k, v in (options or {}).items()
             if k in ("cost_source", "hardware", "link", "measure_repeats", "windows", "compiler", "offload")}

@@ -38,7 +38,7 @@ def traced_backward(module: nn.Module,
     ``example_inputs``, partitioned as lynx's eager compiler does when nothing is recomputed
     (``apply.partition_joint`` of the canonicalized joint). Compiles nothing and runs nothing."""
     from lynx_compile.recompute.apply import partition_joint
-    from lynx_compile.dynamo_backend import find_backend_error
+    from lynx_compile.compiler.dynamo_backend import find_backend_error
 
     got: list = []
 

@@ -32,7 +32,7 @@ from lynx_compile.passes import (APPLY_PIPELINE, BACKWARD_PIPELINE, FORWARD_PIPE
                                   meta, run_passes)
 from lynx_compile.passes.apply_decisions import clear_decision_tags
 from lynx_compile.recompute.baselines import pin_random_outputs
-from lynx_compile.recompute.problem import decisions_from_backward
+from lynx_compile.recompute.problem_from_graph import decisions_from_backward
 
 
 @dataclass

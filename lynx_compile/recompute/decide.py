@@ -37,7 +37,7 @@ from lynx_compile.recompute import seeds
 from lynx_compile.recompute.apply import Applied, partition_joint, realize, scratch_context
 from lynx_compile.recompute.baselines import baseline_decisions
 from lynx_compile.recompute.regions import RegionBudgetError
-from lynx_compile.step_model import Candidate, GraphChoices, provisional_pick
+from lynx_compile.step.model import Candidate, GraphChoices, provisional_pick
 
 log = logging.getLogger("lynx_compile")
 
@@ -99,7 +99,7 @@ def decide_piece(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: int 
         return decide(joint, ctx, kw, None, reference_saved)
     frac = min(1.0, budget / reference_saved) if budget is not None and reference_saved else 1.0
     forced = ctx.record.step_choice
-    if forced is not None:  # the step's plan across graphs chose this candidate (step_record)
+    if forced is not None:  # the step's plan across graphs chose this candidate (step.recorder)
         return _forced_piece(joint, ctx, kw, forced, frac)
     from lynx_compile.recompute.optimize import with_piece_cache
 
@@ -140,7 +140,7 @@ def _plan_piece(joint, ctx: PassContext, kw: dict, budget: int | None, reference
     # no budget: only none (recompute nothing beyond what the compiler does on its own)
     policies = ("none", *seeds.user_candidate(ctx), *seeds.BASELINES) if budget is not None else ("none",)
     # with a budget, torch's min-cut at every setting too: the step's plan across pieces
-    # (step_record) picks from these, and steps between them are what lets it fit a budget closely
+    # (step.recorder) picks from these, and steps between them are what lets it fit a budget closely
     settings = seeds.TORCH_SETTINGS if budget is not None else ()
     seen = set()
     for name, applied in seeds.baseline_candidates(joint, ctx, kw, policies, frac if budget is not None else None,
@@ -164,7 +164,7 @@ def _plan_piece(joint, ctx: PassContext, kw: dict, budget: int | None, reference
     windows = ctx.record.problem is not None and bool(ctx.record.problem.windows)
     if budget is not None and ctx.record.provisional and not windows:
         # before a step is recorded nothing says what the other pieces and the code outside them
-        # hold: the least memory, whatever it costs, until the step's plan chooses (step_record).
+        # hold: the least memory, whatever it costs, until the step's plan chooses (step.recorder).
         # (Not yet where the piece has communication windows (FSDP2, TP, EP): there lynx's own
         # plan recomputes in them at no cost, and is chosen as before.)
         grads = ctx.record.new_grad_bytes
@@ -177,8 +177,8 @@ def _plan_piece(joint, ctx: PassContext, kw: dict, budget: int | None, reference
         ctx.record.step = GraphChoices(reference=none, choices=choices, current=name,
                                        incoming_bytes=incoming_bytes(joint))
         note = (f"one block or a piece of a model, planned before a step was recorded: '{name}', the candidate "
-                "of least memory in a step of any number of calls (step_model.provisional_pick), until the step's "
-                "pieces are planned together (lynx_compile.step_record)")
+                "of least memory in a step of any number of calls (step.model.provisional_pick), until the step's "
+                "pieces are planned together (lynx_compile.step.recorder)")
         return _piece_outcome(joint, ctx, name, cost, applied, own, note)
     if fitting:
         name, cost, applied = min(fitting, key=lambda c: (c[1], c[2].mem.saved_bytes))
@@ -194,7 +194,7 @@ def _plan_piece(joint, ctx: PassContext, kw: dict, budget: int | None, reference
     ctx.record.step = GraphChoices(reference=none, choices=choices, current=name,
                                    incoming_bytes=incoming_bytes(joint))
     note = (f"one block or a piece of a model: provisionally the budget bounds saved bytes; '{name}' chosen "
-            "(the step's pieces are planned together once a step has run: lynx_compile.step_record)")
+            "(the step's pieces are planned together once a step has run: lynx_compile.step.recorder)")
     return _piece_outcome(joint, ctx, name, cost, applied, own, note)
 
 
@@ -251,7 +251,7 @@ def _forced_piece(joint, ctx: PassContext, kw: dict, name: str, frac: float):
 
 
 def step_candidate(name: str, exposed_s: float, mem, held_inputs: int = 0) -> Candidate:
-    """A compile of a graph as the step's plan across graphs weighs it (``step_model``).
+    """A compile of a graph as the step's plan across graphs weighs it (``step.model``).
     ``held_inputs``: the bytes of activation inputs it saves (``memory.simulate.saved_input_bytes``),
     alive from its forward to its backward only because it saves them: counted in what it saves
     and in its backward's peak."""
@@ -262,7 +262,7 @@ def step_candidate(name: str, exposed_s: float, mem, held_inputs: int = 0) -> Ca
 
 def incoming_bytes(joint: fx.GraphModule) -> int:
     """Bytes of the gradients the graph's backward receives (the joint's ``tangents_*``):
-    ``step_model.GraphChoices.incoming_bytes``."""
+    ``step.model.GraphChoices.incoming_bytes``."""
     return sum(_nbytes(n.meta.get("val")) for n in joint.graph.find_nodes(op="placeholder")
                if n.name.startswith("tangents"))
 

@@ -16,7 +16,7 @@ again, up to ``MAX_ROUNDS`` times. Decisions come from a plan file (``plan=``), 
 cache (same graph hash, budget and solver), or a fresh solve, in that order.
 
 :func:`with_plan_cache` wraps the whole of policy lynx's choice for a model (this solve and the
-baselines ``decide`` seeds it with) in the persistent plan cache (``lynx_compile.plan_cache``)::
+baselines ``decide`` seeds it with) in the persistent plan cache (``lynx_compile.caches.plans``)::
 
     key (graph, options, budget, versions, costs) ─ hit ─▶ realize cached Decisions ─ fits? ─▶ plan
                                                   └ miss, or a hit that does not fit ─▶ plan ─▶ store
@@ -34,16 +34,17 @@ from typing import Callable
 
 import torch.fx as fx
 
-from lynx_compile import _compat, plan_cache
+from lynx_compile import _compat
+from lynx_compile.caches import plans as plan_cache
 from lynx_compile.recompute.apply import Applied, partition_token, realize, scratch_context
 from lynx_compile.budget import budget_error
 from lynx_compile.config import LynxConfig
 from lynx_compile.decisions import KEEP, BudgetError, Decisions
-from lynx_compile.step_model import USER
+from lynx_compile.step.model import USER
 from lynx_compile.passes import PassContext, meta
-from lynx_compile.recompute.problem import extract_remat_problem, unit_decisions
+from lynx_compile.recompute.problem_from_graph import extract_remat_problem, unit_decisions
 from lynx_compile.recompute import regions as region_budgets
-from lynx_compile.remat.problem import InfeasibleBudget, InfeasibleRegion, RematProblem
+from lynx_compile.solver.problem import InfeasibleBudget, InfeasibleRegion, RematProblem
 
 log = logging.getLogger("lynx_compile")
 MAX_ROUNDS = 6
@@ -180,7 +181,7 @@ def _solve_as_rank0(problem: RematProblem, target: int, cfg: LynxConfig):
     plan is rank 0's. A rank whose problem differs (another budget, another graph) keeps its own
     answer, and ``check_plan_agreement`` then stops every rank with one error naming the plans."""
     from lynx_compile.distributed.agreement import planning_world_size, rank0_value
-    from lynx_compile.remat.solve import solve_remat  # imports Pyomo: only when lynx plans
+    from lynx_compile.solver.solve import solve_remat  # imports Pyomo: only when lynx plans
 
     try:
         mine = ("solution", solve_remat(problem, target, solver=cfg.solver, time_limit_s=cfg.time_limit_s,
@@ -237,7 +238,7 @@ def _infeasible(cfg: LynxConfig, e: InfeasibleBudget, problem: RematProblem) -> 
 def with_plan_cache(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: int | None, reference_peak: int,
                     plan: Callable[[], LynxOutcome]) -> LynxOutcome:
     """``plan()`` (policy lynx's whole choice for ``joint``: solve and seeds), through the
-    persistent plan cache (``lynx_compile.plan_cache``) when ``config.plan_cache`` is on, a
+    persistent plan cache (``lynx_compile.caches.plans``) when ``config.plan_cache`` is on, a
     budget is set and no plan file is given.
 
     A hit is applied (one ``realize``) and used only when its exact simulated peak fits
@@ -353,7 +354,7 @@ def _apply_cached_piece(joint: fx.GraphModule, ctx: PassContext, kw: dict, entry
                         key: str):
     """(applied, GraphChoices) of a piece's cache ``entry``, or None with a warning when it has no
     candidates, does not apply, or saves other bytes than when it was made."""
-    from lynx_compile.step_model import GraphChoices
+    from lynx_compile.step.model import GraphChoices
 
     try:
         choices = GraphChoices.from_dict(entry.step)

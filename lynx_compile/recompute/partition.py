@@ -35,7 +35,7 @@ from lynx_compile.passes.context import TakeOnce
 from lynx_compile.passes.find_blocks import WHOLE_GRAPH, structural_hash
 from lynx_compile.passes.mark_recomputed import recomputed_source
 from lynx_compile.plan import BlockSummary, RecomputePlan, TensorDecision
-from lynx_compile.step_model import USER, GraphChoices
+from lynx_compile.step.model import USER, GraphChoices
 
 log = logging.getLogger("lynx_compile")
 __all__ = ["BudgetError", "lynx_partition", "build_plan", "segment_costs"]
@@ -92,7 +92,7 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
     reference = region_check = None
     grads = record.grads_in_graph
     if grads is not None and grads.applies:  # the reference first: fractions stay of torch.compile's step
-        from lynx_compile.grad_in_graph import param_indices, rewrite_joint
+        from lynx_compile.memory.grad_in_graph import param_indices, rewrite_joint
 
         ref_fw, ref_bw, reference = untagged_partition(joint, joint_inputs, kw, inductor=inductor)
         region_check = region_budgets.bind(regions, ref_fw, ref_bw)
@@ -128,7 +128,7 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
         budget = _budget_bytes(config, reference.saved_bytes)
     else:
         budget = _budget_bytes(config, reference.peak_bytes)
-        if (record.step_choice or "").startswith("plan@"):  # the step's plan: a tighter peak (step_record)
+        if (record.step_choice or "").startswith("plan@"):  # the step's plan: a tighter peak (step.recorder)
             budget = int(record.step_choice[5:])
         elif config.budget is not None and (config.budget.nbytes or 0) >= reference.peak_bytes:
             _warn_loose_budget(config, reference.peak_bytes)
@@ -183,7 +183,7 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
     record.torch_partition = applied.decisions.policy == USER or (applied.torch_budget is not None and not piece)
     record.keep_recompute_apart = (applied.torch_budget is not None and applied.decisions.policy != USER
                                    and config.policy == "lynx" and not piece)
-    if not piece:  # planned on its own peak: the step's plan across graphs keeps it (step_record)
+    if not piece:  # planned on its own peak: the step's plan across graphs keeps it (step.recorder)
         name = record.step_choice or "plan"
         record.step = GraphChoices(reference=step_candidate("none", 0.0, reference),
                                    choices=(step_candidate(name, 0.0, mem),), current=name,

@@ -182,7 +182,7 @@ def tightened(problem, check: RegionCheck, over: dict[str, tuple[int, int]], kep
     units the optimizer kept (``kept``: unit ids), e.g. a tensor read across the region's edge
     that the partition saves whatever is recomputed, so the units get the region's bytes less
     those. Raises ``RegionBudgetError`` when that leaves less than the units must keep."""
-    from lynx_compile.remat.problem import region_must_bytes
+    from lynx_compile.solver.problem import region_must_bytes
 
     by_id = {u.id: u.nbytes for u in problem.units}
     reference = {r.name: ref for r, ref in zip(check.regions, check.reference)}
@@ -209,7 +209,7 @@ def problem_caps(check: RegionCheck | None, units) -> tuple:
     region when the node producing its storage is; the cap is the region's fraction of the bytes
     its units keep with no recompute (those the backward reads, and those always kept), in the
     model's own unit bytes."""
-    from lynx_compile.remat.problem import RegionCap
+    from lynx_compile.solver.problem import RegionCap
 
     if check is None:
         return ()
@@ -236,7 +236,7 @@ def unreachable(check: RegionCheck, least: dict[str, tuple[int, int]]) -> Region
     """The refusal of region budgets below what the partition keeps saved in them: ``least`` maps
     a region's name to (the fewest bytes it saves, what it saves with no recompute); the smallest
     budget named is their ratio, rounded up."""
-    from lynx_compile.remat.problem import smallest_fraction
+    from lynx_compile.solver.problem import smallest_fraction
 
     fraction = {r.name: r.fraction for r in check.regions}
     parts = []

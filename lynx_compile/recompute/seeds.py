@@ -37,7 +37,7 @@ from lynx_compile.passes.apply_decisions import clear_decision_tags
 from lynx_compile.passes.mark_recomputed import recomputed_source
 from lynx_compile.recompute.apply import Applied, partition_token, realize, scratch_context
 from lynx_compile.recompute.baselines import baseline_decisions
-from lynx_compile.step_model import USER
+from lynx_compile.step.model import USER
 
 log = logging.getLogger("lynx_compile")
 
@@ -146,7 +146,7 @@ def exposed_floor(joint: fx.GraphModule, ctx: PassContext, decisions: Decisions)
     return _least_seconds(joint, seen)
 
 
-ACCUMULATE_GRAD = "lynx.accumulate_grads.default"  # (lynx_compile.grad_in_graph's op, by name: no arrow up)
+ACCUMULATE_GRAD = "lynx.accumulate_grads.default"  # (lynx_compile.memory.grad_in_graph's op, by name: no arrow up)
 
 
 def min_cut_floor(joint: fx.GraphModule, ctx: PassContext, saved: frozenset) -> float:
@@ -161,7 +161,7 @@ def min_cut_floor(joint: fx.GraphModule, ctx: PassContext, saved: frozenset) -> 
     seen: set[fx.Node] = set()
     # the backward's outputs, as torch's partitioner reads them: the output's arguments flattened
     stack = [a for a in _compat.tree_leaves(out.args)[ctx.num_fwd_outputs:] if isinstance(a, fx.Node)]
-    # and the parameter gradients added into .grad in the graph (lynx_compile.grad_in_graph):
+    # and the parameter gradients added into .grad in the graph (lynx_compile.memory.grad_in_graph):
     # side effects the backward runs, which torch's partitioner extracts with it
     stack += [n for n in joint.graph.nodes if n.op == "call_function" and str(n.target) == ACCUMULATE_GRAD]
     while stack:

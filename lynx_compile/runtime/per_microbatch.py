@@ -5,7 +5,7 @@ A pipeline stage's micro-batches need not all recompute the same activations: th
 the stage's memory peak must drop more than the ones that are not, and recompute that only the
 weight gradients read costs nothing where W runs in a bubble
 (``lynx_compile.pipelining.microbatch_plan`` chooses). ``PerMicrobatchBackend`` is a dynamo backend
-over several :class:`~lynx_compile.dynamo_backend.LynxBackend` (one per variant, e.g. different
+over several :class:`~lynx_compile.compiler.dynamo_backend.LynxBackend` (one per variant, e.g. different
 ``memory_budget``): dynamo hands it a graph once, each variant compiles it (its own partition,
 its own forward and backward), and the callable it returns runs, per call, the variant of the
 micro-batch tagged by ``runtime.prefetch.microbatch`` (``LynxPipelineStage`` tags its chunk id;

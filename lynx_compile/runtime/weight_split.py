@@ -140,7 +140,7 @@ class WeightDeferral:
     def __init__(self, params: Sequence[torch.nn.Parameter | None], grads_in_graph: bool = False):
         self.params = [weakref.ref(p) if p is not None else None for p in params]
         self.grads_in_graph = grads_in_graph
-        """The backward adds the weight gradients into ``.grad`` itself (``lynx_compile.grad_in_graph``):
+        """The backward adds the weight gradients into ``.grad`` itself (``lynx_compile.memory.grad_in_graph``):
         there is nothing to defer, and ``defer_weights`` around it is refused."""
         self.pending: dict[Any, tuple[Callable, tuple[int, ...], list]] = {}
         self.deferred = 0

@@ -96,7 +96,7 @@ def profile_layer(model: str, *, hardware: str, link: str, tp: int, microbatch: 
     try:
         rec = _plan(model, tp, microbatch, policy="lynx", memory_budget=0.999, solver="heu", **common)
     except Exception as e:  # noqa: BLE001 - dynamo wraps the BudgetError
-        from lynx_compile.dynamo_backend import find_backend_error
+        from lynx_compile.compiler.dynamo_backend import find_backend_error
         from lynx_compile.decisions import BudgetError
 
         if find_backend_error(e, BudgetError) is None:
@@ -118,7 +118,7 @@ def profile_layer(model: str, *, hardware: str, link: str, tp: int, microbatch: 
         try:
             r = _plan(model, tp, microbatch, policy="torch", memory_budget=frac, **common)
         except Exception as e:  # noqa: BLE001 - dynamo wraps the BudgetError
-            from lynx_compile.dynamo_backend import find_backend_error
+            from lynx_compile.compiler.dynamo_backend import find_backend_error
             from lynx_compile.decisions import BudgetError
 
             if find_backend_error(e, BudgetError) is None:
@@ -207,8 +207,8 @@ def _policy_point(rec, label: str) -> LayerPoint:
 def _ladder(problem, solver: str, per_layer: int) -> tuple[tuple[LayerPoint, ...], float]:
     """Solve ``problem`` at ``LADDER`` budgets; one point per feasible budget (block 0's view of
     the two blocks, averaged) and the mean solve time."""
-    from lynx_compile.remat.problem import InfeasibleBudget
-    from lynx_compile.remat.solve import solve_remat
+    from lynx_compile.solver.problem import InfeasibleBudget
+    from lynx_compile.solver.solve import solve_remat
 
     ref = problem.reference_peak
     try:

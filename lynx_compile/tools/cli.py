@@ -72,14 +72,14 @@ def _options(args: argparse.Namespace) -> dict:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from lynx_compile.dynamo_backend import _log_to_stderr
+    from lynx_compile.compiler.dynamo_backend import _log_to_stderr
 
     _log_to_stderr(solver_log=args.verbose)  # per-graph decisions, MILP progress; --verbose: solver log
 
     from lynx_compile.config import make_config
     from lynx_compile.models import example_batch, load_model_spec, num_parameters, PRESETS
     from lynx_compile.planning import plan_model
-    from lynx_compile.report import human_bytes, markdown_table
+    from lynx_compile.tools.report import human_bytes, markdown_table
 
     make_config(_options(args))  # bad options and plan files fail before the model is built
     if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
@@ -231,8 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    """``lynx cache path`` / ``lynx cache clear`` (``lynx_compile.plan_cache``)."""
-    from lynx_compile import plan_cache
+    """``lynx cache path`` / ``lynx cache clear`` (``lynx_compile.caches.plans``)."""
+    from lynx_compile.caches import plans as plan_cache
 
     if args.action == "path":
         print(plan_cache.plans_dir())

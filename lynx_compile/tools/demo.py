@@ -14,7 +14,7 @@ the compiled ones per block (``--compile per-block``, the default: each transfor
 ``block.compile(fullgraph=True)`` as torchtitan's ``apply_compile`` does; the blocks are alike, so
 one compile serves all of them and the compile time does not grow with depth; per-block lynx
 plans the blocks together from the recorded second step, so every variant warms up for 3 steps).
-Each is measured the same way (``lynx_compile.variants.run_variant``, also what
+Each is measured the same way (``lynx_compile.tools.variants.run_variant``, also what
 ``benchmarks/bench_step.py`` uses): the first step compiles and its gradients are compared with
 eager's; then warm-up and timed steps give the median step time and the measured peak step
 memory (``lynx_compile.memory.measure_step``: the CUDA allocator, or on CPU the profiler's
@@ -41,10 +41,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from lynx_compile.report import environment, human_bytes, markdown_table
+from lynx_compile.tools.report import environment, human_bytes, markdown_table
 from lynx_compile.tools.demo_plot import plot_demo
 from lynx_compile.tools.demo_table import TABLE_COLUMNS, conclusion, short_result, table_rows
-from lynx_compile.variants import GRAD_RTOL, run_variant, under_inductor
+from lynx_compile.tools.variants import GRAD_RTOL, run_variant, under_inductor
 
 DEMO_VARIANTS = ("eager", "checkpoint", "inductor", "inductor-b0.5", "lynx-b0.7", "lynx-b0.5", "lynx-b0.2")
 DEMO_MODEL, DEMO_LAYERS, DEMO_SEQ, DEMO_BATCH = "gpt-small", 8, 512, 2
@@ -85,15 +85,15 @@ def run_demo(preset: Optional[str] = None, *, batch_size: Optional[int] = None, 
              progress: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> DemoResult:
     """Run every variant on ``preset`` (shape: ``demo_shape``) and write ``demo_<device>.md`` and
     ``.png`` under ``out`` (default: ``<tmp>/lynx_demo``).
-    ``variants``: ``lynx_compile.variants`` names; ``eager`` always runs first (the reference).
-    ``style``: ``per-block`` or ``whole`` (``lynx_compile.variants.COMPILE_STYLES``).
+    ``variants``: ``lynx_compile.tools.variants`` names; ``eager`` always runs first (the reference).
+    ``style``: ``per-block`` or ``whole`` (``lynx_compile.tools.variants.COMPILE_STYLES``).
     ``warmup``: steps before the timed ones, the compiling first included (per-block lynx takes at
     least 3, ``variants.min_warmup``; every variant gets the same so their steps compare).
     ``dropout`` > 0 shows why Inductor-compiled gradients then differ from eager's.
     On CPU the steps run on one thread (restored after): with more, a loaded machine's other
     processes stall torch's thread barriers and the step times mean little."""
     from lynx_compile.models import build_model, example_batch
-    from lynx_compile.variants import min_warmup
+    from lynx_compile.tools.variants import min_warmup
 
     t_start = time.perf_counter()
     device = resolve_device(device)

@@ -8,7 +8,7 @@ import math
 from typing import Any, Optional, Sequence
 
 from lynx_compile.tools.demo_table import short_result
-from lynx_compile.variants import describe, parse_variant
+from lynx_compile.tools.variants import describe, parse_variant
 
 _STYLE = {  # kind -> marker, colour
     "eager": ("o", "black"), "checkpoint": ("v", "dimgray"), "inductor": ("s", "tab:blue"),

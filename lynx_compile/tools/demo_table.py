@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
-from lynx_compile.report import human_bytes
-from lynx_compile.variants import describe, parse_variant
+from lynx_compile.tools.report import human_bytes
+from lynx_compile.tools.variants import describe, parse_variant
 
 TABLE_COLUMNS = ["variant", "what", "step_ms", "peak", "peak_vs_compile", "peak_vs_eager", "predicted_peak",
                  "grads_equal_eager", "grad_rel_diff", "first_step_s"]

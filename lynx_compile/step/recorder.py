@@ -1,5 +1,5 @@
 """Plan the compiled pieces of one training step together, from a recorded step (issue M item 3;
-the design: ``docs/budget_pieces.md``; the arithmetic: ``lynx_compile.step_model``).
+the design: ``docs/budget_pieces.md``; the arithmetic: ``lynx_compile.step.model``).
 
 A model compiled per block (torchtitan's ``apply_compile``) or split by graph breaks runs as
 several compiled graphs with eager code between them. Dynamo compiles each lazily, during the
@@ -7,12 +7,12 @@ first step, so when a piece is planned nothing is known of the others: each gets
 plan (``decide.decide_piece``: its saved bytes within the budget's fraction of its own). Then:
 
 1. **step 1** runs on the provisional plans (and compiles every piece);
-2. **step 2 is recorded** (``memory.step_recording``: the profiler's allocator events on CPU,
+2. **step 2 is recorded** (``step.memory_marks``: the profiler's allocator events on CPU,
    the allocator's peaks on CUDA), cut at the start and end of every piece call's forward and
    backward, giving each segment's measured peak; lynx knows what the plans that ran
    contribute, the rest is ``outside`` (measured, not modelled: embedding, LM head, loss,
    gradient accumulation);
-3. at the end of step 2's backward, one choice per call (``step_model.choose``: a graph called
+3. at the end of step 2's backward, one choice per call (``step.model.choose``: a graph called
    several times may take two candidates, split at one call): the least exposed recompute whose
    predicted step peak is within the budget, a fraction being of the same step with every graph
    at no recompute (torch.compile's own per-block step);
@@ -42,12 +42,12 @@ import torch
 
 from lynx_compile import _compat
 from lynx_compile.budget import budget_error, format_bytes
-from lynx_compile.compiled_piece import Piece
+from lynx_compile.step.piece import Piece
 from lynx_compile.decisions import BudgetError
 from lynx_compile.memory import optimizer_state
 from lynx_compile.memory.param_grads import GradWatch
-from lynx_compile.memory.step_recording import AllocatorRecording, ProfilerRecording
-from lynx_compile.step_model import USER, Segment, StepChoice, StepModel, choose
+from lynx_compile.step.memory_marks import AllocatorRecording, ProfilerRecording
+from lynx_compile.step.model import USER, Segment, StepChoice, StepModel, choose
 
 log = logging.getLogger("lynx_compile")
 RECORDED_STEP = 2
@@ -268,7 +268,7 @@ class StepRecorder:
         keys = [p.record.stats.get("plan_cache_key") for p in self.calls]
         if not keys or not all(keys) or not self.backend.config.plan_cache:
             return None
-        from lynx_compile import plan_cache
+        from lynx_compile.caches import plans as plan_cache
 
         return plan_cache.step_key(keys, self.backend.config.budget.given())
 
@@ -276,7 +276,7 @@ class StepRecorder:
         """At the end of step 1: the step's plan, or its refusal, from the plan cache (a script
         run before), applied (or raised) at step 2's first forward without recording; every rank
         must hit alike."""
-        from lynx_compile import plan_cache
+        from lynx_compile.caches import plans as plan_cache
         from lynx_compile.distributed.agreement import gather_values, planning_group
 
         self._key = self._step_key()
@@ -319,7 +319,7 @@ class StepRecorder:
     def _store_step(self) -> None:
         if not self._key or not self.choice.fits:
             return
-        from lynx_compile import plan_cache
+        from lynx_compile.caches import plans as plan_cache
 
         order = list(dict.fromkeys(self.model.calls))
         plan_cache.store_step(self._key, {
@@ -334,7 +334,7 @@ class StepRecorder:
         freed at different points)."""
         if not self._key:
             return
-        from lynx_compile import plan_cache
+        from lynx_compile.caches import plans as plan_cache
 
         plan_cache.store_step(self._key, {"refused": {"predicted": int(predicted), "reference": int(self.reference),
                                                       "why": why}})
@@ -613,7 +613,7 @@ class StepRecorder:
         what = "; ".join(changed) if changed else "the provisional plans kept"
         line = (f"{summary}; planned together: {what}; step peak predicted {format_bytes(choice.predicted)} "
                 f"(budget {format_bytes(self.budget_bytes)})")
-        from lynx_compile import step_hint
+        from lynx_compile.step import hint as step_hint
 
         for piece in self.pieces:  # a whole graph planned lower: at once in the next run
             step_hint.keep(piece.record)

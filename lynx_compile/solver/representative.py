@@ -209,7 +209,7 @@ def solve_positions(arr: ProblemArrays, positions: list[np.ndarray], budget: int
     units as given), or None when the MILP gives no answer. Solved to ``GAP`` or ``MAX_NODES``
     (both deterministic); ``time_limit_s`` is only a safety net (a note says when it hit). It was
     1 s, which a loaded 2-core machine reached: the same problem then planned differently
-    (tests/test_remat_heuristic.py::test_deterministic, seen with two test processes running)."""
+    (tests/test_solver_heuristic.py::test_deterministic, seen with two test processes running)."""
     import highspy
 
     cols = _columns(arr, positions)

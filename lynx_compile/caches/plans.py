@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from lynx_compile.decisions import Decisions
-from lynx_compile.source_digest import lynx_source_digest
+from lynx_compile.caches.source_digest import lynx_source_digest
 
 log = logging.getLogger("lynx_compile")
 
@@ -81,7 +81,7 @@ class CachedPlan:
     """Inductor's estimate of the compiled step's peak, where it was read (None otherwise)."""
     step: dict | None = None
     """A piece of a model compiled in pieces (``decide.decide_piece``): its candidates for the
-    step's plan across pieces (``step_model.GraphChoices.to_dict``), ``current`` the one chosen."""
+    step's plan across pieces (``step.model.GraphChoices.to_dict``), ``current`` the one chosen."""
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(dataclasses.replace(self, decisions=Decisions(policy="none")))
@@ -209,7 +209,7 @@ def store_step(key: str, step: dict) -> Path | None:
 def store_record(key: str, record: dict) -> Path | None:
     """Write a graph's record (``GraphRecord.to_dict``) atomically under ``key``: what a later
     process restores when torch's AOTAutograd cache serves the graph's compile and lynx's
-    partitioner does not run (``lynx_compile.autograd_cache``)."""
+    partitioner does not run (``lynx_compile.caches.autograd``)."""
     return _write(entry_path(key), {"schema": SCHEMA, "key": key, "record": record})
 
 

@@ -1,7 +1,7 @@
-"""Memory over one training step, between marks the caller places (``lynx_compile.step_record``
+"""Memory over one training step, between marks the caller places (``lynx_compile.step.recorder``
 marks every piece boundary of a model compiled in pieces): per mark, the highest bytes allocated
 since the previous one, and the bytes allocated at the mark itself (its level: where the segment
-after it starts, ``step_model.Segment.start``).
+after it starts, ``step.model.Segment.start``).
 
 ``ProfilerRecording`` (CPU: the allocator has no counters) reads a memory-profiling profiler's
 allocator events; ``AllocatorRecording`` (CUDA) the caching allocator's peak statistics. Both:

@@ -1,7 +1,7 @@
 """The memory of a whole training step run as several compiled pieces, and the one choice per
 piece that keeps it within a budget (issue M item 3; ``docs/budget_pieces.md``).
 
-Plain data and arithmetic, no torch: ``lynx_compile.step_record`` fills it from a recorded step.
+Plain data and arithmetic, no torch: ``lynx_compile.step.recorder`` fills it from a recorded step.
 
 A recorded step is a sequence of **segments**, cut at the start and end of every piece call's
 forward and backward. In each segment the memory measured at its highest (``Segment.peak``) is

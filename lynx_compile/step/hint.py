@@ -2,7 +2,7 @@
 
 A model compiled as a whole graph beside other compiled graphs (torchtitan's trainer compiles
 the model and its loss apart) plans the model graph within the budget's fraction of its own peak
-at step 1; when the step recorded at step 2 does not fit, ``step_record`` plans that graph again
+at step 1; when the step recorded at step 2 does not fit, ``step.recorder`` plans that graph again
 within a lower peak (``step_choice="plan@<bytes>"``) and compiles it again at step 3. A rerun of
 the same script would compile it twice again. Here the lower peak is kept in the plan cache
 directory, keyed by what the graph's first compile sees (the dynamo graph and its inputs, lynx's
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from lynx_compile import plan_cache
+from lynx_compile.caches import plans as plan_cache
 from lynx_compile.config import LynxConfig
 
 log = logging.getLogger("lynx_compile")
@@ -30,7 +30,7 @@ PREFIX = "plan@"
 
 def key(gm: fx.GraphModule, example_inputs: list, config: LynxConfig) -> str | None:
     """The hint's key for a graph's first compile, or None where hints are off."""
-    from lynx_compile import autograd_cache
+    from lynx_compile.caches import autograd as autograd_cache
 
     if config.policy != "lynx" or config.budget is None or not autograd_cache.keeps_plans(config):
         return None

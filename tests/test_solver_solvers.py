@@ -9,14 +9,14 @@ import shutil
 import pyomo.environ as pyo
 import pytest
 
-from lynx_compile.remat import CommWindow, InfeasibleBudget, RematProblem, Unit
-from lynx_compile.remat import milp, milp_solvers
-from lynx_compile.remat.evaluate import evaluate, problem_arrays
-from lynx_compile.remat.heuristic import heuristic_bound, solve_heu
-from lynx_compile.remat.milp import build_model, extract_state, smallest_peak, solve_milp
-from lynx_compile.remat.milp_solvers import available_solvers, pick_solver, run_solver
-from lynx_compile.remat.solve import solve_remat
-from lynx_compile.remat.synthetic import compare_solvers, synthetic_problem
+from lynx_compile.solver import CommWindow, InfeasibleBudget, RematProblem, Unit
+from lynx_compile.solver import milp, milp_solvers
+from lynx_compile.solver.evaluate import evaluate, problem_arrays
+from lynx_compile.solver.heuristic import heuristic_bound, solve_heu
+from lynx_compile.solver.milp import build_model, extract_state, smallest_peak, solve_milp
+from lynx_compile.solver.milp_solvers import available_solvers, pick_solver, run_solver
+from lynx_compile.solver.solve import solve_remat
+from lynx_compile.solver.synthetic import compare_solvers, synthetic_problem
 
 MS = 1e-3
 SOLVERS = [pytest.param(lambda p, b, **kw: solve_milp(p, b, solver="highs", **kw), id="opt-highs"),

@@ -49,7 +49,7 @@ each can be disabled by name). What follows:
   estimate is then the one kept in the plan cache's entry (``plan_cache.keep_compiled_peak`` /
   ``restore_compiled_peak``), when a compile has read it before.
 * **Caching.** AOTAutograd's cache serves lynx's graphs as it serves torch.compile's
-  (``lynx_compile.autograd_cache``): the partitioner's ``uuid()`` is a digest of the graph and
+  (``lynx_compile.caches.autograd``): the partitioner's ``uuid()`` is a digest of the graph and
   of all that decides its plan, and the record of the plan is kept beside torch's entry, so a
   hit restores it without partitioning. Where that cache stays off (several planning ranks, a
   plan file, measured costs, offload, ``plan_cache=False``) the partitioner always runs (its
@@ -64,7 +64,9 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
-from lynx_compile import _compat, autograd_cache, plan_cache
+from lynx_compile import _compat
+from lynx_compile.caches import autograd as autograd_cache
+from lynx_compile.caches import plans as plan_cache
 from lynx_compile.config import LynxConfig
 from lynx_compile.memory.storage import storage_nbytes
 from lynx_compile.passes import POST_GRAD_PIPELINE, GraphRecord, PassContext, run_passes
@@ -87,7 +89,7 @@ class LynxPartitioner(_compat.inductor_partitioner_base()):
         self.plan_only = plan_only
         self.peak = peak
         self.cache_key = cache_key
-        """``autograd_cache.cache_key``: this partitioner's uuid; the record is kept under it."""
+        """``caches.autograd.cache_key``: this partitioner's uuid; the record is kept under it."""
         self.ran = False
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
@@ -109,7 +111,7 @@ class LynxPartitioner(_compat.inductor_partitioner_base()):
 
     def uuid(self) -> str | None:
         """Part of AOTAutograd's and Inductor's FX-graph cache keys: None while AOTAutograd's
-        cache is off for this graph (``autograd_cache``)."""
+        cache is off for this graph (``caches.autograd``)."""
         return self.cache_key
 
 

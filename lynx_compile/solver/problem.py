@@ -1,7 +1,7 @@
 """``RematProblem`` and ``RematSolution``: the recompute optimizer's input and output, plain data.
 
 No torch.fx in here (the solvers never see a graph): a problem is extracted from the joint
-graph by ``lynx_compile.recompute.problem`` and serializes to JSON.
+graph by ``lynx_compile.recompute.problem_from_graph`` and serializes to JSON.
 
 The model the solvers implement
 -------------------------------

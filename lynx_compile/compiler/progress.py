@@ -11,7 +11,7 @@ timer thread; the work itself runs undisturbed on the calling thread.
 ``LYNX_PROGRESS=0`` turns the lines off (``verbose`` / ``LYNX_DEBUG`` logs more detail on its
 own); a ``Progress`` entered inside another on the same thread (a backend called while another
 graph compiles) prints nothing of its own. Only a graph's first compile is wrapped
-(``LynxBackend.__call__``): the recompiles for the step's plan (``step_record``, at step 3) and
+(``LynxBackend.__call__``): the recompiles for the step's plan (``step.recorder``, at step 3) and
 Inductor's backward, compiled at the first backward, print nothing.
 """
 from __future__ import annotations

@@ -6,10 +6,10 @@ event 0 carries a large `bw_base`, so the budget binds there: what is kept is li
 what is recomputed on demand is live only from its first use."""
 import pytest
 
-from lynx_compile.remat import CommWindow, InfeasibleBudget, RematProblem, Unit
-from lynx_compile.remat.evaluate import evaluate
-from lynx_compile.remat.heuristic import solve_heu
-from lynx_compile.remat.milp import smallest_peak, solve_milp
+from lynx_compile.solver import CommWindow, InfeasibleBudget, RematProblem, Unit
+from lynx_compile.solver.evaluate import evaluate
+from lynx_compile.solver.heuristic import solve_heu
+from lynx_compile.solver.milp import smallest_peak, solve_milp
 
 MS = 1e-3
 SOLVERS = [pytest.param(lambda p, b: solve_milp(p, b, solver="highs"), id="opt-highs"),

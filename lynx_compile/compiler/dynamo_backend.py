@@ -3,7 +3,7 @@
 ``torch.compile(model, backend="lynx", options={...})`` reaches :func:`lynx_backend` through the
 ``torch_dynamo_backends`` entry point; :func:`backend` returns the same backend with options
 bound. With ``compiler="inductor"`` (the default) the graph goes through Inductor's own
-``compile_fx`` with lynx's partition in place of min-cut (``lynx_compile.inductor``); with
+``compile_fx`` with lynx's partition in place of min-cut (``lynx_compile.compiler.inductor_partition``); with
 ``compiler="eager"`` it is aot_autograd with lynx's ``partition_fn`` and the partitioned graphs
 run op by op (the exact reference and debug path, and what side streams / recompute-in-wait
 need).
@@ -20,7 +20,9 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from lynx_compile import _compat, autograd_cache
+from lynx_compile import _compat
+from lynx_compile.caches import autograd as autograd_cache
+from lynx_compile.caches.source_digest import lynx_source_digest
 from lynx_compile.config import OPTIONS_ENV, LynxConfig, make_config, options_from_env
 from lynx_compile.decisions import BudgetError
 from lynx_compile.errors import LynxOptionError, PlanningDone, shown_as_raised, without_tracebacks
@@ -58,7 +60,7 @@ class LynxBackend:
     gives several), each with its ``plan``: what was saved and recomputed and the predicted
     memory. ``plans`` is the list of those plans. ``plan_pieces``: with policy lynx under a
     budget, plan the graphs of a model compiled in pieces together on the recorded step
-    (``lynx_compile.step_record``); lynx's pipeline stages, sized by the pipeline planner, turn it
+    (``lynx_compile.step.recorder``); lynx's pipeline stages, sized by the pipeline planner, turn it
     off."""
 
     def __init__(self, config: LynxConfig, *, plan_only: bool = False, plan_pieces: bool = True):
@@ -76,10 +78,10 @@ class LynxBackend:
         self._lock = threading.Lock()
         self._warned_breaks = False
         self.step_recorder = None
-        """Plans the compiled pieces of one step together (``lynx_compile.step_record``): with
+        """Plans the compiled pieces of one step together (``lynx_compile.step.recorder``): with
         policy lynx under a budget, when the model runs as several compiled graphs."""
         if plan_pieces and config.policy == "lynx" and config.budget is not None and not plan_only:
-            from lynx_compile.step_record import StepRecorder
+            from lynx_compile.step.recorder import StepRecorder
 
             self.step_recorder = StepRecorder(self)
         if config.verbose:
@@ -104,7 +106,7 @@ class LynxBackend:
                 log.warning("lynx: compiling more than one graph with these options (graph breaks, "
                             "recompiles, or another model); each graph gets its own plan, listed in "
                             "backend.records. TORCH_LOGS=graph_breaks shows why dynamo split a model.")
-        from lynx_compile import grad_in_graph
+        from lynx_compile.memory import grad_in_graph
 
         # (a graph run as a Piece may return its gradients while .grad is None: compiled again with
         # them in the graph at the first call that finds .grad kept)
@@ -124,17 +126,17 @@ class LynxBackend:
         record.fsdp = fsdp.as_tuple() if fsdp is not None else None
         hint_key = None
         if self.step_recorder is not None and not record.takes_activations and not self.plan_only:
-            from lynx_compile import step_hint
+            from lynx_compile.step import hint as step_hint
 
             # a whole graph beside other compiled graphs: the lower peak the step's plan gave it
-            # in an earlier run, planned at once (lynx_compile.step_hint)
+            # in an earlier run, planned at once (lynx_compile.step.hint)
             hint_key = step_hint.key(gm, example_inputs, self.config)
             record.step_choice = step_hint.load(hint_key)
             if record.step_choice is not None:
                 log.info("lynx plan cache: step hint %s: graph %d planned within its peak %s at once, as the "
                          "step's plan across graphs chose in an earlier run", hint_key[:12], record.graph_id,
                          record.step_choice[len(step_hint.PREFIX):])
-        from lynx_compile.progress import Progress
+        from lynx_compile.compiler.progress import Progress
 
         try:
             with Progress(f"graph {record.graph_id} ({len(gm.graph.nodes)} nodes): tracing, planning and compiling"):
@@ -153,7 +155,7 @@ class LynxBackend:
             record.stats["step_hint_key"] = hint_key
         if self.step_recorder is None:
             return compiled
-        from lynx_compile.compiled_piece import InputSpec
+        from lynx_compile.step.piece import InputSpec
 
         devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
         return self.step_recorder.piece(compiled, record, functools.partial(self._rebuild, gm, InputSpec(example_inputs)),
@@ -169,7 +171,7 @@ class LynxBackend:
                   refusal: BudgetError) -> Callable | None:
         """A whole graph whose budget is out of reach on its own peak, where the step may hold
         other compiled graphs (a loss compiled apart, torchtitan's trainer): compiled at its
-        smallest peak, and the refusal kept for the step to decide (``step_record``: raised at
+        smallest peak, and the refusal kept for the step to decide (``step.recorder``: raised at
         the end of step 1 when no other graph with choices shares the step; otherwise the step's
         plan across graphs names the step's own smallest budget, the one asking for which is
         accepted). None where the refusal stands at once (no step recorder, a region budget, no
@@ -187,7 +189,7 @@ class LynxBackend:
             return None
         self.step_recorder.defer(record, without_tracebacks(refusal))  # kept: no frames with it
         note = (f"{str(refusal).split('. Use ')[0]}: compiled at its smallest peak ({refusal.smallest_bytes} B) "
-                "until the step shows whether other compiled graphs share it (step_record): refused at the end "
+                "until the step shows whether other compiled graphs share it (step.recorder): refused at the end "
                 "of step 1 if none does")
         record.notes.append(note)
         log.info("lynx: graph %d: %s", record.graph_id, note)
@@ -195,9 +197,9 @@ class LynxBackend:
 
     def _rebuild(self, gm: fx.GraphModule, inputs, old: GraphRecord, choice: str | None, *,
                  replace: bool = True, grads_in_graph=None) -> tuple[Callable, GraphRecord]:
-        """``gm`` compiled again with candidate ``choice`` (the step's plan, ``step_record``;
+        """``gm`` compiled again with candidate ``choice`` (the step's plan, ``step.recorder``;
         None: as a first compile plans it) and ``old``'s gradient regime unless
-        ``grads_in_graph`` is given (``compiled_piece.Piece``: gradient accumulation seen);
+        ``grads_in_graph`` is given (``step.piece.Piece``: gradient accumulation seen);
         its record replaces ``old`` in ``records`` (``replace``) or follows it (a graph whose
         calls run two compiles)."""
         record = GraphRecord(graph_id=old.graph_id, policy=self.config.policy, step_choice=choice,
@@ -252,11 +254,11 @@ class LynxBackend:
 
     def _compile_inductor(self, gm: fx.GraphModule, example_inputs: list, record: GraphRecord,
                           config: LynxConfig) -> Callable:
-        """Inductor's pipeline with lynx's partition (``lynx_compile.inductor``); Inductor's own
+        """Inductor's pipeline with lynx's partition (``lynx_compile.compiler.inductor_partition``); Inductor's own
         estimate of the compiled step's peak goes on the plan once the backward is compiled.
         ``config``: this graph's (``self.config`` with its resident bytes)."""
         from lynx_compile.distributed.agreement import planning_group
-        from lynx_compile.inductor import CompiledPeak, LynxPartitioner, LynxPostGrad, WeightSplitCompile
+        from lynx_compile.compiler.inductor_partition import CompiledPeak, LynxPartitioner, LynxPostGrad, WeightSplitCompile
 
         # policy lynx with no budget (and no plan file) keeps torch.compile's own partition: no
         # placement of lynx's to keep, so Inductor runs as in torch.compile (bit for bit: its
@@ -286,7 +288,8 @@ class LynxBackend:
                     keep_placement=own_placement and (lambda: not record.torch_partition),
                     keep_recompute_apart=lambda: record.keep_recompute_apart,
                     post_grad=LynxPostGrad(config, record) if own_placement else None, post_fusion=peak,
-                    inner_compile=split, autograd_cache=cached)
+                    inner_compile=split, autograd_cache=cached,
+                    source_digest=lynx_source_digest())
                 served = _compat.dynamo_counters()["aot_autograd"]["autograd_cache_hit"] > hits
                 # served by AOTAutograd's cache, not partitioned: the plan is the one kept
                 if not served or partitioner.ran or autograd_cache.restore(record, key):

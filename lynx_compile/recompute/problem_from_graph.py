@@ -27,7 +27,7 @@ from lynx_compile.decisions import Window as DecisionWindow
 from lynx_compile.memory.simulate import backward_inputs, held_tangents, simulate_graph
 from lynx_compile.memory.storage import allocations, storage_keys
 from lynx_compile.recompute.regions import problem_caps
-from lynx_compile.remat.problem import CommWindow, RematProblem, Unit
+from lynx_compile.solver.problem import CommWindow, RematProblem, Unit
 
 from lynx_compile.passes import meta
 from lynx_compile.passes.context import PassContext

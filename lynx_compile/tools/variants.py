@@ -165,9 +165,9 @@ def compile_blocks(model: torch.nn.Module, **kw: Any) -> torch.nn.Module:
 def min_warmup(name: str, style: str = "whole") -> int:
     """The fewest warm-up steps (the compiling first included) before a variant's steps are its
     steady state: per-block lynx plans its pieces together from the recorded step 2 and swaps the
-    re-planned compiles in at step 3 (``lynx_compile.step_record``; a budget no plan reaches is
+    re-planned compiles in at step 3 (``lynx_compile.step.recorder``; a budget no plan reaches is
     refused there), so 3; otherwise 1."""
-    from lynx_compile.step_record import RECORDED_STEP
+    from lynx_compile.step.recorder import RECORDED_STEP
 
     return RECORDED_STEP + 1 if style == "per-block" and parse_variant(name).kind == "lynx" else 1
 
@@ -175,7 +175,7 @@ def min_warmup(name: str, style: str = "whole") -> int:
 def describe_failure(exc: BaseException) -> str:
     """``refused: <first line>`` for a lynx BudgetError anywhere under dynamo's wrappers,
     else ``error: <type>: <first line>``."""
-    from lynx_compile.dynamo_backend import find_backend_error
+    from lynx_compile.compiler.dynamo_backend import find_backend_error
     from lynx_compile.decisions import BudgetError
 
     budget = find_backend_error(exc, BudgetError)

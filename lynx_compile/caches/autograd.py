@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from lynx_compile import plan_cache
+from lynx_compile.caches import plans as plan_cache
 from lynx_compile.config import LynxConfig
 from lynx_compile.passes import GraphRecord
 

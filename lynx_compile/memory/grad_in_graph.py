@@ -51,7 +51,7 @@ sum feeds the op), and its peak is at the backward's start, where the pile has n
 under a budget, where every ``.grad`` is None as the graph compiles (:data:`RETURNED_NEW`): the
 returned gradients become ``.grad`` at the same bytes, and the op's calls cost host time; the
 first call that finds a ``.grad`` kept (gradient accumulation) compiles the graph again with
-the gradients in it (``compiled_piece.Piece``). The record says which
+the gradients in it (``step.piece.Piece``). The record says which
 (``GraphRecord.grads_in_graph``).
 
 Memory: the graph's memory model frees each gradient after its op. Where a parameter's ``.grad``
@@ -190,7 +190,7 @@ class GradsInGraph(NamedTuple):
     @property
     def returned_while_none(self) -> bool:
         """Returned because every ``.grad`` was None as the graph compiled (:data:`RETURNED_NEW`):
-        to be added in the graph once a ``.grad`` is kept (``compiled_piece.Piece``)."""
+        to be added in the graph once a ``.grad`` is kept (``step.piece.Piece``)."""
         return not self.applies and self.new_grads
 
 
@@ -200,7 +200,7 @@ def decide(config, example_inputs: list, *, switchable: bool = False) -> GradsIn
     wherever eager's ``.grad`` is kept and something may be recomputed; True the same, refused with
     ``LynxOptionError`` where it cannot be kept; False returns them.
 
-    ``switchable``: the graph runs as a ``compiled_piece.Piece``, which compiles it again with
+    ``switchable``: the graph runs as a ``step.piece.Piece``, which compiles it again with
     the gradients in the graph at the first call that finds a ``.grad`` kept (gradient
     accumulation). There, by default, a graph whose parameters' ``.grad`` are all None as it
     compiles (``zero_grad()``'s default) returns them (:data:`RETURNED_NEW`)."""

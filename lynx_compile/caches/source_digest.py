@@ -1,5 +1,5 @@
 """A digest of lynx's own Python sources: part of every key under which lynx reuses a plan or
-lets torch reuse a compiled artifact (``plan_cache``, ``autograd_cache``, ``_compat``'s
+lets torch reuse a compiled artifact (``caches.plans``, ``caches.autograd``, ``_compat``'s
 partitioner uuid). A leaf module: it imports nothing of lynx."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 def lynx_source_digest() -> str:
     """sha256 of lynx's Python sources (``lynx_compile`` and its ``passes`` package, wherever
     they are installed from): a plan made by other planning code is never reused."""
-    roots = [Path(__file__).resolve().parent]
+    roots = [Path(__file__).resolve().parent.parent]  # lynx_compile/, this file in caches/
     spec = importlib.util.find_spec("lynx_compile.passes")
     roots += [Path(p).resolve() for p in (spec.submodule_search_locations or ())] if spec else []
     h = hashlib.sha256()

@@ -1,4 +1,4 @@
-"""A lynx-compiled graph as dynamo calls it, for a model compiled in pieces (``step_record``).
+"""A lynx-compiled graph as dynamo calls it, for a model compiled in pieces (``step.recorder``).
 
 ``Piece`` is the callable dynamo gets: the compile in use (swapped once the step's plan chose
 another candidate, and once where gradients start to accumulate into a kept ``.grad``), telling
@@ -61,7 +61,7 @@ class Piece:
 
     After the step's plan a graph called several times per step may run two compiles: the
     ``k``-th call of a step (counting calls with gradients on) runs ``by_call[k]``. ``recorder``
-    is the backend's ``step_record.StepRecorder`` (told of each forward and backward)."""
+    is the backend's ``step.recorder.StepRecorder`` (told of each forward and backward)."""
 
     def __init__(self, recorder: Any, compiled: Callable, record: Any,
                  rebuild: Callable[..., tuple[Callable, Any]], params: tuple = (), returned: tuple = ()):
@@ -107,7 +107,7 @@ class Piece:
         plan does not hold. Each of the graph's compiles is built again with the gradients added
         into ``.grad`` where computed (the same choice, so the same plan), once."""
         self._returned = []
-        from lynx_compile.grad_in_graph import GradsInGraph
+        from lynx_compile.memory.grad_in_graph import GradsInGraph
 
         regime = GradsInGraph(True, True, "")
         fresh = {}

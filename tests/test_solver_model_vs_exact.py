@@ -1,6 +1,6 @@
 """The optimizer's memory model against the exact simulation of the rewritten graphs.
 
-The recompute MILP plans on a linear model (``remat/problem.py``); the plan that counts is
+The recompute MILP plans on a linear model (``solver/problem.py``); the plan that counts is
 the partitioned graphs' exact simulated peak. The model must not understate a plan's peak
 (else its plans overshoot and are re-solved), and must not overstate it so much that budgets
 its own baselines reach look infeasible (issue L: the 1.3B ``lynx plan --memory-budget 0.4``
@@ -14,7 +14,7 @@ import torch
 from lynx_compile.decisions import DEMAND
 from lynx_compile.models import build_model, example_batch
 from lynx_compile.planning import plan_model
-from lynx_compile.remat.evaluate import evaluate
+from lynx_compile.solver.evaluate import evaluate
 
 pytest.importorskip("highspy")
 OPTIONS = dict(hardware="h100-sxm", cost_source="analytic", plan_cache=False)

@@ -3,12 +3,12 @@
 import numpy as np
 import pytest
 
-from lynx_compile.remat import InfeasibleBudget, RematProblem, Unit
-from lynx_compile.remat import heuristic
-from lynx_compile.remat.evaluate import evaluate
-from lynx_compile.remat.heuristic import heuristic_bound, solve_heu
-from lynx_compile.remat.milp import smallest_peak, solve_milp
-from lynx_compile.remat.synthetic import synthetic_problem
+from lynx_compile.solver import InfeasibleBudget, RematProblem, Unit
+from lynx_compile.solver import heuristic
+from lynx_compile.solver.evaluate import evaluate
+from lynx_compile.solver.heuristic import heuristic_bound, solve_heu
+from lynx_compile.solver.milp import smallest_peak, solve_milp
+from lynx_compile.solver.synthetic import synthetic_problem
 
 MS = 1e-3
 
@@ -50,7 +50,7 @@ def test_i_48_blocks_replicates_representative_runs(monkeypatch):
     # unit by unit. The plan fits, decides every block, and exposes no more than the all-alike
     # replication alone. Tests assert behaviour, not time: HEU's search time is reported by
     # benchmarks/bench_remat.py (plan search table).
-    from lynx_compile.remat import heuristic
+    from lynx_compile.solver import heuristic
 
     p = synthetic_problem(48, 40, 2, 0)               # 1924 units, 3848 events, 97 windows
     budget = int(0.6 * p.reference_peak)
@@ -133,7 +133,7 @@ def test_undominated_drops_only_rows_a_kept_row_implies():
     # A[t] <= A[s] elementwise and rhs[t] >= rhs[s]. Equal neighbouring rows used to imply each
     # other in the two passes and both went (the representative MILP then missed the peak of a
     # traced GPT by up to 1.5 %: the next test).
-    from lynx_compile.remat.representative import _undominated
+    from lynx_compile.solver.representative import _undominated
 
     assert _undominated(np.ones((2, 3)), np.zeros(2)).sum() == 1
     rng = np.random.default_rng(0)
@@ -164,8 +164,8 @@ def test_representative_milp_plan_fits_on_the_exact_model(traced_gpt_problem, fr
     # the representative MILP is exact on replicated decisions: a plan it finds without slack
     # (feasible budgets) is within the budget on the exact profile (1.0037 / 1.0004 of it before
     # the dominance fix, which the greedy repair then paid for in exposed time)
-    from lynx_compile.remat.evaluate import problem_arrays
-    from lynx_compile.remat.representative import solve_positions
+    from lynx_compile.solver.evaluate import problem_arrays
+    from lynx_compile.solver.representative import solve_positions
 
     p = traced_gpt_problem
     arr = problem_arrays(p)

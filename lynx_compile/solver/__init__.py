@@ -1,4 +1,4 @@
-"""The recompute optimizer (issue B): problem, solvers (Lynx-OPT MILP, Lynx-HEU), evaluation.
+"""The recompute solver (issue B), apart from torch.fx: problem, solvers (Lynx-OPT MILP, Lynx-HEU), evaluation.
 
     solve_remat(problem, budget, solver="auto"|"highs"|"glpk"|"heu") -> RematSolution
     solve_milp / solve_heu (same signature), evaluate(problem, solution) -> Evaluation,

@@ -5,9 +5,9 @@ import time
 import numpy as np
 import pytest
 
-from lynx_compile.remat import CommWindow, RematProblem, RematSolution, Unit
-from lynx_compile.remat.evaluate import evaluate, problem_arrays
-from lynx_compile.remat.synthetic import synthetic_problem
+from lynx_compile.solver import CommWindow, RematProblem, RematSolution, Unit
+from lynx_compile.solver.evaluate import evaluate, problem_arrays
+from lynx_compile.solver.synthetic import synthetic_problem
 
 MS = 1e-3
 

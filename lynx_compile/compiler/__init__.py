@@ -1,0 +1,7 @@
+"""The backend torch.compile calls: from dynamo's graph to compiled forward and backward.
+
+``dynamo_backend`` (``backend="lynx"``: options, the first call, the eager compiler's runtimes),
+``inductor_partition`` (lynx's partition inside Inductor's own pipeline, ``compiler="inductor"``)
+and ``progress`` (a line on stderr while one graph's compile takes long). Nothing here is imported by
+this ``__init__``: import the module you need.
+"""
