@@ -175,15 +175,16 @@ def test_disable_passes_turns_a_post_grad_pass_off_and_times_the_others():
 def test_post_grad_hook_cache_key_names_the_passes_that_run():
     """Inductor's FX-graph cache keys the post-grad hook by its uuid: the same in every compile
     of one configuration, different when a pass is disabled (a graph compiled without the pass
-    is not served the code of one compiled with it)."""
+    is not served the code of one compiled with it) or when lynx's sources change (its digest)."""
     from lynx_compile._compat.keyed_passes import _chained_post_grad_pass
     from lynx_compile.compiler.inductor_partition import LynxPostGrad
 
-    def uuid(**options):
+    def uuid(digest="lynx-sources", **options):
         record = GraphRecord(graph_id=0, policy="full")
-        return _chained_post_grad_pass(None, LynxPostGrad(make_config(options), record)).uuid()
+        return _chained_post_grad_pass(None, LynxPostGrad(make_config(options), record), digest).uuid()
 
     assert uuid() == uuid()
+    assert uuid(digest="other-sources") != uuid()
     assert uuid(disable_passes=("pin_windows_pass",)) != uuid()
     assert uuid(disable_passes=("pin_windows_pass",)) == uuid(disable_passes=("pin_windows_pass",))
 

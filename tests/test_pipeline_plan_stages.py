@@ -217,7 +217,7 @@ def test_memory_too_small_names_least_memory():
     costs = PipelineCosts(blocks=blocks, working_bytes=MiB // 2)
     pr = StagePricer(costs, 2, 2, None, "1F1B")  # brute force over the three splits agrees
     assert min(max(pr.min_memory(0, 0, c), pr.min_memory(1, c, 4)) for c in (1, 2, 3)) == 15 * MiB
-    with pytest.raises(StagePlanError, match=rf"needs {15 * MiB} B \(15\.00 MiB\)"):
+    with pytest.raises(StagePlanError, match=rf"needs {15 * MiB} B \(15\.00MiB\)"):
         plan_stages(costs, 2, 2, 15 * MiB - 1)
     # at 15 MiB only 2|2 fits: stage 0 allowance (15 - 8) / 2 = 3.5, room 3.5 - 0.5 = 3, minus T0 = 1
     # leaves 2 = its least; implied T = 2 - 2/2 = 1, no smaller. (1|3: stage 1 room 15 - 12 - 0.5 = 2.5
