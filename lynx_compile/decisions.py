@@ -30,6 +30,75 @@ class BudgetError(ValueError):
         self.why = why or message
 
 
+CANDIDATE_POLICIES = ("none", "full", "selective", "user", "torch", "lynx", "plan")
+"""What a candidate compile of a graph can be: the baselines, the user's own checkpoint tags
+(``user``), torch's min-cut (``torch``), lynx's optimizer (``lynx``) and a whole graph's plan
+held within the step's plan (``plan``)."""
+
+
+@dataclass(frozen=True, eq=False)
+class CandidateKey:
+    """Which compile of a graph a candidate is: the key by which the step's plan across pieces,
+    the caches and the plan's notes name it.
+
+    ``setting``: torch's ``activation_memory_budget`` (policy ``torch``, required). ``nbytes``:
+    the peak a ``lynx`` or ``plan`` candidate was planned within (None: at the graph's own
+    budget). ``smallest``: lynx's optimizer at its own smallest peak. ``str(key)`` is its text in
+    logs, JSON and cache entries (``torch@0.25``, ``plan@1048576``, ``lynx@smallest``), which
+    :meth:`parse` reads back. Comparing a key with a string raises ``TypeError``: text is for
+    people and files, code compares keys."""
+
+    policy: str
+    setting: float | None = None
+    nbytes: int | None = None
+    smallest: bool = False
+
+    def __post_init__(self) -> None:
+        if self.policy not in CANDIDATE_POLICIES:
+            raise ValueError(f"candidate policy {self.policy!r} is not one of {CANDIDATE_POLICIES}")
+        if (self.setting is not None) != (self.policy == "torch"):
+            raise ValueError(f"a 'torch' candidate, and only it, has a setting (got {self.policy!r}, {self.setting!r})")
+        if self.nbytes is not None and (self.policy not in ("lynx", "plan") or self.nbytes <= 0):
+            raise ValueError(f"only 'lynx' and 'plan' candidates hold a positive peak (got {self.policy!r}, {self.nbytes!r})")
+        if self.smallest and (self.policy != "lynx" or self.nbytes is not None):
+            raise ValueError("only a 'lynx' candidate with no peak given plans at its smallest peak")
+
+    def _fields(self) -> tuple:
+        return self.policy, self.setting, self.nbytes, self.smallest
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, CandidateKey):
+            return self._fields() == other._fields()
+        if isinstance(other, str):
+            raise TypeError(f"candidate key {self} compared with the string {other!r}: compare CandidateKeys")
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._fields())
+
+    def __str__(self) -> str:
+        if self.setting is not None:
+            return f"torch@{self.setting:g}"
+        if self.smallest:
+            return "lynx@smallest"
+        return self.policy if self.nbytes is None else f"{self.policy}@{self.nbytes}"
+
+    @classmethod
+    def parse(cls, text: str) -> "CandidateKey":
+        """The key ``str(key)`` wrote; ``ValueError`` for any other text."""
+        policy, at, arg = str(text).partition("@")
+        try:
+            if not at:
+                return cls(policy)
+            if policy == "torch":
+                return cls(policy, setting=float(arg))
+            if policy == "lynx" and arg == "smallest":
+                return cls(policy, smallest=True)
+            return cls(policy, nbytes=int(arg))
+        except ValueError as e:
+            raise ValueError(f"not a candidate key: {text!r} ({e})") from None
+
+
 @dataclass(frozen=True)
 class Keep:
     """The unit's output is saved by the forward for the backward."""
@@ -98,7 +167,8 @@ class Decisions:
     covers (tagged with it). Units not listed are kept."""
 
     policy: str
-    """Which policy decided: "none", "full", "selective", "torch@<budget>", "lynx"."""
+    """Which policy decided, as its candidate key's text (``str(CandidateKey)``): "none", "full",
+    "selective", "user", "torch@<setting>", "lynx", "lynx@smallest"."""
     units: tuple[tuple[str, Decision], ...] = ()
     members: tuple[tuple[str, tuple[str, ...]], ...] = ()
     source: str = ""

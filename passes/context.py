@@ -5,6 +5,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from lynx_compile.decisions import CandidateKey
 from lynx_compile.plan import RecomputePlan
 from lynx_compile.step.model import GraphChoices
 
@@ -58,7 +59,7 @@ class GraphRecord:
     fsdp: tuple[int, int, int] | None = None
     """FSDP2's collectives around this graph's backward (``distributed.fsdp.FsdpComm``), when
     its parameters are ``fully_shard``-ed over several ranks."""
-    step_choice: str | None = None
+    step_choice: CandidateKey | None = None
     """The candidate the step's plan chose for this graph (``lynx_compile.step.recorder``): a
     compile with it set applies that candidate as is."""
     provisional: bool = False
@@ -94,6 +95,8 @@ class GraphRecord:
         finally:
             self.problem, self.unit_index = problem, index
         out["plan"] = self.plan.to_dict() if self.plan is not None else None
+        out["step"] = self.step.to_dict() if self.step is not None else None
+        out["step_choice"] = str(self.step_choice) if self.step_choice is not None else None
         return out
 
     @classmethod
@@ -110,6 +113,7 @@ class GraphRecord:
         data["timings"] = [PassTiming(**t) for t in data.get("timings", ())]
         data["plan"] = RecomputePlan.from_dict(data["plan"]) if data.get("plan") else None
         data["step"] = GraphChoices.from_dict(data["step"]) if data.get("step") else None
+        data["step_choice"] = CandidateKey.parse(data["step_choice"]) if data.get("step_choice") else None
         data["saved_names"] = tuple(data.get("saved_names", ()))
         data["fsdp"] = tuple(data["fsdp"]) if data.get("fsdp") else None
         seg = data.get("segment_costs")

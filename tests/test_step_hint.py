@@ -4,7 +4,7 @@ runs; ``lynx_compile.step.hint``).
 torchtitan's trainer compiles the model and its loss apart: two graphs of one step. At budget 0.7
 the model graph is planned at step 1 within 0.7 of its own peak; the step recorded at step 2
 (the loss and logits outside it) does not fit, so lynx plans the model graph lower
-(``step_choice="plan@<bytes>"``) and compiles it again at step 3. A rerun of the script, on the
+(``step_choice``: ``CandidateKey("plan", nbytes=...)``) and compiles it again at step 3. A rerun of the script, on the
 same cache directory, compiles it within that lower peak at step 1 and never again.
 
 Oracles: the first run (the choice its step's plan made; its gradients, bit for bit: the same
@@ -66,7 +66,7 @@ def test_a_rerun_compiles_the_whole_graph_once_within_the_steps_peak(tmp_path, m
     first, compiles, grads = _run(3)
     model_graph = first.records[0]
     lower = model_graph.step_choice
-    assert lower is not None and lower.startswith(step_hint.PREFIX), [r.step_choice for r in first.records]
+    assert lower is not None and lower.policy == "plan" and lower.nbytes, [r.step_choice for r in first.records]
     gid = model_graph.graph_id
     assert [c for g, c in compiles if g == gid] == [None, lower]  # compiled twice: provisional, then lower
 

@@ -13,14 +13,16 @@ import torch
 
 from lynx_compile.compiler.dynamo_backend import LynxBackend
 from lynx_compile.config import make_config
-from lynx_compile.decisions import BudgetError
+from lynx_compile.decisions import BudgetError, CandidateKey
 from lynx_compile.memory.measure import cpu_peak_bytes, measure_step
 from lynx_compile.models import build_model, example_batch
 from lynx_compile.step.model import Candidate, GraphChoices, Segment, StepModel, choose
 
 
 def _c(name, exposed, saved, fw=None, bw=None):
-    return Candidate(name=name, exposed_s=exposed, saved_bytes=saved,
+    """A candidate named by its key's text (``half``: torch's min-cut at 0.5, ``late`` at 0.2)."""
+    name = {"half": "torch@0.5", "late": "torch@0.2"}.get(name, name)
+    return Candidate(name=CandidateKey.parse(name), exposed_s=exposed, saved_bytes=saved,
                      forward_peak_bytes=saved if fw is None else fw, backward_peak_bytes=saved if bw is None else bw)
 
 
@@ -30,10 +32,10 @@ NONE, HALF, FULL = _c("none", 0.0, 100), _c("half", 1.0, 50), _c("full", 3.0, 10
 def _two_calls(current="none", outside=(0, 0, 0, 0, 0, 0)):
     """One graph called twice: fw0, fw1, then bw1, bw0. Measured peaks are the model's with
     ``current`` plus ``outside`` per segment."""
-    graphs = {0: GraphChoices(reference=NONE, choices=(NONE, HALF, FULL), current=current)}
+    c = {"none": NONE, "half": HALF, "full": FULL}[current]
+    graphs = {0: GraphChoices(reference=NONE, choices=(NONE, HALF, FULL), current=c.name)}
     shape = [((), None), ((), (0, "fw")), ((0,), None), ((0,), (1, "fw")), ((0, 1), None), ((0,), (1, "bw")),
              ((0,), None), ((), (0, "bw")), ((), None)]
-    c = {"none": NONE, "half": HALF, "full": FULL}[current]
     segs = []
     for i, (alive, running) in enumerate(shape):
         extra = outside[i] if i < len(outside) else 0
@@ -66,14 +68,14 @@ def test_choose_takes_the_least_recompute_that_fits_and_reports_when_nothing_doe
 
 def test_a_fixed_graph_keeps_its_plan_and_the_piece_takes_the_rest():
     """A graph planned on its own peak (one choice) beside a piece: only the piece moves."""
-    big = GraphChoices(reference=_c("none", 0, 300), choices=(_c("plan", 0, 120),), current="plan")
-    piece = GraphChoices(reference=NONE, choices=(NONE, HALF, FULL), current="none")
+    big = GraphChoices(reference=_c("none", 0, 300), choices=(_c("plan", 0, 120),), current=CandidateKey("plan"))
+    piece = GraphChoices(reference=NONE, choices=(NONE, HALF, FULL), current=NONE.name)
     segs = (Segment(peak=120, alive=(), running=(0, "fw")), Segment(peak=120 + 100, alive=(0,), running=(1, "fw")),
             Segment(peak=120 + 100, alive=(0, 1), running=None))
     model = StepModel(graphs={0: big, 1: piece}, calls=(0, 1), segments=segs)
     assert model.reference() == 400
     got = choose(model, 180)
-    assert got.pick[0][0].name == "plan" and got.pick[1] == (HALF,) and got.predicted == 170
+    assert got.pick[0][0].name == CandidateKey("plan") and got.pick[1] == (HALF,) and got.predicted == 170
 
 
 def test_the_transients_that_ran_are_taken_as_measured():
@@ -83,7 +85,7 @@ def test_the_transients_that_ran_are_taken_as_measured():
     segment's start, plus what of the call is alive there: what it saved, the 7 B gradient it
     receives), another candidate's prediction is its model on the true outside. Hand-computed."""
     half = _c("half", 1.0, 50, fw=60, bw=90)  # truly: forward 55, backward 60
-    graphs = {0: GraphChoices(reference=NONE, choices=(NONE, half, FULL), current="half", incoming_bytes=7)}
+    graphs = {0: GraphChoices(reference=NONE, choices=(NONE, half, FULL), current=half.name, incoming_bytes=7)}
     outside = 20
     # one call: forward, alive, backward (its saved 50 + incoming 7 at the start, 60 at its peak)
     segs = (Segment(peak=outside + 55, alive=(), running=(0, "fw"), start=outside),
@@ -94,12 +96,12 @@ def test_the_transients_that_ran_are_taken_as_measured():
     measured, changes = model.measured()
     assert changes == [(0, "backward", 90, 60), (0, "forward", 60, 55)]
     assert measured.outside() == [20, 20, 20]
-    assert measured.graphs[0].named("half").backward_peak_bytes == 60
+    assert measured.graphs[0].named(half.name).backward_peak_bytes == 60
     late = _c("late", 2.0, 10, fw=20, bw=100)  # another candidate, peaking in its backward
     assert measured.predicted(measured.uniform({0: late})) == outside + 100
     assert model.predicted(model.uniform({0: late})) == outside + 100 - 30  # what it was
     # without the incoming bytes a backward's transient is left as modelled
-    unknown = StepModel(graphs={0: GraphChoices(reference=NONE, choices=(NONE, half, FULL), current="half")},
+    unknown = StepModel(graphs={0: GraphChoices(reference=NONE, choices=(NONE, half, FULL), current=half.name)},
                         calls=(0,), segments=segs)
     assert unknown.measured()[1] == [(0, "forward", 60, 55)]
 
@@ -275,7 +277,7 @@ def test_the_provisional_candidate_is_the_least_step_peak_of_many_calls(n, grad_
     peaks = {c.name: model.predicted(model.uniform({0: c})) for c in cands}
     pick = provisional_pick(cands, grad_bytes)
     assert peaks[pick.name] == min(peaks.values()), (pick.name, peaks)
-    assert (pick.name == "full") == (grad_bytes == 0), pick.name
+    assert (pick.name == CandidateKey("full")) == (grad_bytes == 0), pick.name
 
 
 def test_the_provisional_candidate_weighs_what_it_saves_against_its_transient():

@@ -52,7 +52,8 @@ def cache_key(gm: fx.GraphModule, example_inputs: list, config: LynxConfig, reco
     if not trains or not keeps_plans(config):
         return None
     return plan_cache.plan_key({**graph_fields(gm, example_inputs, config, "autograd_cache"),
-                                "takes_activations": record.takes_activations, "step_choice": record.step_choice,
+                                "takes_activations": record.takes_activations,
+                                "step_choice": None if record.step_choice is None else str(record.step_choice),
                                 "provisional": record.provisional, "new_grad_bytes": record.new_grad_bytes,
                                 "grads_in_graph": list(record.grads_in_graph or ())})
 

@@ -24,7 +24,7 @@ from lynx_compile import _compat
 from lynx_compile.caches import autograd as autograd_cache
 from lynx_compile.caches.source_digest import lynx_source_digest
 from lynx_compile.config import OPTIONS_ENV, LynxConfig, make_config, options_from_env
-from lynx_compile.decisions import BudgetError
+from lynx_compile.decisions import BudgetError, CandidateKey
 from lynx_compile.errors import LynxOptionError, PlanningDone, shown_as_raised, without_tracebacks
 from lynx_compile.memory import optimizer_state
 from lynx_compile.passes import GraphRecord, check_pass_names
@@ -135,7 +135,7 @@ class LynxBackend:
             if record.step_choice is not None:
                 log.info("lynx plan cache: step hint %s: graph %d planned within its peak %s at once, as the "
                          "step's plan across graphs chose in an earlier run", hint_key[:12], record.graph_id,
-                         record.step_choice[len(step_hint.PREFIX):])
+                         record.step_choice.nbytes)
         from lynx_compile.compiler.progress import Progress
 
         try:
@@ -181,7 +181,7 @@ class LynxBackend:
         if (self.step_recorder is None or record.takes_activations or isinstance(refusal, RegionBudgetError)
                 or refusal.smallest_bytes is None):
             return None
-        record.step_choice = f"plan@{refusal.smallest_bytes}"
+        record.step_choice = CandidateKey("plan", nbytes=refusal.smallest_bytes)
         try:
             compiled = self._compile(gm, example_inputs, record)
         except BudgetError:
@@ -195,7 +195,7 @@ class LynxBackend:
         log.info("lynx: graph %d: %s", record.graph_id, note)
         return compiled
 
-    def _rebuild(self, gm: fx.GraphModule, inputs, old: GraphRecord, choice: str | None, *,
+    def _rebuild(self, gm: fx.GraphModule, inputs, old: GraphRecord, choice: CandidateKey | None, *,
                  replace: bool = True, grads_in_graph=None) -> tuple[Callable, GraphRecord]:
         """``gm`` compiled again with candidate ``choice`` (the step's plan, ``step.recorder``;
         None: as a first compile plans it) and ``old``'s gradient regime unless

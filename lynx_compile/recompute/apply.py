@@ -68,14 +68,14 @@ def partition_joint(joint: fx.GraphModule, joint_inputs: Any, kw: dict, *, induc
     return fw, bw
 
 
-def scratch_context(ctx: PassContext, policy: str) -> PassContext:
+def scratch_context(ctx: PassContext, policy: str, label: str) -> PassContext:
     """A context for a candidate plan: its deciding and its passes write into a record of its
     own (the plan's record only hears of the winner), and no graphs are dumped (they would
     overwrite the plan's own)."""
     r = ctx.record
     return dataclasses.replace(
-        ctx, config=dataclasses.replace(ctx.config, policy=policy.split("@")[0], dump_dir=None),
-        record=GraphRecord(graph_id=r.graph_id, policy=policy, blocks=r.blocks, block_hashes=r.block_hashes,
+        ctx, config=dataclasses.replace(ctx.config, policy=policy, dump_dir=None),
+        record=GraphRecord(graph_id=r.graph_id, policy=label, blocks=r.blocks, block_hashes=r.block_hashes,
                            reference_peak_bytes=r.reference_peak_bytes, problem=r.problem, unit_index=r.unit_index))
 
 

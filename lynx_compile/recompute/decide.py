@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from lynx_compile.budget import budget_error as refuse
-from lynx_compile.decisions import BudgetError, Decisions
+from lynx_compile.decisions import BudgetError, CandidateKey, Decisions
 from lynx_compile.errors import without_tracebacks
 from lynx_compile.memory.simulate import saved_input_bytes
 from lynx_compile.memory.storage import _nbytes
@@ -37,7 +37,7 @@ from lynx_compile.recompute import seeds
 from lynx_compile.recompute.apply import Applied, partition_joint, realize, scratch_context
 from lynx_compile.recompute.baselines import baseline_decisions
 from lynx_compile.recompute.regions import RegionBudgetError
-from lynx_compile.step.model import Candidate, GraphChoices, provisional_pick
+from lynx_compile.step.model import USER, Candidate, GraphChoices, provisional_pick
 
 log = logging.getLogger("lynx_compile")
 
@@ -120,7 +120,7 @@ def _plan_piece(joint, ctx: PassContext, kw: dict, budget: int | None, reference
         try:
             own = plan_lynx(joint, ctx, *_problem_base(joint, ctx, kw),
                             int(frac * ctx.record.reference_peak_bytes), kw)
-            scored.append(("lynx", seeds.exposed(own.applied, joint), own.applied))
+            scored.append((CandidateKey("lynx"), seeds.exposed(own.applied, joint), own.applied))
         except BudgetError as e:
             if isinstance(e, RegionBudgetError):
                 raise
@@ -135,7 +135,7 @@ def _plan_piece(joint, ctx: PassContext, kw: dict, budget: int | None, reference
             except BudgetError as e:
                 ctx.record.notes.append(f"lynx's optimizer at {target} B: {e}")
                 continue
-            scored.append((f"lynx@{target}", seeds.exposed(more.applied, joint), more.applied))
+            scored.append((CandidateKey("lynx", nbytes=target), seeds.exposed(more.applied, joint), more.applied))
             own = own or more
     # no budget: only none (recompute nothing beyond what the compiler does on its own)
     policies = ("none", *seeds.user_candidate(ctx), *seeds.BASELINES) if budget is not None else ("none",)
@@ -152,13 +152,13 @@ def _plan_piece(joint, ctx: PassContext, kw: dict, budget: int | None, reference
             scored.append((name, cost, applied))
     acts = activation_inputs(joint, kw)
     as_candidate = lambda n, e, a: step_candidate(n, e, a.mem, saved_input_bytes(a.fw, a.bw, acts))  # noqa: E731
-    none = next(as_candidate(n, e, a) for n, e, a in scored if n == "none")  # the budget's 100%
+    none = next(as_candidate(n, e, a) for n, e, a in scored if n == CandidateKey("none"))  # the budget's 100%
     if regions is not None:  # the model's region budgets bound every candidate
         scored = [c for c in scored if not regions.over(c[2].fw, c[2].bw)]
         if not scored:
             raise RegionBudgetError("lynx: no plan of this piece holds the model's region budgets "
                                     f"({', '.join(r.name for r in regions.regions)}); raise the region budgets")
-    ctx.record.stats["candidates"] = {n: {"exposed_s": e, "saved_bytes": a.mem.saved_bytes} for n, e, a in scored}
+    ctx.record.stats["candidates"] = {str(n): {"exposed_s": e, "saved_bytes": a.mem.saved_bytes} for n, e, a in scored}
     choices = tuple(as_candidate(n, e, a) for n, e, a in scored)
     fitting = [c for c in scored if budget is None or c[2].mem.saved_bytes <= budget]
     windows = ctx.record.problem is not None and bool(ctx.record.problem.windows)
@@ -170,7 +170,7 @@ def _plan_piece(joint, ctx: PassContext, kw: dict, budget: int | None, reference
         grads = ctx.record.new_grad_bytes
         pick = provisional_pick(choices, grads)
         name, cost, applied = next(c for c in scored if c[0] == pick.name)
-        mine = next((c for c in scored if c[0] == seeds.USER), None)
+        mine = next((c for c in scored if c[0] == CandidateKey(USER)), None)
         if mine is not None and mine[2].mem.saved_bytes <= budget:
             # the user's own checkpointing fits: what torch.compile would run, until the step's plan
             name, cost, applied = mine
@@ -198,13 +198,13 @@ def _plan_piece(joint, ctx: PassContext, kw: dict, budget: int | None, reference
     return _piece_outcome(joint, ctx, name, cost, applied, own, note)
 
 
-def _piece_outcome(joint, ctx: PassContext, name: str, cost: float, applied: Applied, own, note: str):
+def _piece_outcome(joint, ctx: PassContext, name: CandidateKey, cost: float, applied: Applied, own, note: str):
     from lynx_compile.recompute.optimize import LynxOutcome
 
     ctx.record.stats.update(applied.record.stats)
     realize_tags(joint, ctx, applied.decisions)
     ctx.record.notes.append(note)
-    if name == "lynx":
+    if name == CandidateKey("lynx"):
         return own.applied, own
     outcome = LynxOutcome(applied=seeds.as_seed(applied),
                           problem=ctx.record.problem, solver=f"baseline:{name}", status="seeded", exposed_s=cost)
@@ -227,20 +227,20 @@ def _window_targets(ctx: PassContext, smallest: int | None) -> list[int]:
     return sorted(set(t for t in targets if 0 < t < ref))
 
 
-def _forced_piece(joint, ctx: PassContext, kw: dict, name: str, frac: float):
+def _forced_piece(joint, ctx: PassContext, kw: dict, name: CandidateKey, frac: float):
     """Candidate ``name`` of :func:`decide_piece` made as it was then: lynx's optimizer at the
-    same fraction, a baseline, or torch's min-cut at the setting in its name (``torch@0.25``)."""
+    same fraction or at its peak, a baseline, or torch's min-cut at its setting."""
     own = None
-    if name == "lynx" or name.startswith("lynx@"):
+    if name.policy == "lynx":
         from lynx_compile.recompute.optimize import plan_lynx
 
-        target = int(name[5:]) if name.startswith("lynx@") else int(frac * ctx.record.reference_peak_bytes)
+        target = name.nbytes if name.nbytes is not None else int(frac * ctx.record.reference_peak_bytes)
         own = plan_lynx(joint, ctx, *_problem_base(joint, ctx, kw), target, kw)
         applied = own.applied
-    elif name.startswith("torch@"):
-        applied = next(a for _, a in seeds.baseline_candidates(joint, ctx, kw, (), None, (float(name[6:]),)))
+    elif name.policy == "torch":
+        applied = next(a for _, a in seeds.baseline_candidates(joint, ctx, kw, (), None, (name.setting,)))
     else:
-        applied = next(a for _, a in seeds.baseline_candidates(joint, ctx, kw, (name,), None))
+        applied = next(a for _, a in seeds.baseline_candidates(joint, ctx, kw, (name.policy,), None))
     cost = seeds.exposed(applied, joint)
     choice = step_candidate(name, cost, applied.mem,
                             saved_input_bytes(applied.fw, applied.bw, activation_inputs(joint, kw)))
@@ -250,7 +250,7 @@ def _forced_piece(joint, ctx: PassContext, kw: dict, name: str, frac: float):
     return _piece_outcome(joint, ctx, name, cost, applied, own, note)
 
 
-def step_candidate(name: str, exposed_s: float, mem, held_inputs: int = 0) -> Candidate:
+def step_candidate(name: CandidateKey, exposed_s: float, mem, held_inputs: int = 0) -> Candidate:
     """A compile of a graph as the step's plan across graphs weighs it (``step.model``).
     ``held_inputs``: the bytes of activation inputs it saves (``memory.simulate.saved_input_bytes``),
     alive from its forward to its backward only because it saves them: counted in what it saves
@@ -278,7 +278,8 @@ def activation_inputs(joint: fx.GraphModule, kw: dict) -> frozenset[str]:
 
 def realize_tags(joint: fx.GraphModule, ctx: PassContext, decisions: Decisions) -> None:
     """Leave the compiled plan's tags on ``joint`` (candidates tagged it after)."""
-    sub = dataclasses.replace(scratch_context(ctx, decisions.policy), decisions=decisions)
+    # (only apply_decisions_pass runs in it: the policy of the context is the graph's own)
+    sub = dataclasses.replace(scratch_context(ctx, ctx.config.policy, decisions.policy), decisions=decisions)
     run_passes(joint, sub, APPLY_PIPELINE, "apply")
 
 
@@ -301,7 +302,7 @@ def smallest_reachable(joint, ctx: PassContext, kw: dict, reference_peak: int) -
     peaks = {"none": reference_peak}
     if ctx.record.blocks:
         for policy in ("selective", "full"):
-            sub = scratch_context(ctx, policy)
+            sub = scratch_context(ctx, policy, policy)
             applied = realize(joint, sub, baseline_decisions(joint, sub, policy), kw)
             peaks[policy] = applied.mem.peak_bytes
     best = min(peaks, key=peaks.get)

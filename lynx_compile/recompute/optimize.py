@@ -39,7 +39,7 @@ from lynx_compile.caches import plans as plan_cache
 from lynx_compile.recompute.apply import Applied, partition_token, realize, scratch_context
 from lynx_compile.budget import budget_error
 from lynx_compile.config import LynxConfig
-from lynx_compile.decisions import KEEP, BudgetError, Decisions
+from lynx_compile.decisions import KEEP, BudgetError, CandidateKey, Decisions
 from lynx_compile.step.model import USER
 from lynx_compile.passes import PassContext, meta
 from lynx_compile.recompute.problem_from_graph import extract_remat_problem, unit_decisions
@@ -223,10 +223,10 @@ def plan_smallest(joint: fx.GraphModule, ctx: PassContext, kw: dict) -> Applied 
             target = e.smallest
     if sol is None:
         return None
-    return realize(joint, scratch_context(ctx, SMALLEST), unit_decisions(problem, index, sol), kw)
+    return realize(joint, scratch_context(ctx, SMALLEST.policy, str(SMALLEST)), unit_decisions(problem, index, sol), kw)
 
 
-SMALLEST = "lynx@smallest"
+SMALLEST = CandidateKey("lynx", smallest=True)
 """The candidate name of :func:`plan_smallest`'s plan."""
 
 

@@ -25,7 +25,7 @@ from lynx_compile.budget import budget_error as refuse
 from lynx_compile.budget import format_bytes
 from lynx_compile.config import LynxConfig
 from lynx_compile.recompute.decide import budget_error, decide, decide_piece, incoming_bytes, smallest_reachable, step_candidate
-from lynx_compile.decisions import BudgetError, Decisions
+from lynx_compile.decisions import BudgetError, CandidateKey, Decisions
 from lynx_compile.distributed.agreement import check_plan_agreement
 from lynx_compile.memory.simulate import backward_inputs
 from lynx_compile.memory.storage import _nbytes
@@ -128,8 +128,8 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
         budget = _budget_bytes(config, reference.saved_bytes)
     else:
         budget = _budget_bytes(config, reference.peak_bytes)
-        if (record.step_choice or "").startswith("plan@"):  # the step's plan: a tighter peak (step.recorder)
-            budget = int(record.step_choice[5:])
+        if record.step_choice is not None and record.step_choice.nbytes is not None:
+            budget = record.step_choice.nbytes  # the step's plan: a tighter peak (step.recorder)
         elif config.budget is not None and (config.budget.nbytes or 0) >= reference.peak_bytes:
             _warn_loose_budget(config, reference.peak_bytes)
     if ctx.user_tags is not None and budget is None and record.step_choice is None and region_check is None:
@@ -138,8 +138,9 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
         record.notes.append(f"{ctx.user_tags.describe()}: no budget given, so the graph is partitioned as "
                             "torch.compile partitions it with them (set memory_budget for lynx's plan within them)")
         if piece:
-            record.step = GraphChoices(reference=step_candidate("none", 0.0, reference),
-                                       choices=(step_candidate(USER, 0.0, applied.mem),), current=USER,
+            record.step = GraphChoices(reference=step_candidate(CandidateKey("none"), 0.0, reference),
+                                       choices=(step_candidate(CandidateKey(USER), 0.0, applied.mem),),
+                                       current=CandidateKey(USER),
                                        incoming_bytes=incoming_bytes(joint))
     else:
         if ctx.user_tags is not None:
@@ -184,8 +185,8 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
     record.keep_recompute_apart = (applied.torch_budget is not None and applied.decisions.policy != USER
                                    and config.policy == "lynx" and not piece)
     if not piece:  # planned on its own peak: the step's plan across graphs keeps it (step.recorder)
-        name = record.step_choice or "plan"
-        record.step = GraphChoices(reference=step_candidate("none", 0.0, reference),
+        name = record.step_choice or CandidateKey("plan")
+        record.step = GraphChoices(reference=step_candidate(CandidateKey("none"), 0.0, reference),
                                    choices=(step_candidate(name, 0.0, mem),), current=name,
                                    incoming_bytes=incoming_bytes(joint))
     record.plan = build_plan(config.policy, joint, applied, ctx, budget, outcome,
@@ -228,7 +229,7 @@ def _users_partition(joint: fx.GraphModule, ctx: PassContext, kw: dict, *, scrat
     the annotated model): the plan itself (``scratch`` False, no budget) or, on a scratch record,
     the bound of lynx's plan (issue U: never above the memory the user's annotations give); what
     it holds is on ``record.stats["user_tags"]``."""
-    sub = scratch_context(ctx, USER) if scratch else ctx
+    sub = scratch_context(ctx, USER, USER) if scratch else ctx
     mine = realize(joint, sub, Decisions(policy=USER), kw, as_user_tagged=True)
     ctx.record.stats["user_tags"] = {**ctx.user_tags.summary(), "peak_bytes": mine.mem.peak_bytes,
                                      "saved_bytes": mine.mem.saved_bytes,

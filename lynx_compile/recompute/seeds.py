@@ -27,7 +27,7 @@ from lynx_compile import _compat
 from lynx_compile.budget import budget_error as refuse
 from lynx_compile.costs.analytic import is_free_node
 from lynx_compile.costs.comm import is_collective_node, is_wait_node
-from lynx_compile.decisions import Decisions, Demand, Window
+from lynx_compile.decisions import CandidateKey, Decisions, Demand, Window
 from lynx_compile.distributed.agreement import gather_values, planning_world_size
 from lynx_compile.costs.inductor_kernels import recompute_seconds, written_seconds
 from lynx_compile.memory.inductor_model import is_loop_kernel, value_readers
@@ -255,7 +255,7 @@ def seed_with_baselines(joint, ctx: PassContext, kw: dict, budget: int, referenc
     settings = TORCH_SETTINGS if failed_somewhere else ()
     policies = (*user_candidate(ctx), *(BASELINES if ctx.record.blocks else ()))
     # the candidates of every budget the optimizer does not reach, whatever the budget's fraction
-    floor = {*policies, *(f"torch@{s:g}" for s in settings)} if failed_somewhere else set()
+    floor = {*map(CandidateKey, policies), *(CandidateKey("torch", setting=s) for s in settings)} if failed_somewhere else set()
     # where lynx's plan fits, a baseline that exposes at least as much cannot win: not realized
     beat = weighed.best[1] if weighed.best is not None and not failed_somewhere else None
     for name, applied in baseline_candidates(joint, ctx, kw, policies, frac, settings, beat=beat,
@@ -268,14 +268,14 @@ def seed_with_baselines(joint, ctx: PassContext, kw: dict, budget: int, referenc
             for name, applied in _last_candidates(joint, ctx, kw):
                 weighed.add(name, applied, True)
     ctx.record.stats["candidates"] = {
-        k: {"exposed_s": e, "peak_bytes": b} if b is not None else e.stats() for k, (e, b) in weighed.scores.items()}
+        str(k): {"exposed_s": e, "peak_bytes": b} if b is not None else e.stats() for k, (e, b) in weighed.scores.items()}
     best = weighed.best
     if best is None:
         raise _refusal(ctx, reference_peak, weighed.floor, failure) from failure
-    if best[0] != "lynx":
+    if best[0] != CandidateKey("lynx"):
         why = (f"lynx's optimizer found no plan under this budget ({getattr(failure, 'why', failure)})"
                if outcome is None else
-               f"lynx's own plan exposes {weighed.scores['lynx'][0] * 1e3:.3g} ms of recompute")
+               f"lynx's own plan exposes {weighed.scores[CandidateKey('lynx')][0] * 1e3:.3g} ms of recompute")
         what = "lynx's optimizer at its own smallest peak" if best[0] == SMALLEST else "baseline"
         note = (f"seeded by {what} '{best[0]}': {why}; '{best[0]}' fits (peak "
                 f"{best[2].applied.mem.peak_bytes} B <= {budget} B) exposing {best[1] * 1e3:.3g} ms")
@@ -291,14 +291,14 @@ class _Weighing:
 
     def __init__(self, joint, ctx: PassContext, budget: int, outcome):
         self.joint, self.ctx, self.budget, self.outcome = joint, ctx, budget, outcome
-        self.scores: dict[str, tuple] = {}
-        self.floor: dict[str, Applied] = {}
+        self.scores: dict[CandidateKey, tuple] = {}
+        self.floor: dict[CandidateKey, Applied] = {}
         self.best = None
         if outcome is not None:
-            self.best = ("lynx", exposed(outcome.applied, joint), outcome)
-            self.scores["lynx"] = (self.best[1], outcome.applied.mem.peak_bytes)
+            self.best = (CandidateKey("lynx"), exposed(outcome.applied, joint), outcome)
+            self.scores[self.best[0]] = (self.best[1], outcome.applied.mem.peak_bytes)
 
-    def add(self, name: str, applied: Applied | Skipped, in_floor: bool) -> None:
+    def add(self, name: CandidateKey, applied: Applied | Skipped, in_floor: bool) -> None:
         from lynx_compile.recompute.optimize import SMALLEST, LynxOutcome
 
         if isinstance(applied, Skipped):
@@ -331,7 +331,7 @@ def _last_candidates(joint, ctx: PassContext, kw: dict):
         yield SMALLEST, applied
 
 
-def _refusal(ctx: PassContext, reference_peak: int, floor: dict[str, Applied], failure: Exception | None):
+def _refusal(ctx: PassContext, reference_peak: int, floor: dict[CandidateKey, Applied], failure: Exception | None):
     """The ``BudgetError`` when no candidate fits, naming the lowest exact peak of ``floor`` (the
     candidates of every budget the optimizer does not reach, which every such budget tries
     again); without any, the optimizer's own smallest (``failure``'s)."""
@@ -378,8 +378,8 @@ def baseline_candidates(joint: fx.GraphModule, ctx: PassContext, kw: dict, polic
     several = planning_world_size() > 1
     storages: dict = {}  # the joint's storages, for saved_floor_bytes
     for policy, torch_budget in candidates:
-        name = f"torch@{torch_budget:g}" if policy == "torch" else policy
-        sub = scratch_context(ctx, name)
+        name = CandidateKey("torch", setting=torch_budget) if policy == "torch" else CandidateKey(policy)
+        sub = scratch_context(ctx, policy, str(name))
         check = contextlib.nullcontext()
         if beat is not None and (policy == "torch" or not several):  # a choice that cannot win is not extracted
             check = _compat.min_cut_checks_choice(functools.partial(_check_choice, joint, ctx, beat, budget, storages))
@@ -401,7 +401,7 @@ def baseline_candidates(joint: fx.GraphModule, ctx: PassContext, kw: dict, polic
         try:  # a budget whose min-cut saves what a higher one saved is that candidate again
             with _compat.min_cut_counts_script_objects_as_zero(), \
                     _compat.min_cut_stops_on_repeat(saved_sets, name), check:
-                applied = realize(joint, sub, Decisions(policy=name), kw, torch_budget=torch_budget)
+                applied = realize(joint, sub, Decisions(policy=str(name)), kw, torch_budget=torch_budget)
         except _compat.SameSavedValues as same:
             clear_decision_tags(joint)  # as realize leaves it: min-cut's MUST_SAVE pins are no decision
             applied = realized[same.first]

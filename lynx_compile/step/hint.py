@@ -3,7 +3,7 @@
 A model compiled as a whole graph beside other compiled graphs (torchtitan's trainer compiles
 the model and its loss apart) plans the model graph within the budget's fraction of its own peak
 at step 1; when the step recorded at step 2 does not fit, ``step.recorder`` plans that graph again
-within a lower peak (``step_choice="plan@<bytes>"``) and compiles it again at step 3. A rerun of
+within a lower peak (``step_choice=CandidateKey("plan", nbytes=...)``) and compiles it again at step 3. A rerun of
 the same script would compile it twice again. Here the lower peak is kept in the plan cache
 directory, keyed by what the graph's first compile sees (the dynamo graph and its inputs, lynx's
 options and budget, the hardware profile, lynx's source), and the rerun's first compile plans
@@ -23,9 +23,9 @@ import torch.fx as fx
 
 from lynx_compile.caches import plans as plan_cache
 from lynx_compile.config import LynxConfig
+from lynx_compile.decisions import CandidateKey
 
 log = logging.getLogger("lynx_compile")
-PREFIX = "plan@"
 
 
 def key(gm: fx.GraphModule, example_inputs: list, config: LynxConfig) -> str | None:
@@ -38,18 +38,23 @@ def key(gm: fx.GraphModule, example_inputs: list, config: LynxConfig) -> str | N
                                 "budget": config.budget.given()})
 
 
-def load(hint_key: str | None) -> str | None:
-    """The ``plan@<bytes>`` choice kept under ``hint_key``, or None."""
+def load(hint_key: str | None) -> CandidateKey | None:
+    """The ``plan`` choice within a peak kept under ``hint_key``, or None (none kept, or an entry
+    that is not one)."""
     data = plan_cache.load_record(hint_key) if hint_key else None
-    choice = data.get("step_choice") if isinstance(data, dict) else None
-    if not isinstance(choice, str) or not choice.startswith(PREFIX) or not choice[len(PREFIX):].isdigit():
+    text = data.get("step_choice") if isinstance(data, dict) else None
+    try:
+        choice = CandidateKey.parse(text) if isinstance(text, str) else None
+    except ValueError:
         return None
-    return choice
+    return choice if choice is not None and choice.policy == "plan" and choice.nbytes is not None else None
 
 
 def keep(record: Any) -> None:
     """After the step's plan: keep ``record``'s choice when it plans a whole graph lower than its
-    first compile did (``plan@<bytes>``), under the key of that first compile."""
+    first compile did (a ``plan`` within a peak), under the key of that first compile."""
     hint_key = record.stats.get("step_hint_key")
-    if hint_key and (record.step_choice or "").startswith(PREFIX) and load(hint_key) != record.step_choice:
-        plan_cache.store_record(hint_key, {"step_choice": record.step_choice})
+    choice = record.step_choice
+    if hint_key and choice is not None and choice.policy == "plan" and choice.nbytes is not None \
+            and load(hint_key) != choice:
+        plan_cache.store_record(hint_key, {"step_choice": str(choice)})

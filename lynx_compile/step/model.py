@@ -32,9 +32,11 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable
 
+from lynx_compile.decisions import CandidateKey
+
 USER = "user"
-"""The candidate that is the user's own checkpoint regions and SAC policies
-(``passes.user_tags``), partitioned as torch.compile partitions them."""
+"""The policy of the candidate that is the user's own checkpoint regions and SAC policies
+(``passes.user_tags``), partitioned as torch.compile partitions them (key ``CandidateKey(USER)``)."""
 
 EXHAUSTIVE_LIMIT = 20_000
 """Choices per graph multiplied together up to this many are all tried; beyond it, the choice is
@@ -46,7 +48,7 @@ class Candidate:
     """One way to compile a piece: what it saves and its transients (bytes), its exposed
     recompute (seconds per call)."""
 
-    name: str
+    name: CandidateKey
     exposed_s: float
     saved_bytes: int
     forward_peak_bytes: int
@@ -76,23 +78,31 @@ class GraphChoices:
 
     reference: Candidate
     choices: tuple[Candidate, ...]
-    current: str
+    current: CandidateKey
     incoming_bytes: int | None = None
     """Bytes of the gradients its backward receives (one per differentiable output), alive as
     the backward starts and counted in every candidate's ``backward_peak_bytes``; None where not
     known (a backward's transient is then not taken from a recording)."""
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """JSON's form: each key as its text (``str(CandidateKey)``)."""
+        def plain(c: Candidate) -> dict:
+            return dict(dataclasses.asdict(c), name=str(c.name))
+
+        return {"reference": plain(self.reference), "choices": [plain(c) for c in self.choices],
+                "current": str(self.current), "incoming_bytes": self.incoming_bytes}
 
     @classmethod
     def from_dict(cls, data: dict) -> "GraphChoices":
-        """Raises ``TypeError`` / ``KeyError`` on anything but ``to_dict``'s form."""
-        incoming = data.get("incoming_bytes")
-        return cls(reference=Candidate(**data["reference"]), choices=tuple(Candidate(**c) for c in data["choices"]),
-                   current=str(data["current"]), incoming_bytes=None if incoming is None else int(incoming))
+        """Raises ``TypeError`` / ``KeyError`` / ``ValueError`` on anything but ``to_dict``'s form."""
+        def candidate(c: dict) -> Candidate:
+            return Candidate(**dict(c, name=CandidateKey.parse(c["name"])))
 
-    def named(self, name: str) -> Candidate:
+        incoming = data.get("incoming_bytes")
+        return cls(reference=candidate(data["reference"]), choices=tuple(candidate(c) for c in data["choices"]),
+                   current=CandidateKey.parse(data["current"]), incoming_bytes=None if incoming is None else int(incoming))
+
+    def named(self, name: CandidateKey) -> Candidate:
         for c in self.choices:
             if c.name == name:
                 return c

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 
 from lynx_compile import _compat
+from lynx_compile.decisions import CandidateKey
 from lynx_compile.memory import optimizer_state
 
 log = logging.getLogger("lynx_compile")
@@ -133,7 +134,7 @@ class Piece:
         self._count += 1
         return fn
 
-    def assign(self, names: tuple[str, ...]) -> list[str]:
+    def assign(self, names: tuple[CandidateKey, ...]) -> list[str]:
         """Compile (once per candidate) and use candidate ``names[k]`` for the ``k``-th call of
         each step; returns what changed, for the log."""
         current = self.record.step.current

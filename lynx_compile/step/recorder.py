@@ -42,12 +42,12 @@ import torch
 
 from lynx_compile import _compat
 from lynx_compile.budget import budget_error, format_bytes
-from lynx_compile.step.piece import Piece
-from lynx_compile.decisions import BudgetError
+from lynx_compile.decisions import BudgetError, CandidateKey
 from lynx_compile.memory import optimizer_state
 from lynx_compile.memory.param_grads import GradWatch
 from lynx_compile.step.memory_marks import AllocatorRecording, ProfilerRecording
 from lynx_compile.step.model import USER, Segment, StepChoice, StepModel, choose
+from lynx_compile.step.piece import Piece
 
 log = logging.getLogger("lynx_compile")
 RECORDED_STEP = 2
@@ -104,7 +104,7 @@ def _users_pick(model: StepModel):
     """Every call compiled as the user's own checkpoint tags (candidate ``USER``), where every
     graph of the step has that candidate; None otherwise."""
     try:
-        return model.uniform({g: gc.named(USER) for g, gc in model.graphs.items()})
+        return model.uniform({g: gc.named(CandidateKey(USER)) for g, gc in model.graphs.items()})
     except KeyError:
         return None
 
@@ -287,7 +287,7 @@ class StepRecorder:
             try:
                 graphs = list(dict.fromkeys(p.key for p in self.calls))
                 by_key = {p.key: p for p in self.calls}
-                pick = {g: tuple(by_key[g].record.step.named(n) for n in names)
+                pick = {g: tuple(by_key[g].record.step.named(CandidateKey.parse(n)) for n in names)
                         for g, names in zip(graphs, entry["graphs"], strict=True)}
                 numbers = {k: int(entry[k]) for k in ("predicted", "reference", "budget_bytes", "outside")}
             except (KeyError, TypeError, ValueError) as e:
@@ -323,7 +323,7 @@ class StepRecorder:
 
         order = list(dict.fromkeys(self.model.calls))
         plan_cache.store_step(self._key, {
-            "graphs": [[c.name for c in self.choice.pick[g]] for g in order],
+            "graphs": [[str(c.name) for c in self.choice.pick[g]] for g in order],
             "predicted": self.choice.predicted, "reference": self.reference, "budget_bytes": self.budget_bytes,
             "outside": max(self.outside, default=0)})
 
@@ -406,7 +406,7 @@ class StepRecorder:
             why = (f"what is resident grew from {format_bytes(plan.resident_bytes)} when graph "
                    f"{piece.record.graph_id} compiled to {format_bytes(resident)} as step {RECORDED_STEP} started")
             try:
-                piece.compiled, piece.record = piece.rebuild(piece.record, f"plan@{room}")
+                piece.compiled, piece.record = piece.rebuild(piece.record, CandidateKey("plan", nbytes=room))
             except BudgetError as e:
                 raise budget_error(now, plan.reference_peak_bytes, e.smallest_bytes, why) from None
             note = (f"device_budget: {why} ({source}); graph {piece.record.graph_id} planned again within the "
@@ -550,7 +550,7 @@ class StepRecorder:
         up to ``rounds`` times. The pieces' choices are made again with each."""
         model, budget = self.model, self.budget_bytes
         fixed = [p for p in self.pieces if p.key in model.graphs and len(model.graphs[p.key].choices) == 1
-                 and model.graphs[p.key].choices[0].name.startswith("plan")]
+                 and model.graphs[p.key].choices[0].name.policy == "plan"]
         for _ in range(rounds):
             if choice.fits or not fixed:
                 return choice
@@ -559,10 +559,12 @@ class StepRecorder:
             for piece in fixed:
                 target = max(1, piece.record.plan.peak_bytes - over)  # (a fraction below 0 is torch's error)
                 try:
-                    piece.compiled, piece.record = piece.rebuild(piece.record, f"plan@{target}")
+                    piece.compiled, piece.record = piece.rebuild(piece.record, CandidateKey("plan", nbytes=target))
                 except BudgetError as e:  # that graph reaches no lower peak: its smallest, once
-                    floor = f"plan@{e.smallest_bytes}"
-                    if e.smallest_bytes is None or piece.record.step_choice == floor:
+                    if e.smallest_bytes is None:
+                        return choice
+                    floor = CandidateKey("plan", nbytes=e.smallest_bytes)
+                    if piece.record.step_choice == floor:
                         return choice
                     try:
                         piece.compiled, piece.record = piece.rebuild(piece.record, floor)
@@ -605,8 +607,8 @@ class StepRecorder:
                    "computing the loss) or raise the budget")
             self._store_refusal(choice.predicted, why)
             raise budget_error(config.budget, self.reference, choice.predicted, why)
-        changed = [f"graph {p.record.graph_id}: its own peak planned within {format_bytes(int(p.record.step_choice[5:]))}"
-                   for p in self.pieces if (p.record.step_choice or "").startswith("plan@")]
+        changed = [f"graph {p.record.graph_id}: its own peak planned within {format_bytes(p.record.step_choice.nbytes)}"
+                   for p in self.pieces if p.record.step_choice is not None and p.record.step_choice.nbytes is not None]
         planned = [p for p in self.pieces if p.key in choice.pick]
         for piece in planned:
             changed += piece.assign(tuple(c.name for c in choice.pick[piece.key]))
