@@ -68,11 +68,6 @@ class LynxConfig:
     """Not an option: (bytes, what they are) resident at the step's start, set per compiled
     graph by :meth:`with_resident` when ``device_budget`` is given."""
 
-    _fsdp: tuple[int, int, int] | None = field(default=None, repr=False)
-    """Not an option: FSDP2's communication around this graph's backward (shard world size,
-    all-gather bytes, reduce-scatter bytes; ``lynx_compile.distributed.fsdp``), set per compiled
-    graph by :meth:`with_fsdp` when its parameters are ``fully_shard``-ed."""
-
     solver: Solver = "auto"
     """Optimizer for ``policy="lynx"``: ``glpk`` / ``highs`` solve the MILP (Lynx-OPT), ``heu``
     runs the block heuristic (Lynx-HEU), ``auto`` picks HiGHS when installed, else GLPK, else
@@ -225,11 +220,6 @@ class LynxConfig:
             return self
         Budget.of(None, self.device_budget).with_resident(nbytes, source)  # raises when nothing is left
         return dataclasses.replace(self, _resident=(int(nbytes), source))
-
-    def with_fsdp(self, comm: tuple[int, int, int] | None) -> "LynxConfig":
-        """This config for one compiled graph whose backward FSDP2's collectives overlap
-        (``lynx_compile.distributed.fsdp.FsdpComm.as_tuple()``); unchanged for None."""
-        return self if comm is None else dataclasses.replace(self, _fsdp=tuple(int(x) for x in comm))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

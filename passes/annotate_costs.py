@@ -2,7 +2,8 @@
 
 Reads ``config.cost_source``, ``config.hardware``, ``config.link`` (prices collectives, calibrated
 only for a graph with collectives or FSDP2 windows; see
-``lynx_compile.distributed.link``), ``config.measure_repeats``. Writes
+``lynx_compile.distributed.link``), ``config.measure_repeats``, ``record.fsdp`` (FSDP2's
+collectives around the backward: their seconds and the window they leave). Writes
 ``meta.COST`` (a ``lynx_compile.costs.NodeCost``) on every node, the totals into the record, and
 ``meta.KERNEL_PROFILE`` on the graph where Inductor compiles it with analytic costs.
 """
@@ -26,7 +27,8 @@ def annotate_costs_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         # Measured inputs (the calibrated CPU profile, measured node costs) differ per rank;
         # every rank plans from rank 0's, so all ranks reach the same plan.
         profile = rank0_value(get_profile(cfg.hardware))
-        if cfg.link == "auto" and cfg._fsdp is None and not any(is_collective_node(n) for n in gm.graph.nodes):
+        fsdp = ctx.record.fsdp  # FSDP2's collectives around this graph's backward, if any
+        if cfg.link == "auto" and fsdp is None and not any(is_collective_node(n) for n in gm.graph.nodes):
             # no collective to price (DDP's all-reduces run outside the graph): no calibration,
             # whose all-reduces of up to 4 MiB would run inside the user's first step and add
             # to its peak (measured: 0.65 -> 0.86 of torch.compile's step 1, DDP, 2 ranks)
@@ -48,9 +50,9 @@ def annotate_costs_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     ctx.record.stats["link"] = link.name
     ctx.record.stats["forward_s"] = sum(c.runtime_s for n, c in costs.items() if n in fwd)
     ctx.record.stats["backward_s"] = sum(c.runtime_s for n, c in costs.items() if n not in fwd)
-    if cfg._fsdp is not None:  # FSDP2's collectives overlap this backward (distributed/fsdp.py)
+    if fsdp is not None:  # FSDP2's collectives overlap this backward (distributed/fsdp.py)
         from lynx_compile.distributed.fsdp import FsdpComm, free_seconds
 
-        ctx.record.stats["fsdp_comm_s"] = FsdpComm(*cfg._fsdp).seconds(link)
-        ctx.record.stats["fsdp_window_s"] = free_seconds(cfg._fsdp, link, ctx.record.stats["backward_s"])
+        ctx.record.stats["fsdp_comm_s"] = FsdpComm(*fsdp).seconds(link)
+        ctx.record.stats["fsdp_window_s"] = free_seconds(fsdp, link, ctx.record.stats["backward_s"])
     return gm

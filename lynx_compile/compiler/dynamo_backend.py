@@ -219,7 +219,7 @@ class LynxBackend:
         return compiled, record
 
     def _compile(self, gm: fx.GraphModule, example_inputs: list, record: GraphRecord) -> Callable:
-        config = self.config.with_fsdp(record.fsdp)
+        config = self.config
         if config.device_budget is not None:  # what is on the device as this graph's step starts
             config = config.with_resident(*resident_bytes(example_inputs, plan_only=self.plan_only))
         on_meta = any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in example_inputs)

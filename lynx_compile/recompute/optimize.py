@@ -291,6 +291,8 @@ def _cache_key(joint: fx.GraphModule, ctx: PassContext, reference: int, budget: 
         profile={"hardware": get_profile(cfg.hardware).to_dict(), "link": ctx.record.stats.get("link")})
     if scope is not None:
         fields["scope"] = scope
+    if ctx.record.fsdp is not None:  # FSDP2's collectives around the backward: windows to plan in
+        fields["fsdp"] = list(ctx.record.fsdp)
     if ctx.user_tags is not None:  # the user's checkpoint tags are a candidate and bound the plan
         fields["user_tags"] = hashlib.sha256(repr(ctx.user_tags).encode()).hexdigest()
     if ctx.region_check is not None:  # the model's region budgets bound the plan
