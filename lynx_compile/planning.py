@@ -20,8 +20,9 @@ import torch
 import torch.fx as fx
 
 from lynx_compile import _compat
-from lynx_compile.compiler.dynamo_backend import LynxBackend, PlanningDone, _graph_ids, find_backend_error
+from lynx_compile.compiler.dynamo_backend import LynxBackend, _graph_ids, find_backend_error
 from lynx_compile.config import LynxConfig, make_config
+from lynx_compile.errors import PlanningDone
 from lynx_compile.recompute.partition import lynx_partition
 from lynx_compile.passes import GraphRecord
 

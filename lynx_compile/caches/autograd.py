@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-from typing import Any
 
 import torch
 import torch.fx as fx

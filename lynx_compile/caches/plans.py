@@ -34,7 +34,6 @@ by ``lynx cache clear`` (``clear``); ``plan_cache=False`` turns the cache off. N
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import logging

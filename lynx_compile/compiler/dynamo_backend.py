@@ -23,12 +23,13 @@ import torch.fx as fx
 from lynx_compile import _compat
 from lynx_compile.caches import autograd as autograd_cache
 from lynx_compile.caches.source_digest import lynx_source_digest
+from lynx_compile.compiler.eager_compile import EagerCompile
 from lynx_compile.config import OPTIONS_ENV, LynxConfig, make_config, options_from_env
 from lynx_compile.decisions import BudgetError, CandidateKey
-from lynx_compile.errors import LynxOptionError, PlanningDone, shown_as_raised, without_tracebacks
+from lynx_compile.errors import LynxOptionError, shown_as_raised, without_tracebacks
 from lynx_compile.memory import optimizer_state
+from lynx_compile.memory.resident import resident_bytes
 from lynx_compile.passes import GraphRecord, check_pass_names
-from lynx_compile.recompute.partition import lynx_partition
 
 log = logging.getLogger("lynx_compile")
 _graph_ids = itertools.count()
@@ -68,8 +69,7 @@ class LynxBackend:
         self.config = config
         self.plan_only = plan_only
         self.records: list[GraphRecord] = []
-        self.runtimes: list = []  # GraphRuntime per graph when config.recompute_in_wait
-        self.side_stream_runners: list = []  # SideStreamRunner per backward when config.side_stream
+        self.eager = EagerCompile(config, plan_only=plan_only)  # compiler="eager" (and meta-device models)
         self.weight_deferrals: list = []  # WeightDeferral per graph (eager without side stream; inductor with weight_split)
         from lynx_compile.distributed.agreement import WORLD
 
@@ -227,30 +227,7 @@ class LynxBackend:
             # (Meta-device models — paper-scale planning — take the aot_autograd path below: the
             # same min-cut base, without Inductor's joint passes, which reject meta tensors.)
             return self._compile_inductor(gm, example_inputs, record, config)
-        partition_fn = functools.partial(lynx_partition, config=config, record=record)
-        compiler = fw_compiler = self._compiler
-        deferral = None
-        if not self.config.side_stream and not self.plan_only:
-            from lynx_compile.runtime.weight_split import WeightDeferral
-
-            # dynamo hands a module's parameters to the backend as graph inputs
-            deferral = WeightDeferral([t if isinstance(t, torch.nn.Parameter) else None for t in example_inputs],
-                                      grads_in_graph=bool(record.grads_in_graph and record.grads_in_graph.applies))
-            self.weight_deferrals.append(deferral)
-        bw_compiler = functools.partial(self._bw_compiler, deferral=deferral)
-        if self.config.recompute_in_wait and not self.plan_only:
-            from lynx_compile.runtime.prefetch import GraphRuntime
-
-            runtime = GraphRuntime()
-            self.runtimes.append(runtime)
-            fw_compiler = functools.partial(self._fw_compiler_early, runtime=runtime, record=record)
-            bw_compiler = functools.partial(self._bw_compiler, runtime=runtime, deferral=deferral)
-        from lynx_compile.distributed.agreement import planning_group
-
-        with planning_group(self.planning_group):
-            return _compat.aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler,
-                                        inference_compiler=compiler,
-                                        partition_fn=partition_fn)(gm, example_inputs)
+        return self.eager(gm, example_inputs, record, config, self.planning_group, self.weight_deferrals)
 
     def _compile_inductor(self, gm: fx.GraphModule, example_inputs: list, record: GraphRecord,
                           config: LynxConfig) -> Callable:
@@ -299,100 +276,28 @@ class LynxBackend:
     def run_early(self, key: Any) -> int:
         """Run the recompute prefix of micro-batch ``key``'s backward in every graph now (see
         ``lynx_compile.runtime.prefetch``); returns how many graphs ran one."""
-        return sum(rt.run_early(key) for rt in self.runtimes)
+        return self.eager.run_early(key)
+
+    @property
+    def runtimes(self) -> list:
+        """``GraphRuntime`` per graph when ``config.recompute_in_wait`` (the eager compiler)."""
+        return self.eager.runtimes
+
+    @property
+    def side_stream_runners(self) -> list:
+        """``SideStreamRunner`` per backward when ``config.side_stream`` (the eager compiler)."""
+        return self.eager.side_stream_runners
 
     def run_weights(self, key: Any) -> int:
         """Run the weight gradients that micro-batch ``key``'s backward deferred (inside
         ``runtime.weight_split.defer_weights(key)``) in every graph now; returns how many ran."""
         return sum(d.run_weights(key) for d in self.weight_deferrals)
 
-    def _fw_compiler_early(self, gm: fx.GraphModule, example_inputs: list, *, runtime, record) -> Callable:
-        runtime.saved_names = record.saved_names
-        return runtime.wrap_forward(gm, self._compiler(gm, example_inputs))
-
-    def _bw_compiler(self, gm: fx.GraphModule, example_inputs: list, runtime=None, deferral=None) -> Callable:
-        """The backward, reporting its outputs (gradients) to a running memory measurement.
-        ``deferral``: can leave the weight gradients for later (``runtime.weight_split``)."""
-        from lynx_compile.memory.measure import record_backward_outputs
-
-        def compile_one(g: fx.GraphModule) -> Callable:
-            if self.config.trace_recompute:
-                from lynx_compile.passes.trace_ranges import trace_ranges_pass
-
-                trace_ranges_pass(g)
-            return self._compiler(g, example_inputs)
-
-        compile_bw = compile_one if deferral is None else functools.partial(deferral.wrap, compile_fn=compile_one)
-        if runtime is not None:
-            inner = runtime.wrap_backward(gm, compile_bw, self.config.recompute_in_wait_bytes)
-        elif self.config.side_stream:
-            inner = self._side_stream_runner(gm, compile_one)
-        else:
-            inner = compile_bw(gm)
-
-        def run(args: list) -> Any:
-            out = inner(args)
-            record_backward_outputs(out)
-            return out
-
-        run._boxed_call = True  # type: ignore[attr-defined]
-        return run
-
-    def _side_stream_runner(self, gm: fx.GraphModule, compile_one: Callable) -> Callable:
-        """The backward cut at its side-stream markers: CUDA streams when the graph runs on a
-        GPU, else the same pieces inline (``lynx_compile.runtime.side_stream``)."""
-        from lynx_compile.runtime.side_stream import CudaStreams, InlineStreams, SideStreamRunner
-
-        devices = {v.device for p in gm.graph.find_nodes(op="placeholder")
-                   if isinstance(v := p.meta.get("val"), torch.Tensor)}
-        cuda = [d for d in devices if d.type == "cuda"]
-        streams = CudaStreams(cuda[0]) if cuda else InlineStreams()
-        runner = SideStreamRunner(gm, compile_one, streams)
-        self.side_stream_runners.append(runner)
-        return runner
-
-    def _compiler(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
-        if self.plan_only:  # the partition (and so the plan) is done; nothing needs to run
-            raise PlanningDone()
-        return _compat.boxed(gm)
-
 
 # device_budget counts the optimizer state off CUDA (created by the first optimizer.step(), after
 # the first compile): every optimizer that steps once this module is loaded (torch.compile with
 # backend="lynx" loads it) is remembered, weakly (one set insertion per optimizer.step())
 optimizer_state.watch()
-
-RESIDENT_CUDA = ("parameters, buffers, optimizer state, inputs (torch.cuda.memory_allocated({device}) when "
-                 "lynx compiled)")
-RESIDENT_INPUTS = ("parameters, buffers, inputs (the unique storage bytes of the compiled graph's inputs{why})"
-                   "{optimizer}")
-
-
-def resident_bytes(example_inputs: list, *, plan_only: bool = False) -> tuple[int, str]:
-    """(bytes, what they are) allocated on the device when the step of the graph whose real
-    ``example_inputs`` dynamo passes starts: what ``device_budget`` holds besides the step's
-    peak. On CUDA the caching allocator's ``memory_allocated`` (parameters, buffers, optimizer
-    state once created, the batch, and anything else the program holds); elsewhere, and for a
-    plan-only trace (``lynx plan``: no real step), the unique storages of the graph's tensor
-    inputs (dynamo passes parameters and buffers as inputs): tied or viewed storages count once.
-    Meta tensors have no addresses; each input tensor counts once."""
-    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
-    cuda = [t.device for t in tensors if t.device.type == "cuda"]
-    if cuda and not plan_only:
-        return int(torch.cuda.memory_allocated(cuda[0])), RESIDENT_CUDA.format(device=cuda[0])
-    storages: dict[tuple, int] = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        ptr = 0 if _compat.is_plain_fake(t) else storage.data_ptr()  # (a stand-in's: no address)
-        key = (str(t.device), ptr) if ptr else ("tensor", id(t))
-        storages[key] = storage.nbytes()
-    devices = ", ".join(sorted({t.device.type for t in tensors}))
-    why = ": planning only, no real step" if plan_only else f": no allocator counter on {devices or 'cpu'}"
-    state, what = (0, "") if plan_only else optimizer_state.state_bytes(
-        t for t in tensors if isinstance(t, torch.nn.Parameter))
-    optimizer = f" and the optimizer state of its parameters ({what})" if state else optimizer_state.COUNTED_LATER
-    return sum(storages.values()) + state, RESIDENT_INPUTS.format(why=why, optimizer=optimizer)
-
 
 class _StderrHandler(logging.StreamHandler):
     """A handler writing to ``sys.stderr`` as it is at each record, not the object it was when
