@@ -36,17 +36,17 @@ def test_floor_is_never_above_the_realized_exposed_recompute(name, compiler, mon
 
     def every_baseline_realized(joint, ctx, kw, policies, frac, settings=(), *, beat=None, budget=None):
         for cand, applied in original(joint, ctx, kw, policies, frac, settings, beat=None):
-            if cand in policies:
+            if cand.policy in policies:
                 seen.append((cand, seeds.exposed_floor(joint, ctx, applied.decisions),
                              seeds.exposed(applied, joint)))
             yield cand, applied
 
     monkeypatch.setattr(seeds, "baseline_candidates", every_baseline_realized)
     _plan(model, x, memory_budget=0.8, compiler=compiler)
-    assert {c for c, *_ in seen} == {"full", "selective"}, seen
+    assert {c.policy for c, *_ in seen} == {"full", "selective"}, seen
     for cand, floor, realized in seen:
         assert 0.0 <= floor <= realized * (1 + 1e-9) + 1e-15, (cand, floor, realized)
-    full = [(f, r) for c, f, r in seen if c == "full"]
+    full = [(f, r) for c, f, r in seen if c.policy == "full"]
     assert all(f > 0.5 * r for f, r in full), full  # a floor that says something: most of full's recompute
 
 

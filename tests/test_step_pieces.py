@@ -129,11 +129,22 @@ def _inductor_per_block(model):
         block.compile(backend="inductor", fullgraph=True)
 
 
-def test_per_block_budget_holds_on_the_measured_whole_step():
+def test_per_block_budget_holds_on_the_measured_whole_step(monkeypatch):
     """gpt-tiny compiled block by block at memory_budget=0.5: after two steps lynx plans the
     blocks together and the measured step (embedding, LM head, loss and the parameter
     gradients included) is within half of torch.compile's own per-block step; gradients are
-    eager's all along."""
+    eager's all along. Each compile again for the step's plan is wrapped in a progress line
+    naming the candidate chosen."""
+    from lynx_compile.compiler import dynamo_backend, progress
+
+    said = []
+
+    class Recorded(progress.Progress):
+        def __init__(self, what, **kw):
+            said.append(what)
+            super().__init__(what, **kw)
+
+    monkeypatch.setattr(dynamo_backend, "Progress", Recorded)
     torch.manual_seed(0)
     model = build_model("gpt-tiny", dropout=0.0, n_layers=4)
     ref, plain = copy.deepcopy(model), copy.deepcopy(model)
@@ -157,6 +168,10 @@ def test_per_block_budget_holds_on_the_measured_whole_step():
     assert any("planned together" in n for n in plan.notes)
     recorder = backend.step_recorder
     assert recorder.state == "done" and len(recorder.model.calls) == 4  # four blocks, one graph
+    again = [w for w in said if "compiling again" in w]
+    chosen = {str(r.step_choice) for r in backend.records if r.step_choice is not None}
+    assert [w for w in said if "tracing, planning and compiling" in w] and chosen, said  # first compile; a choice
+    assert {w.split("chose ('")[1].rstrip("')") for w in again} == chosen, (again, chosen)
     lynx = measure_step(lambda: model(x).loss.backward(), repeats=1, warmup=1, params=list(model.parameters()))
     none = measure_step(lambda: plain(x).loss.backward(), repeats=1, warmup=1, params=list(plain.parameters()))
     assert lynx.peak_bytes <= 0.5 * 1.02 * none.peak_bytes, (lynx.peak_bytes, none.peak_bytes)

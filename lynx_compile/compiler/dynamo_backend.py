@@ -24,6 +24,7 @@ from lynx_compile import _compat
 from lynx_compile.caches import autograd as autograd_cache
 from lynx_compile.caches.source_digest import lynx_source_digest
 from lynx_compile.compiler.eager_compile import EagerCompile
+from lynx_compile.compiler.progress import Progress
 from lynx_compile.config import OPTIONS_ENV, LynxConfig, make_config, options_from_env
 from lynx_compile.decisions import BudgetError, CandidateKey
 from lynx_compile.errors import LynxOptionError, shown_as_raised, without_tracebacks
@@ -136,8 +137,6 @@ class LynxBackend:
                 log.info("lynx plan cache: step hint %s: graph %d planned within its peak %s at once, as the "
                          "step's plan across graphs chose in an earlier run", hint_key[:12], record.graph_id,
                          record.step_choice.nbytes)
-        from lynx_compile.compiler.progress import Progress
-
         try:
             with Progress(f"graph {record.graph_id} ({len(gm.graph.nodes)} nodes): tracing, planning and compiling"):
                 compiled = self._compile(gm, example_inputs, record)
@@ -207,12 +206,15 @@ class LynxBackend:
                              grads_in_graph=grads_in_graph or old.grads_in_graph, new_grad_bytes=old.new_grad_bytes)
         if "step_hint_key" in old.stats:
             record.stats["step_hint_key"] = old.stats["step_hint_key"]
-        if self.config.compiler == "inductor" and not self.config.weight_split:
-            # dynamo's tracing context is gone: one of our own, so torch's caches serve it
-            with _compat.static_tracing(inputs.inputs()) as example_inputs:
-                compiled = self._compile(gm, example_inputs, record)
-        else:  # (the eager path's weight deferral holds the real parameters)
-            compiled = self._compile(gm, inputs.inputs(), record)
+        why = (f"as the step's plan chose ('{choice}')" if choice is not None
+               else "with its gradients added into .grad (gradient accumulation seen)")
+        with Progress(f"graph {old.graph_id} ({len(gm.graph.nodes)} nodes): planning and compiling again {why}"):
+            if self.config.compiler == "inductor" and not self.config.weight_split:
+                # dynamo's tracing context is gone: one of our own, so torch's caches serve it
+                with _compat.static_tracing(inputs.inputs()) as example_inputs:
+                    compiled = self._compile(gm, example_inputs, record)
+            else:  # (the eager path's weight deferral holds the real parameters)
+                compiled = self._compile(gm, inputs.inputs(), record)
         with self._lock:
             at = next(i for i, r in enumerate(self.records) if r is old)
             self.records[at:at + 1] = [record] if replace else [old, record]

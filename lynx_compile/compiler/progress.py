@@ -10,9 +10,10 @@ timer thread; the work itself runs undisturbed on the calling thread.
 
 ``LYNX_PROGRESS=0`` turns the lines off (``verbose`` / ``LYNX_DEBUG`` logs more detail on its
 own); a ``Progress`` entered inside another on the same thread (a backend called while another
-graph compiles) prints nothing of its own. Only a graph's first compile is wrapped
-(``LynxBackend.__call__``): the recompiles for the step's plan (``step.recorder``, at step 3) and
-Inductor's backward, compiled at the first backward, print nothing.
+graph compiles) prints nothing of its own. A graph's first compile is wrapped
+(``LynxBackend.__call__``), and each compile again for the step's plan (``step.recorder``, at step
+3: ``graph 3 (412 nodes): planning and compiling again as the step's plan chose ('torch@0.3')``);
+Inductor's backward, compiled lazily at the first backward, prints nothing of its own.
 """
 from __future__ import annotations
 
