@@ -63,6 +63,12 @@ class CandidateKey:
         if self.smallest and (self.policy != "lynx" or self.nbytes is not None):
             raise ValueError("only a 'lynx' candidate with no peak given plans at its smallest peak")
 
+    @property
+    def plan_within(self) -> int | None:
+        """The peak a whole graph's plan is held within (a ``plan`` key with a peak: what the
+        step's plan or a step hint gave it), else None."""
+        return self.nbytes if self.policy == "plan" else None
+
     def _fields(self) -> tuple:
         return self.policy, self.setting, self.nbytes, self.smallest
 
@@ -167,8 +173,8 @@ class Decisions:
     covers (tagged with it). Units not listed are kept."""
 
     policy: str
-    """Which policy decided, as its candidate key's text (``str(CandidateKey)``): "none", "full",
-    "selective", "user", "torch@<setting>", "lynx", "lynx@smallest"."""
+    """Which policy decided: "none", "full", "selective", "user", "torch" or "torch@<setting>",
+    "lynx", "lynx@smallest" (a candidate's, its key's text: ``str(CandidateKey)``)."""
     units: tuple[tuple[str, Decision], ...] = ()
     members: tuple[tuple[str, tuple[str, ...]], ...] = ()
     source: str = ""

@@ -42,3 +42,10 @@ def test_graph_choices_round_trip_through_json():
     choices = GraphChoices(reference=cand(KEYS[0], 100), choices=(cand(KEYS[4], 40), cand(KEYS[7], 10)),
                            current=KEYS[4], incoming_bytes=8)
     assert GraphChoices.from_dict(json.loads(json.dumps(choices.to_dict()))) == choices
+
+
+def test_only_a_plan_with_a_peak_is_held_within_it():
+    """``plan_within``: the step's plan or a step hint holding a whole graph lower; lynx's optimizer
+    at a peak (a piece's candidate) is not that."""
+    assert CandidateKey("plan", nbytes=4096).plan_within == 4096
+    assert [k.plan_within for k in KEYS if k != CandidateKey("plan", nbytes=1 << 20)] == [None] * (len(KEYS) - 1)

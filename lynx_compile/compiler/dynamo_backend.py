@@ -136,7 +136,7 @@ class LynxBackend:
             if record.step_choice is not None:
                 log.info("lynx plan cache: step hint %s: graph %d planned within its peak %s at once, as the "
                          "step's plan across graphs chose in an earlier run", hint_key[:12], record.graph_id,
-                         record.step_choice.nbytes)
+                         record.step_choice.plan_within)
         try:
             with Progress(f"graph {record.graph_id} ({len(gm.graph.nodes)} nodes): tracing, planning and compiling"):
                 compiled = self._compile(gm, example_inputs, record)

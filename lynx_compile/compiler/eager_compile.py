@@ -66,7 +66,6 @@ class EagerCompile:
                                         inference_compiler=compiler,
                                         partition_fn=partition_fn)(gm, example_inputs)
 
-
     def run_early(self, key: Any) -> int:
         """Run the recompute prefix of micro-batch ``key``'s backward in every graph now (see
         ``lynx_compile.runtime.prefetch``); returns how many graphs ran one."""

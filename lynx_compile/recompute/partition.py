@@ -128,8 +128,8 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
         budget = _budget_bytes(config, reference.saved_bytes)
     else:
         budget = _budget_bytes(config, reference.peak_bytes)
-        if record.step_choice is not None and record.step_choice.nbytes is not None:
-            budget = record.step_choice.nbytes  # the step's plan: a tighter peak (step.recorder)
+        if record.step_choice is not None and record.step_choice.plan_within is not None:
+            budget = record.step_choice.plan_within  # the step's plan: a tighter peak (step.recorder)
         elif config.budget is not None and (config.budget.nbytes or 0) >= reference.peak_bytes:
             _warn_loose_budget(config, reference.peak_bytes)
     if ctx.user_tags is not None and budget is None and record.step_choice is None and region_check is None:

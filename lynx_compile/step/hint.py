@@ -3,8 +3,8 @@
 A model compiled as a whole graph beside other compiled graphs (torchtitan's trainer compiles
 the model and its loss apart) plans the model graph within the budget's fraction of its own peak
 at step 1; when the step recorded at step 2 does not fit, ``step.recorder`` plans that graph again
-within a lower peak (``step_choice=CandidateKey("plan", nbytes=...)``) and compiles it again at step 3. A rerun of
-the same script would compile it twice again. Here the lower peak is kept in the plan cache
+within a lower peak (``step_choice.plan_within``) and compiles it again at step 3. A rerun of the
+same script would compile it twice again. Here the lower peak is kept in the plan cache
 directory, keyed by what the graph's first compile sees (the dynamo graph and its inputs, lynx's
 options and budget, the hardware profile, lynx's source), and the rerun's first compile plans
 within it at once: the step's plan then finds it fits, and nothing is compiled twice. If the
@@ -47,7 +47,7 @@ def load(hint_key: str | None) -> CandidateKey | None:
         choice = CandidateKey.parse(text) if isinstance(text, str) else None
     except ValueError:
         return None
-    return choice if choice is not None and choice.policy == "plan" and choice.nbytes is not None else None
+    return choice if choice is not None and choice.plan_within is not None else None
 
 
 def keep(record: Any) -> None:
@@ -55,6 +55,5 @@ def keep(record: Any) -> None:
     first compile did (a ``plan`` within a peak), under the key of that first compile."""
     hint_key = record.stats.get("step_hint_key")
     choice = record.step_choice
-    if hint_key and choice is not None and choice.policy == "plan" and choice.nbytes is not None \
-            and load(hint_key) != choice:
+    if hint_key and choice is not None and choice.plan_within is not None and load(hint_key) != choice:
         plan_cache.store_record(hint_key, {"step_choice": str(choice)})

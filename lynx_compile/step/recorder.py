@@ -607,8 +607,8 @@ class StepRecorder:
                    "computing the loss) or raise the budget")
             self._store_refusal(choice.predicted, why)
             raise budget_error(config.budget, self.reference, choice.predicted, why)
-        changed = [f"graph {p.record.graph_id}: its own peak planned within {format_bytes(p.record.step_choice.nbytes)}"
-                   for p in self.pieces if p.record.step_choice is not None and p.record.step_choice.nbytes is not None]
+        changed = [f"graph {p.record.graph_id}: its own peak planned within {format_bytes(p.record.step_choice.plan_within)}"
+                   for p in self.pieces if p.record.step_choice is not None and p.record.step_choice.plan_within is not None]
         planned = [p for p in self.pieces if p.key in choice.pick]
         for piece in planned:
             changed += piece.assign(tuple(c.name for c in choice.pick[piece.key]))
