@@ -45,7 +45,10 @@ skipped, with a note, when torchtitan is not installed.
 more process prepares every variant that ran (each on its own copy of the model), warms each
 up, then runs ROUNDS rounds of one step per variant, rotating the order every round; ``step_ms``
 becomes that median and ``step_ms_own_process`` keeps the per-process one. Drift on a shared
-machine then falls on every variant alike, which per-process medians minutes apart cannot give.
+machine then falls on every variant alike, which per-process medians minutes apart cannot give;
+the summaries' ratios are then medians of per-round ratios (round i of one variant against round
+i of the other: ``paired_ratio``), and the report adds, for each torch.compile budget setting,
+the fastest lynx point at no more memory (``torch_settings_summary``).
 
 Measurement, per variant (``lynx_compile.tools.variants.run_variant``, as ``lynx demo``): an eager
 reference step (fp32 only) from the same seeds; then ``--warmup`` steps (the first compiles;
@@ -71,6 +74,7 @@ import dataclasses
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -301,12 +305,12 @@ def save_plans(variant: str, s: Settings) -> None:
             f.write(plan.to_json())
 
 
-def time_interleaved(names: Sequence[str], s: Settings, rounds: int) -> dict[str, float]:
-    """Median step ms of every variant in ``names``, all prepared in this process (each on its own
-    copy of the model) and timed in ``rounds`` rounds of one step each, the order rotated every
-    round: the machine's drift (other processes, clocks) falls on all variants alike. Variants
-    that fail are left out."""
-    import statistics
+def time_interleaved(names: Sequence[str], s: Settings, rounds: int) -> dict[str, list[float]]:
+    """Step ms per round of every variant in ``names``, all prepared in this process (each on its
+    own copy of the model) and timed in ``rounds`` rounds of one step each, the order rotated every
+    round: the machine's drift (other processes, clocks) falls on all variants alike, and round i
+    of one variant pairs with round i of another (``paired_ratio``). Variants that fail are left
+    out."""
     import time
 
     if s.device == "cpu":
@@ -341,8 +345,17 @@ def time_interleaved(names: Sequence[str], s: Settings, rounds: int) -> dict[str
             t0 = time.perf_counter()
             steps[name]()
             variants._sync(s.device)
-            times[name].append(time.perf_counter() - t0)
-    return {n: statistics.median(t) * 1e3 for n, t in times.items()}
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def paired_ratio(a: dict, b: dict) -> float:
+    """Row ``a``'s step time over row ``b``'s: the median of per-round ratios where both were timed
+    in the same interleaved rounds (``step_rounds``), else the ratio of their medians."""
+    ra, rb = a.get("step_rounds"), b.get("step_rounds")
+    if ra and rb and len(ra) == len(rb):
+        return statistics.median(x / y for x, y in zip(ra, rb))
+    return a["step_ms"] / b["step_ms"]
 
 
 def run_interleaved_in_subprocess(names: Sequence[str], s: Settings, rounds: int, *, timeout_s: float) -> dict:
@@ -433,7 +446,27 @@ def summary(rows: Sequence[dict]) -> list[str]:
         best = min(fits, key=lambda t: t["step_ms"])
         lines.append(f"{head}: {r['step_ms']:.4g} ms at {r['peak_MiB']:.4g} MiB; fastest torch.compile at or "
                      f"below: {best['variant']} {best['step_ms']:.4g} ms at {best['peak_MiB']:.4g} MiB; "
-                     f"lynx / torch = {r['step_ms'] / best['step_ms']:.3g}")
+                     f"lynx / torch = {paired_ratio(r, best):.3g}")
+    return lines
+
+
+def torch_settings_summary(rows: Sequence[dict]) -> list[str]:
+    """For each of torch.compile's budget settings: the fastest lynx budget point at no more memory
+    and its step time over torch's (issue R: at equal memory, lynx at least as fast at each of
+    torch's settings). Ratios are paired per interleaved round where the rows have them."""
+    lines = []
+    for t in rows:
+        if not t["variant"].startswith("inductor-b") or t["result"] != "ok":
+            continue
+        fits = [r for r in rows if r["model"] == t["model"] and r["variant"].startswith("lynx-b")
+                and r["result"] == "ok" and r["peak_MiB"] <= t["peak_MiB"]]
+        head = f"{t['model']} {t['variant']} ({t['step_ms']:.4g} ms at {t['peak_MiB']:.4g} MiB)"
+        if not fits:
+            lines.append(f"{head}: no lynx point at or below that peak")
+            continue
+        best = min(fits, key=lambda r: r["step_ms"])
+        lines.append(f"{head}: fastest lynx at or below: {best['variant']} {best['step_ms']:.4g} ms at "
+                     f"{best['peak_MiB']:.4g} MiB; lynx / torch = {paired_ratio(best, t):.3g}")
     return lines
 
 
@@ -480,6 +513,10 @@ def write_results(out: str, stem: str, rows: list[dict], settings: Sequence[Sett
         lines += ["", "Not ok:", ""] + [f"- {r['model']} {r['variant']}: {r['result']}" for r in failed]
     lines += ["", "lynx budget points against torch.compile at no more memory:", ""]
     lines += [f"- {ln}" for ln in summary(rows)] or ["- (no lynx budget point ran)"]
+    lines += ["", "torch.compile's budget settings against the fastest lynx point at no more memory"
+              + (" (ratios: median of per-round ratios, interleaved)" if any(r.get("step_rounds") for r in rows)
+                 else "") + ":", ""]
+    lines += [f"- {ln}" for ln in torch_settings_summary(rows)] or ["- (no torch.compile budget point ran)"]
     if notes:
         lines += ["", *(f"Note: {n}" for n in notes)]
     lines += ["", f"![Pareto plot]({stem}.png)"]
@@ -599,10 +636,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 ok = [r["variant"] for r in rows if r["model"] == model and r["result"] == "ok"]
                 print(f"{model}: timing {len(ok)} variants in one process, {args.interleave} rounds ...",
                       file=sys.stderr, flush=True)
-                medians = run_interleaved_in_subprocess(ok, s, args.interleave, timeout_s=args.timeout)
+                timed = run_interleaved_in_subprocess(ok, s, args.interleave, timeout_s=args.timeout)
                 for r in rows:
-                    if r["model"] == model and r["variant"] in medians:
-                        r["step_ms_own_process"], r["step_ms"] = r["step_ms"], medians[r["variant"]]
+                    if r["model"] == model and r["variant"] in timed:
+                        r["step_ms_own_process"], r["step_ms"] = r["step_ms"], statistics.median(timed[r["variant"]])
+                        r["step_rounds"] = timed[r["variant"]]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if not rows:

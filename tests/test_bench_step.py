@@ -73,6 +73,26 @@ def test_reporting_pairs_each_lynx_budget_with_the_fastest_torch_point_below_it(
         assert (tmp_path / f"step_cpu.{ext}").stat().st_size > 0
 
 
+def test_each_torch_setting_is_paired_with_the_fastest_lynx_point_at_no_more_memory():
+    """Issue R's measure: for each torch.compile budget setting, the fastest lynx point whose peak
+    is no higher; with interleaved rounds the ratio is the median of per-round ratios (drift
+    cancels: here every round of lynx is 0.95x the same round of torch, though their medians
+    differ more)."""
+    torch_rounds = [10.0, 10.0, 20.0, 20.0, 20.0]
+    rows = [{"model": "m", "variant": "inductor-b0.5", "result": "ok", "step_ms": 20.0, "peak_MiB": 60.0,
+             "step_rounds": torch_rounds},
+            {"model": "m", "variant": "inductor-b0.1", "result": "ok", "step_ms": 9.0, "peak_MiB": 30.0},
+            {"model": "m", "variant": "lynx-b0.5", "result": "ok", "step_ms": 19.0, "peak_MiB": 55.0,
+             "step_rounds": [0.95 * t for t in torch_rounds]},
+            {"model": "m", "variant": "lynx-b0.7", "result": "ok", "step_ms": 25.0, "peak_MiB": 58.0},
+            {"model": "m", "variant": "lynx-b0.4", "result": "refused: too low"}]
+    lines = bench_step.torch_settings_summary(rows)
+    assert lines[0].startswith("m inductor-b0.5 (20 ms at 60 MiB): fastest lynx at or below: lynx-b0.5")
+    assert lines[0].endswith("lynx / torch = 0.95")
+    assert lines[1] == "m inductor-b0.1 (9 ms at 30 MiB): no lynx point at or below that peak"
+    assert bench_step.paired_ratio(rows[3], rows[0]) == 25.0 / 20.0  # no rounds: ratio of medians
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA exit")
 def test_cuda_without_a_gpu_exits_2():
     assert bench_step.main(["--device", "cuda"]) == 2

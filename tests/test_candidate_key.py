@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from lynx_compile.decisions import CandidateKey
 from lynx_compile.step.model import Candidate, GraphChoices
@@ -49,3 +50,18 @@ def test_only_a_plan_with_a_peak_is_held_within_it():
     at a peak (a piece's candidate) is not that."""
     assert CandidateKey("plan", nbytes=4096).plan_within == 4096
     assert [k.plan_within for k in KEYS if k != CandidateKey("plan", nbytes=1 << 20)] == [None] * (len(KEYS) - 1)
+
+
+def test_a_plan_chosen_at_lynxs_smallest_peak_names_it_in_text():
+    """gpt-tiny (2 layers, batch 4 x 64) at 0.6 is reached by lynx's own optimizer at its smallest
+    peak alone; the plan's ``solver`` is the text "lynx@smallest" and the plan writes its JSON (the
+    typed key there made ``to_json`` raise and broke a bench joining solvers)."""
+    from lynx_compile.models import build_model, example_batch
+    from lynx_compile.planning import plan_model
+
+    torch.manual_seed(0)
+    model = build_model("gpt-tiny", n_layers=2, seq_len=64, dropout=0.0)
+    x = example_batch(model, 4, generator=torch.Generator().manual_seed(1))
+    plan = plan_model(model, (x,), memory_budget=0.6, plan_cache=False)[-1].plan
+    assert plan.solver == "lynx@smallest" and isinstance(plan.solver, str), repr(plan.solver)
+    assert json.loads(plan.to_json())["solver"] == "lynx@smallest"

@@ -20,6 +20,7 @@ compiles, as in steady-state training (the memory model then counts what
 from __future__ import annotations
 
 import math
+import json
 import re
 
 import pytest
@@ -99,6 +100,8 @@ def test_the_named_budget_is_accepted_and_holds_on_the_measured_step(refusals):
     (err, named, _), _ = refusals
     plan, measured = _measured(memory_budget=named)
     assert plan.peak_bytes <= plan.budget_bytes
+    # the plan names what it chose in text (a typed candidate key there broke its JSON)
+    assert isinstance(plan.solver, str) and json.loads(plan.to_json())["solver"] == plan.solver, plan.solver
     assert measured <= (named + TOLERANCE) * plan.reference_peak_bytes, (measured, named, plan.reference_peak_bytes)
 
 

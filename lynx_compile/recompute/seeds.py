@@ -316,7 +316,7 @@ class _Weighing:
             outcome = self.outcome
             self.best = (name, cost, LynxOutcome(
                 applied=as_seed(applied), problem=outcome.problem if outcome else self.ctx.record.problem,
-                solver=name if name == SMALLEST else f"baseline:{name}", status="seeded", exposed_s=cost,
+                solver=str(name) if name == SMALLEST else f"baseline:{name}", status="seeded", exposed_s=cost,
                 plan_time_s=outcome.plan_time_s if outcome else 0.0, solve_s=outcome.solve_s if outcome else 0.0))
 
 
