@@ -450,6 +450,25 @@ def summary(rows: Sequence[dict]) -> list[str]:
     return lines
 
 
+def matching_lynx_variants(rows: Sequence[dict], model: str) -> list[str]:
+    """``--match-torch``: ``lynx-b<F>`` at each torch.compile budget setting's measured peak, F its
+    fraction of the no-recompute (``inductor``) peak rounded down at the third digit: lynx at
+    torch's memory, not only at the round budgets near it."""
+    import math
+
+    base = next((r["peak_MiB"] for r in rows if r["model"] == model and r["variant"] == "inductor"
+                 and r["result"] == "ok"), None)
+    if not base:
+        return []
+    out = []
+    for t in torch_points(rows, model):
+        if t["variant"].startswith("inductor-b"):
+            f = math.floor(t["peak_MiB"] / base * 1000) / 1000
+            if 0 < f < 1:
+                out.append(f"lynx-b{f:g}")
+    return list(dict.fromkeys(out))
+
+
 def torch_settings_summary(rows: Sequence[dict]) -> list[str]:
     """For each of torch.compile's budget settings: the fastest lynx budget point at no more memory
     and its step time over torch's (issue R: at equal memory, lynx at least as fast at each of
@@ -560,6 +579,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "(default: a cold one per variant, so first_step_s is a cold compile); on with --quick")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per variant process")
     p.add_argument("--out", default=RESULTS)
+    p.add_argument("--match-torch", action="store_true",
+                   help="after the variants, run lynx at each torch.compile budget setting's measured peak "
+                        "(lynx-b<F>, F = that peak over inductor's, rounded down at the third digit; needs "
+                        "inductor among the variants)")
     p.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
                    help="also time every variant of a model in one process, ROUNDS rounds of one step "
                         "each in rotated order; step_ms is then that median (step_ms_own_process: the "
@@ -625,13 +648,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "torchtitan's CrossEntropyLoss compiled with the model.")
             settings.append(s)
             ref = os.path.join(work, f"grads_{len(settings)}.pt")
-            for v in variants:
+            todo = list(variants)
+            while todo:
+                v = todo.pop(0)
                 print(f"{model} {v} ...", end=" ", file=sys.stderr, flush=True)
                 row = run_in_subprocess(v, s, timeout_s=args.timeout, ref_grads_path=ref,
                                         shared_cache=shared)
                 rows.append(row)
                 print(row["result"] if row["result"] != "ok" else
                       f"{row['step_ms']:.4g} ms, {row['peak_MiB']:.4g} MiB", file=sys.stderr, flush=True)
+                if not todo and args.match_torch:
+                    done = {r["variant"] for r in rows if r["model"] == model}
+                    todo = [v for v in matching_lynx_variants(rows, model) if v not in done]
             if args.interleave:
                 ok = [r["variant"] for r in rows if r["model"] == model and r["result"] == "ok"]
                 print(f"{model}: timing {len(ok)} variants in one process, {args.interleave} rounds ...",

@@ -244,7 +244,10 @@ def write(rows: list[dict], lines: list[str], args: argparse.Namespace, argv: Se
     for r in rows:
         md.append("| " + " | ".join(f"{r[k]:.3f}" if isinstance(r.get(k), float) else str(r.get(k, "-"))
                                      for k in keys[:-1]) + " |")
-    md += ["", "Summary:", "", *lines, ""]
+    md += ["", "Summary (per budget: lynx's pick against the fastest candidate whose predicted peak fits, by the "
+           "medians; \"held out\": that candidate chosen on the even rounds and the ratio measured on the odd ones, "
+           "then the other way, each the median of per-round ratios, averaged; the every-round CSV is "
+           f"{os.path.basename(stem)}_rounds.csv):", "", *lines, ""]
     with open(stem + ".md", "w") as f:
         f.write("\n".join(md))
     return stem + ".md"

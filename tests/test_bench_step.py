@@ -93,6 +93,18 @@ def test_each_torch_setting_is_paired_with_the_fastest_lynx_point_at_no_more_mem
     assert bench_step.paired_ratio(rows[3], rows[0]) == 25.0 / 20.0  # no rounds: ratio of medians
 
 
+def test_match_torch_puts_lynx_at_each_torch_settings_measured_peak():
+    """``--match-torch``: lynx's budget at torch's measured peak over the no-recompute one, rounded
+    down (never above torch's memory); one variant per distinct fraction."""
+    rows = [{"model": "m", "variant": "inductor", "result": "ok", "peak_MiB": 10.0, "step_ms": 1.0},
+            {"model": "m", "variant": "inductor-b0.5", "result": "ok", "peak_MiB": 6.7779, "step_ms": 1.0},
+            {"model": "m", "variant": "inductor-b0.3", "result": "ok", "peak_MiB": 6.7771, "step_ms": 1.0},
+            {"model": "m", "variant": "inductor-b0.1", "result": "error: x"},
+            {"model": "n", "variant": "inductor-b0.5", "result": "ok", "peak_MiB": 3.0, "step_ms": 1.0}]
+    assert bench_step.matching_lynx_variants(rows, "m") == ["lynx-b0.677"]
+    assert bench_step.matching_lynx_variants(rows, "n") == []  # no inductor row: nothing to match
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA exit")
 def test_cuda_without_a_gpu_exits_2():
     assert bench_step.main(["--device", "cuda"]) == 2
