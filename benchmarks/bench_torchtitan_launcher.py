@@ -1,0 +1,185 @@
+"""torchtitan's models under lynx's 2-rank launcher at a budget (issue S, item 4).
+
+    python benchmarks/bench_torchtitan_launcher.py                       # llama3, qwen3, deepseek_v3; FSDP2 and TP; 0.7
+    python benchmarks/bench_torchtitan_launcher.py --models qwen3 --parallel fsdp2 --layers 2
+
+For each model (torchtitan's ``debugmodel`` of ``llama3``, ``qwen3``, ``deepseek_v3``, cut to
+``--layers`` blocks) and each parallelism (``fsdp2``: ``--dp-shard 2``; ``tp``: ``--tp 2``), it
+runs ``torchrun --nproc-per-node 2 -m lynx_compile.torchtitan_train`` (gloo on loopback, one
+thread per rank, ``--steps`` steps) with ``--compile-backend eager``, ``inductor`` and ``lynx``
+at ``LYNX_OPTIONS='{"memory_budget": B}'``. A budget lynx refuses names the smallest it reaches
+(``Use memory_budget >= F``); the run is repeated at F, so a row says either that B trains or
+what does.
+
+Per lynx run: each step's loss against Inductor's (the tolerance: ``ERR_MULTIPLE`` times
+Inductor's largest difference from eager, as ``tests/test_torchtitan_trainer.py``), each
+rank's measured forward + backward peak per step from step 3 (the launcher's
+``step_peak_bytes_by_rank``: CPU allocator events once lynx's own record of the step is done)
+against lynx's step budget (``budget_bytes`` of its plans) and against Inductor's peak on the
+same rank and step. Writes ``<out>/<stem>.md`` and ``.csv``.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Sequence
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+PARALLEL = {"fsdp2": ["--dp-shard", "2"], "tp": ["--tp", "2"]}
+ERR_MULTIPLE = 4.0
+NAMED = re.compile(r"Use memory_budget >= ([0-9.]+)")
+
+
+def launch(model: str, parallel: str, backend: str, args: argparse.Namespace, work: str,
+           options: dict | None = None) -> dict:
+    """One launcher run; its rank-0 JSON, or {"error": text, "named": F or None}."""
+    tag = f"{model}-{parallel}-{backend}" + ("" if options is None else f"-{options['memory_budget']}")
+    out = os.path.join(work, tag + ".json")
+    env = {k: v for k, v in os.environ.items() if k != "LYNX_OPTIONS"}
+    env["OMP_NUM_THREADS"] = "1"
+    if options is not None:
+        env["LYNX_OPTIONS"] = json.dumps(options)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "lynx_compile.torchtitan_train", "--model", model, *PARALLEL[parallel],
+           "--compile-backend", backend, "--steps", str(args.steps), "--timeout", str(args.timeout), "--out", out]
+    if args.layers:
+        cmd += ["--layers", str(args.layers)]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.timeout:g} s", "named": None}
+    wall = time.perf_counter() - t0
+    text = proc.stdout + proc.stderr
+    if proc.returncode != 0 or not os.path.exists(out):
+        named = NAMED.search(text)
+        last = [ln for ln in text.strip().splitlines() if "Error" in ln or "error" in ln][-1:] or text.strip().splitlines()[-1:]
+        return {"error": f"exit {proc.returncode}: {last[0][:300] if last else ''}",
+                "named": float(named.group(1)) if named else None}
+    with open(out) as f:
+        result = json.load(f)
+    result["wall_s"] = wall
+    return result
+
+
+def tolerance(inductor: list[float], eager: list[float]) -> float:
+    diff = max(abs(x - y) for x, y in zip(inductor, eager))
+    ulp = torch.finfo(torch.float32).eps * max(abs(x) for x in inductor)
+    return ERR_MULTIPLE * max(diff, ulp)
+
+
+def row_of(model: str, parallel: str, asked: float, lynx: dict, inductor: dict, eager: dict,
+           refused: str | None) -> dict:
+    row = {"model": model, "parallel": parallel, "asked": asked, "refused": refused or ""}
+    if "error" in lynx:
+        row["status"] = lynx["error"]
+        return row
+    plans = lynx.get("lynx", {}).get("plans", [])
+    row["budget"] = lynx.get("lynx", {}).get("options", {}).get("memory_budget")
+    budget = max((p["budget_bytes"] or 0 for p in plans), default=0) or None
+    worst = max(abs(x - y) for x, y in zip(lynx["losses"], inductor["losses"]))
+    tol = tolerance(inductor["losses"], eager["losses"])
+    peaks = [max(b for b in steps[2:] if b is not None) for steps in lynx["step_peak_bytes_by_rank"]]
+    theirs = [max(b for b in steps[2:] if b is not None) for steps in inductor["step_peak_bytes_by_rank"]]
+    row.update(status="ok", steps=len(lynx["losses"]), loss_diff=worst, loss_tol=tol, losses_ok=worst <= tol,
+               budget_MB=budget / 1e6 if budget else None,
+               peak_MB_by_rank=" / ".join(f"{p / 1e6:.2f}" for p in peaks),
+               inductor_MB_by_rank=" / ".join(f"{p / 1e6:.2f}" for p in theirs),
+               worst_over_budget=max(peaks) / budget if budget else None,
+               last_loss=lynx["losses"][-1], inductor_last_loss=inductor["losses"][-1],
+               wall_s=round(lynx["wall_s"], 1))
+    return row
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench_tt_launcher_") as work:
+        for model in args.models:
+            for parallel in args.parallel:
+                ref = {b: launch(model, parallel, b, args, work) for b in ("eager", "inductor")}
+                if any("error" in r for r in ref.values()):
+                    rows.append({"model": model, "parallel": parallel, "asked": args.budget,
+                                 "status": "reference failed: " + "; ".join(
+                                     f"{b}: {r['error']}" for b, r in ref.items() if "error" in r)})
+                    print(rows[-1], flush=True)
+                    continue
+                lynx = launch(model, parallel, "lynx", args, work, {"memory_budget": args.budget, "plan_cache": False})
+                refused = None
+                if "error" in lynx and lynx["named"] is not None:
+                    refused = f"named {lynx['named']}"
+                    lynx = launch(model, parallel, "lynx", args, work,
+                                  {"memory_budget": lynx["named"], "plan_cache": False})
+                rows.append(row_of(model, parallel, args.budget, lynx, ref["inductor"], ref["eager"], refused))
+                print(rows[-1], flush=True)
+    return rows
+
+
+KEYS = ["model", "parallel", "asked", "refused", "budget", "status", "steps", "losses_ok", "loss_diff", "loss_tol",
+        "budget_MB", "peak_MB_by_rank", "inductor_MB_by_rank", "worst_over_budget", "last_loss",
+        "inductor_last_loss", "wall_s"]
+
+
+def write(rows: list[dict], args: argparse.Namespace, argv: Sequence[str]) -> str:
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, args.stem)
+    with open(stem + ".csv", "w", newline="") as f:
+        w = csv.DictWriter(f, KEYS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    import torchtitan  # noqa: F401  (present: the runs needed it)
+    from importlib.metadata import version
+
+    def cell(v):
+        return f"{v:.3g}" if isinstance(v, float) else ("-" if v is None or v == "" else str(v))
+
+    md = ["# torchtitan's models under lynx's 2-rank launcher (CPU, gloo)", "",
+          f"{datetime.date.today()}; {platform.machine()} ({os.cpu_count()} cores, shared); torch {torch.__version__}; "
+          f"torchtitan {version('torchtitan')}; python {platform.python_version()}.", "",
+          f"Command: `python benchmarks/bench_torchtitan_launcher.py {' '.join(argv)}`", "",
+          f"debugmodel cut to {args.layers or 'all'} layers, batch 2 x 128 per data-parallel rank, float32, "
+          f"{args.steps} steps; peaks: each rank's measured forward + backward step peak (bytes above the step's "
+          "start, CPU allocator events) over steps 3+, the worst step; worst_over_budget: the larger rank's peak "
+          "over lynx's step budget; losses_ok: every step's loss within "
+          f"{ERR_MULTIPLE:g}x Inductor's own largest difference from eager.", "",
+          "| " + " | ".join(KEYS) + " |", "|" + "---|" * len(KEYS)]
+    md += ["| " + " | ".join(cell(r.get(k)) for k in KEYS) + " |" for r in rows]
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(md) + "\n")
+    return stem + ".md"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", type=lambda v: v.split(","), default=["llama3", "qwen3", "deepseek_v3"])
+    p.add_argument("--parallel", type=lambda v: v.split(","), default=["fsdp2", "tp"])
+    p.add_argument("--budget", type=float, default=0.7)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--out", default=RESULTS)
+    p.add_argument("--stem", default="torchtitan_launcher")
+    args = p.parse_args(argv)
+    from lynx_compile.tools.torchtitan_models import available
+
+    if available() is not None:
+        p.error(available())
+    rows = run(args)
+    print(write(rows, args, sys.argv[1:] if argv is None else argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
