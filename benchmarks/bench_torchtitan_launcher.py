@@ -139,7 +139,6 @@ def write(rows: list[dict], args: argparse.Namespace, argv: Sequence[str]) -> st
         w = csv.DictWriter(f, KEYS, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
-    import torchtitan  # noqa: F401  (present: the runs needed it)
     from importlib.metadata import version
 
     def cell(v):
