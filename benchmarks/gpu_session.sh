@@ -246,6 +246,7 @@ PYEOF
 STEP_PY=$(cat <<'PYEOF'
 import concurrent.futures as cf
 import os
+import statistics
 import shlex
 import sys
 import threading
@@ -341,9 +342,10 @@ for i, c in enumerate(configs):
             t = time.time()
             medians = b.run_interleaved_in_subprocess(ok, s, args.interleave, timeout_s=budget)
             c["interleaved"] = bool(medians)
-            for r in rows:
+            for r in rows:  # ms per round of each variant: step_ms their median, ratios paired per round
                 if r["variant"] in medians:
-                    r["step_ms_own_process"], r["step_ms"] = r["step_ms"], medians[r["variant"]]
+                    r["step_rounds"] = medians[r["variant"]]
+                    r["step_ms_own_process"], r["step_ms"] = r["step_ms"], statistics.median(r["step_rounds"])
             say(f"{c['label']}: interleaved timing " + ("done" if medians else "FAILED or timed out")
                 + f" ({time.time() - t:.0f} s)")
             if not medians:
