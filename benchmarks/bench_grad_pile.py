@@ -28,7 +28,6 @@ import datetime
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 import tempfile
@@ -37,7 +36,6 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 MIB = 2 ** 20
-USE_RE = re.compile(r"Use memory_budget >= ([0-9.]+)")
 
 
 def build(model: str):
@@ -53,6 +51,7 @@ def run_row(model: str, variant: str, budget: str | None) -> dict:
     import torch
 
     import lynx_compile
+    from lynx_compile.budget import named_fraction
     from lynx_compile.compiler.dynamo_backend import find_backend_error
     from lynx_compile.decisions import BudgetError
     from lynx_compile.memory.measure import grad_rel_diff, grad_snapshot, measure_step
@@ -110,9 +109,8 @@ def run_row(model: str, variant: str, budget: str | None) -> dict:
         refusal = find_backend_error(exc, BudgetError)
         text = " ".join(str(refusal if refusal is not None else exc).split())
         row["result"] = ("refused: " if refusal is not None else "failed: ") + text[-400:]
-        found = USE_RE.search(text)
-        if found:
-            row["smallest"] = float(found.group(1))
+        if (named := named_fraction(text)) is not None:
+            row["smallest"] = named
     return row
 
 

@@ -36,12 +36,13 @@ from typing import Sequence
 
 import torch
 
+from lynx_compile.budget import named_fraction
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
 PARALLEL = {"fsdp2": ["--dp-shard", "2"], "tp": ["--tp", "2"]}
 ERR_MULTIPLE = 4.0
-NAMED = re.compile(r"Use memory_budget >= ([0-9.]+)")
 
 
 def launch(model: str, parallel: str, backend: str, args: argparse.Namespace, work: str,
@@ -66,13 +67,12 @@ def launch(model: str, parallel: str, backend: str, args: argparse.Namespace, wo
     wall = time.perf_counter() - t0
     text = proc.stdout + proc.stderr
     if proc.returncode != 0 or not os.path.exists(out):
-        named = NAMED.search(text)
         lines = text.strip().splitlines()
         # a rank's own exception (torchrun's ChildFailedError report follows it), else the last line
         last = [ln for ln in lines if re.search(r"\w+(Error|Exception): ", ln) and "ChildFailedError" not in ln][-1:] \
             or lines[-1:]
         return {"error": f"exit {proc.returncode}: {last[0][:300] if last else ''}",
-                "named": float(named.group(1)) if named else None}
+                "named": named_fraction(text)}
     with open(out) as f:
         result = json.load(f)
     result["wall_s"] = wall

@@ -274,6 +274,17 @@ class Budget:
         return f"memory_budget >= {format_bytes(smallest)!r} ({frac:.3f} of the no-recompute peak)"
 
 
+_NAMED_FRACTION = re.compile(r"memory_budget >= ([0-9.]+)")
+
+
+def named_fraction(text: str) -> float | None:
+    """The fraction a refusal's text names (``Use memory_budget >= 0.785``, as
+    :meth:`Budget.at_least` writes it), for a refusal read back as text (another process's
+    output, a table cell); None where it names none."""
+    found = _NAMED_FRACTION.search(text)
+    return float(found.group(1)) if found else None
+
+
 def budget_error(budget: Budget, reference: int, smallest: int | None, why: str) -> BudgetError:
     """The one refusal, the fix first: ``memory_budget=<as given> (<bytes> B ...) is out of
     reach. Use memory_budget >= ... The smallest reachable peak is <n> B: <why>.``

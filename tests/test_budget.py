@@ -132,3 +132,15 @@ def test_budget_strings_parse_and_bad_ones_name_the_forms():
     with pytest.raises(ValueError, match="48MiB"):
         lynx_compile.backend(memory_budget="lots")
     assert parse_budget(format_bytes(123456789)) >= 123456789
+
+
+def test_named_fraction_reads_the_fraction_a_refusal_names():
+    """``named_fraction`` reads back the fraction ``budget_error`` writes (rounded up at the third
+    digit: 501 of 1000 bytes is 0.501), and nothing where the refusal names a size or nothing."""
+    from lynx_compile.budget import budget_error, named_fraction
+
+    refusal = budget_error(Budget.of(0.3), reference=1000, smallest=501, why="hand-made")
+    assert "Use memory_budget >= 0.501" in str(refusal)
+    assert named_fraction(str(refusal)) == 0.501
+    assert named_fraction(str(budget_error(Budget.of(100), reference=1000, smallest=501, why="x"))) is None
+    assert named_fraction(str(budget_error(Budget.of(0.3), reference=1000, smallest=None, why="x"))) is None

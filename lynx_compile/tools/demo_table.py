@@ -2,9 +2,9 @@
 failed row's result short enough for a cell."""
 from __future__ import annotations
 
-import re
 from typing import Sequence
 
+from lynx_compile.budget import named_fraction
 from lynx_compile.tools.report import human_bytes
 from lynx_compile.tools.variants import describe, parse_variant
 
@@ -89,6 +89,6 @@ def short_result(row: dict) -> str:
     reachable budget lynx named (``refused (reachable >= 0.188)``), an error's first 60 characters."""
     result = row["result"]
     if result.startswith("refused"):
-        m = re.search(r"memory_budget >= ([0-9.]+)", result)
-        return f"refused (reachable >= {m.group(1)})" if m else "refused"
+        named = named_fraction(result)  # written with 3 decimals (Budget.at_least): shown as written
+        return f"refused (reachable >= {named:.3f})" if named is not None else "refused"
     return result if len(result) <= 60 else result[:57] + "..."
