@@ -349,6 +349,16 @@ def time_interleaved(names: Sequence[str], s: Settings, rounds: int) -> dict[str
     return times
 
 
+def take_interleaved(rows: Sequence[dict], timed: dict[str, list[float]]) -> None:
+    """Rows of the variants ``time_interleaved`` timed take its rounds (``step_rounds``, for
+    ``paired_ratio``) and their median as ``step_ms``; ``step_ms_own_process`` keeps the
+    variant's own process's."""
+    for r in rows:
+        if r["variant"] in timed:
+            r["step_rounds"] = timed[r["variant"]]
+            r["step_ms_own_process"], r["step_ms"] = r["step_ms"], statistics.median(r["step_rounds"])
+
+
 def paired_ratio(a: dict, b: dict) -> float:
     """Row ``a``'s step time over row ``b``'s: the median of per-round ratios where both were timed
     in the same interleaved rounds (``step_rounds``), else the ratio of their medians."""
@@ -428,6 +438,11 @@ def torch_points(rows: Sequence[dict], model: str) -> list[dict]:
             and (r["variant"] == "inductor" or r["variant"].startswith("inductor-b"))]
 
 
+def fastest_at_or_below(points: Sequence[dict], peak_mib: float) -> dict | None:
+    """The fastest of ``points`` (rows that ran) whose measured peak is at most ``peak_mib``."""
+    return min((p for p in points if p["peak_MiB"] <= peak_mib), key=lambda p: p["step_ms"], default=None)
+
+
 def summary(rows: Sequence[dict]) -> list[str]:
     """For each lynx budget point: the fastest torch.compile point with a peak no higher."""
     lines = []
@@ -438,12 +453,11 @@ def summary(rows: Sequence[dict]) -> list[str]:
         if r["result"] != "ok":
             lines.append(f"{head}: {r['result']}")
             continue
-        fits = [t for t in torch_points(rows, r["model"]) if t["peak_MiB"] <= r["peak_MiB"]]
-        if not fits:
+        best = fastest_at_or_below(torch_points(rows, r["model"]), r["peak_MiB"])
+        if best is None:
             lines.append(f"{head}: {r['step_ms']:.4g} ms at {r['peak_MiB']:.4g} MiB; no torch.compile point "
                          "at or below that peak")
             continue
-        best = min(fits, key=lambda t: t["step_ms"])
         lines.append(f"{head}: {r['step_ms']:.4g} ms at {r['peak_MiB']:.4g} MiB; fastest torch.compile at or "
                      f"below: {best['variant']} {best['step_ms']:.4g} ms at {best['peak_MiB']:.4g} MiB; "
                      f"lynx / torch = {paired_ratio(r, best):.3g}")
@@ -477,13 +491,12 @@ def torch_settings_summary(rows: Sequence[dict]) -> list[str]:
     for t in rows:
         if not t["variant"].startswith("inductor-b") or t["result"] != "ok":
             continue
-        fits = [r for r in rows if r["model"] == t["model"] and r["variant"].startswith("lynx-b")
-                and r["result"] == "ok" and r["peak_MiB"] <= t["peak_MiB"]]
+        lynx = [r for r in rows if r["model"] == t["model"] and r["variant"].startswith("lynx-b") and r["result"] == "ok"]
+        best = fastest_at_or_below(lynx, t["peak_MiB"])
         head = f"{t['model']} {t['variant']} ({t['step_ms']:.4g} ms at {t['peak_MiB']:.4g} MiB)"
-        if not fits:
+        if best is None:
             lines.append(f"{head}: no lynx point at or below that peak")
             continue
-        best = min(fits, key=lambda r: r["step_ms"])
         lines.append(f"{head}: fastest lynx at or below: {best['variant']} {best['step_ms']:.4g} ms at "
                      f"{best['peak_MiB']:.4g} MiB; lynx / torch = {paired_ratio(best, t):.3g}")
     return lines
@@ -648,27 +661,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "torchtitan's CrossEntropyLoss compiled with the model.")
             settings.append(s)
             ref = os.path.join(work, f"grads_{len(settings)}.pt")
-            todo = list(variants)
-            while todo:
-                v = todo.pop(0)
+            def run(v: str) -> None:
                 print(f"{model} {v} ...", end=" ", file=sys.stderr, flush=True)
                 row = run_in_subprocess(v, s, timeout_s=args.timeout, ref_grads_path=ref,
                                         shared_cache=shared)
                 rows.append(row)
                 print(row["result"] if row["result"] != "ok" else
                       f"{row['step_ms']:.4g} ms, {row['peak_MiB']:.4g} MiB", file=sys.stderr, flush=True)
-                if not todo and args.match_torch:
-                    done = {r["variant"] for r in rows if r["model"] == model}
-                    todo = [v for v in matching_lynx_variants(rows, model) if v not in done]
+
+            for v in variants:
+                run(v)
+            if args.match_torch:  # then lynx at each torch setting's measured peak
+                for v in matching_lynx_variants(rows, model):
+                    if v not in variants:
+                        run(v)
             if args.interleave:
                 ok = [r["variant"] for r in rows if r["model"] == model and r["result"] == "ok"]
                 print(f"{model}: timing {len(ok)} variants in one process, {args.interleave} rounds ...",
                       file=sys.stderr, flush=True)
                 timed = run_interleaved_in_subprocess(ok, s, args.interleave, timeout_s=args.timeout)
-                for r in rows:
-                    if r["model"] == model and r["variant"] in timed:
-                        r["step_ms_own_process"], r["step_ms"] = r["step_ms"], statistics.median(timed[r["variant"]])
-                        r["step_rounds"] = timed[r["variant"]]
+                take_interleaved([r for r in rows if r["model"] == model], timed)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if not rows:

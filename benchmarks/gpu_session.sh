@@ -246,7 +246,6 @@ PYEOF
 STEP_PY=$(cat <<'PYEOF'
 import concurrent.futures as cf
 import os
-import statistics
 import shlex
 import sys
 import threading
@@ -340,15 +339,12 @@ for i, c in enumerate(configs):
             say(f"{c['label']}: timing {len(ok)} variants in one process, {args.interleave} rounds "
                 f"(at most {budget:.0f} s) ...")
             t = time.time()
-            medians = b.run_interleaved_in_subprocess(ok, s, args.interleave, timeout_s=budget)
-            c["interleaved"] = bool(medians)
-            for r in rows:  # ms per round of each variant: step_ms their median, ratios paired per round
-                if r["variant"] in medians:
-                    r["step_rounds"] = medians[r["variant"]]
-                    r["step_ms_own_process"], r["step_ms"] = r["step_ms"], statistics.median(r["step_rounds"])
-            say(f"{c['label']}: interleaved timing " + ("done" if medians else "FAILED or timed out")
+            timed = b.run_interleaved_in_subprocess(ok, s, args.interleave, timeout_s=budget)
+            c["interleaved"] = bool(timed)
+            b.take_interleaved(rows, timed)
+            say(f"{c['label']}: interleaved timing " + ("done" if timed else "FAILED or timed out")
                 + f" ({time.time() - t:.0f} s)")
-            if not medians:
+            if not timed:
                 c["notes"].append("The interleaved timing failed or ran out of time: step_ms is each variant's "
                                   "own process, measured while other variant processes ran beside it.")
         else:

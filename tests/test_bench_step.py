@@ -93,6 +93,15 @@ def test_each_torch_setting_is_paired_with_the_fastest_lynx_point_at_no_more_mem
     assert bench_step.paired_ratio(rows[3], rows[0]) == 25.0 / 20.0  # no rounds: ratio of medians
 
 
+def test_interleaved_rounds_become_the_rows_step_time():
+    """``take_interleaved`` (bench_step and gpu_session.sh alike): a timed row's step_ms is the
+    median of its rounds, its own process's time kept; a row not timed is left as it was."""
+    rows = [{"variant": "a", "step_ms": 5.0}, {"variant": "b", "step_ms": 7.0}]
+    bench_step.take_interleaved(rows, {"a": [3.0, 1.0, 2.0]})
+    assert rows[0] == {"variant": "a", "step_ms": 2.0, "step_ms_own_process": 5.0, "step_rounds": [3.0, 1.0, 2.0]}
+    assert rows[1] == {"variant": "b", "step_ms": 7.0}
+
+
 def test_match_torch_puts_lynx_at_each_torch_settings_measured_peak():
     """``--match-torch``: lynx's budget at torch's measured peak over the no-recompute one, rounded
     down (never above torch's memory); one variant per distinct fraction."""
