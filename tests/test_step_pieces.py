@@ -6,6 +6,8 @@ PyTorch's gradients and the measured peak of torch.compile's own per-block step 
 """
 from __future__ import annotations
 
+import contextlib
+
 import copy
 
 import pytest
@@ -111,10 +113,68 @@ def test_a_recording_gives_each_marks_peak_and_level():
     the previous mark and the live bytes at it. Hand-computed."""
     from lynx_compile.step.memory_marks import segment_memory
 
-    events = [(1, 10, 100), (2, 11, 50), (3, 10, -100), (5, 12, 30), (6, 11, -50), (8, 13, 10)]
+    events = [(1, 1000, 100), (2, 2000, 50), (3, 1000, -100), (5, 3000, 30), (6, 2000, -50), (8, 4000, 10)]
     peaks, levels = segment_memory(events, [4, None, 7, 9])
     assert peaks == [150, None, 80, 40]
     assert levels == [50, None, 30, 40]
+
+
+# A step where a buffer (address 1000, 100 B) is freed by a thread the profiler does not follow
+# (under gloo: the worker dropping a collective's buffer after the step's own thread did): the
+# profiler records no free (SEEN has it at t=30), and its memory is allocated again at t=50 (at
+# 1040: the alignment moved the block's start). The allocator's running total (the events' fourth
+# field, counted on every thread while lynx records) saw the free by the next event, t=35. Marks
+# at 40, 70, 90.
+SEEN = [(10, 1000, 100, 100), (20, 2000, 50, 150), (30, 1000, -100, 50), (35, 3000, 20, 70), (36, 3000, -20, 50),
+        (50, 1040, 30, 80), (60, 2000, -50, 30), (80, 1040, -30, 0)]
+UNSEEN = [e for e in SEEN if e[0] != 30]
+
+
+def test_a_free_on_a_thread_the_profiler_does_not_follow_is_counted():
+    """Read from the allocator's total, the step reads as if the free had been recorded; without
+    it (left in, the buffer read as live to the end: levels [150, 130, 100]) the reused memory
+    shows the free was missed, and the buffer counts only as it is made. Hand-computed."""
+    from lynx_compile.memory.measure import freed_unseen
+    from lynx_compile.step.memory_marks import segment_memory
+
+    marks = [40, 70, 90]
+    assert segment_memory(SEEN, marks, every_thread=True) == segment_memory(SEEN, marks) == \
+        ([150, 80, 30], [50, 30, 0])
+    assert segment_memory(UNSEEN, marks, every_thread=True) == ([150, 80, 30], [50, 30, 0])
+    assert freed_unseen(UNSEEN) == {0} and freed_unseen(SEEN) == set()
+    assert segment_memory(UNSEEN, marks) == ([100, 80, 30], [50, 30, 0])  # before t=20 only
+
+
+def test_the_allocator_counts_a_free_on_another_thread_while_lynx_records():
+    """torch's own CPU allocator: a tensor made while profiling and freed on a thread the profiler
+    does not follow. The profiler records no free; with lynx's counting on, the next event's total
+    has it (``_compat.cpu_allocator_counts_every_thread``), and the flag is restored after."""
+    import threading
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from lynx_compile import _compat
+
+    def run(count: bool) -> list:
+        held = []
+        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        with _compat.cpu_allocator_counts_every_thread() if count else contextlib.nullcontext(False) as on:
+            assert on is count
+            prof.start()
+            held.append(torch.empty(5000, dtype=torch.uint8))
+            worker = threading.Thread(target=held.clear)
+            worker.start()
+            worker.join()
+            after = torch.empty(300, dtype=torch.uint8)
+            prof.stop()
+        del after
+        return [e for e in _compat.cpu_allocation_events(prof, totals=True)]
+
+    counted, missed, again = run(True), run(False), run(False)
+    assert [size for _, _, size, _ in counted] == [5000, 300]  # no free recorded either way
+    assert counted[-1][3] - counted[0][3] == 300 - 5000  # the total saw it
+    assert missed[-1][3] - missed[0][3] == 300  # it did not
+    assert again[-1][3] - again[0][3] == 300  # off again after the block
 
 
 def _per_block(model, options):

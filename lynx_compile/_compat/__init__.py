@@ -100,6 +100,7 @@ from lynx_compile._compat.inductor_schedule import (
 )
 from lynx_compile._compat.introspection import (
     cpu_allocation_events,
+    cpu_allocator_counts_every_thread,
     dynamo_counters,
     inductor_cache_dir,
     inductor_metrics,
@@ -154,7 +155,7 @@ __all__ = [
     "inductor_atomic_add_falls_back", "inductor_graph_input_names", "inductor_preserve_node_ordering", "inductor_realize_thresholds",
     "inductor_schedule_memory",
     # introspection
-    "cpu_allocation_events", "dynamo_counters", "inductor_cache_dir", "inductor_metrics", "inductor_output_code",
+    "cpu_allocation_events", "cpu_allocator_counts_every_thread", "dynamo_counters", "inductor_cache_dir", "inductor_metrics", "inductor_output_code",
     "profiler_marks", "profiler_running", "record_function_ops",
     # tracing
     "REGION_BUDGET_KEY", "adopt_unbacked_symbols", "annotate_region", "detect_fake_mode", "is_plain_fake", "dispatch_mode_base", "dynamo_passthrough_error",

@@ -16,20 +16,63 @@ def record_function_ops() -> tuple[Any, Any]:
     return ops._record_function_enter_new.default, ops._record_function_exit._RecordFunction
 
 
-def cpu_allocation_events(prof: Any, device_type: str = "cpu") -> list[tuple[int, int, int]]:
+def cpu_allocation_events(prof: Any, device_type: str = "cpu",
+                          totals: bool = False) -> list[tuple[int, ...]]:
     """(time ns, address, signed bytes) of every allocator event on ``device_type`` a finished
     ``torch.profiler.profile(profile_memory=True)`` recorded, in time order (read from the
-    kineto event tree: ``torch._C._profiler._EventType.Allocation``)."""
+    kineto event tree: ``torch._C._profiler._EventType.Allocation``). With ``totals`` each tuple
+    ends with the allocator's own count of the bytes allocated at that event (its
+    ``total_allocated``: on CPU it sees frees on other threads while
+    :func:`cpu_allocator_counts_every_thread` is on)."""
     from torch._C._profiler import _EventType
 
-    out: list[tuple[int, int, int]] = []
+    out: list[tuple[int, ...]] = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
         if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == device_type:
-            out.append((node.start_time_ns, node.typed[1].ptr, node.typed[1].alloc_size))
+            f = node.typed[1]
+            out.append((node.start_time_ns, f.ptr, f.alloc_size, f.total_allocated) if totals
+                       else (node.start_time_ns, f.ptr, f.alloc_size))
         stack.extend(node.children)
     return sorted(out)
+
+
+_REPORT_FLAG = "FLAGS_caffe2_report_cpu_memory_usage"
+
+
+@contextlib.contextmanager
+def cpu_allocator_counts_every_thread() -> Any:
+    """While the block runs, torch's CPU allocator counts every allocation and free, on every
+    thread, in the running total the profiler's allocator events carry (``total_allocated``);
+    yields whether it does.
+
+    A memory-profiling profiler follows only the threads it was started on (and the work they
+    hand to others, while it runs): a free on another thread (gloo's worker dropping a
+    collective's buffer after the step's own thread did) is neither recorded nor counted, and
+    the buffer reads as live to the end of the profile. The allocator's reporter also counts
+    on every thread when c10's flag ``caffe2_report_cpu_memory_usage`` is set (its only other
+    effect: INFO-level log lines, below c10's default WARNING level). The flag is a C global
+    of ``libc10``, set here through ctypes (no Python API); False where it is not found."""
+    import ctypes
+
+    flag = None
+    for name in ("libc10.so", "libc10.dylib"):
+        try:
+            flag = ctypes.c_bool.in_dll(ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", name)),
+                                        _REPORT_FLAG)
+            break
+        except (OSError, ValueError):
+            continue
+    if flag is None:
+        yield False
+        return
+    before = flag.value
+    flag.value = True
+    try:
+        yield True
+    finally:
+        flag.value = before
 
 
 def profiler_marks(prof: Any, prefix: str) -> dict[str, int]:

@@ -15,7 +15,7 @@ import contextlib
 import contextvars
 import hashlib
 import json
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from lynx_compile.plan import RecomputePlan
 
@@ -58,23 +58,42 @@ class PlanMismatchError(RuntimeError):
     """Ranks planned the same graph differently; running it would deadlock or diverge."""
 
 
-def plan_fingerprint(plan: RecomputePlan) -> str:
+def plan_fingerprint(plan: RecomputePlan, positions: Mapping[str, int] | None = None) -> str:
     """sha256 (16 hex digits) of what the plan makes the graph *do*: policy, graph hash, saved
-    and recomputed tensors, per-unit decisions. Timings and notes are left out."""
+    and recomputed tensors, per-unit decisions. Timings and notes are left out.
+
+    With ``positions`` (node name -> its place in the joint graph) a node is named by its place:
+    ranks can trace the same graph (equal structural hash: the same ops, shapes and order) with
+    its nodes numbered apart, and then agree when their plans save and recompute the same places
+    (torchtitan's deepseek_v3 under TP on gloo: the MoE block's ``getitem_30`` on rank 0 is
+    ``getitem_31`` on rank 1; its names made every run stop with ``PlanMismatchError``)."""
+    def canonical(x: Any) -> Any:
+        if positions is None:
+            return x
+        if isinstance(x, str):
+            return f"#{positions[x]}" if x in positions else x
+        if isinstance(x, dict):
+            return {canonical(k): canonical(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [canonical(v) for v in x]
+        return x
+
     body = {"policy": plan.policy, "graph": plan.graph_hash,
             "saved": [d.name for d in plan.saved], "recomputed": [d.name for d in plan.recomputed],
             "decisions": plan.decisions.to_dict()["units"]}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(canonical(body), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def check_plan_agreement(plan: RecomputePlan, graph_id: int, group=None) -> str:
-    """Collective over ``group`` (default WORLD): all ranks compare ``plan``'s fingerprint.
+def check_plan_agreement(plan: RecomputePlan, graph_id: int, group=None,
+                         positions: Mapping[str, int] | None = None) -> str:
+    """Collective over ``group`` (default WORLD): all ranks compare ``plan``'s fingerprint
+    (its nodes named by ``positions``, see :func:`plan_fingerprint`).
 
     Returns the fingerprint; raises ``PlanMismatchError`` on every rank when they differ. A no-op
     (returns the fingerprint) when torch.distributed is not initialized or has one rank."""
     import torch.distributed as dist
 
-    mine = plan_fingerprint(plan)
+    mine = plan_fingerprint(plan, positions)
     group = group if group is not None else current_planning_group()
     if group is SOLO or planning_world_size() < 2:
         return mine

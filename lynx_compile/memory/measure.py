@@ -65,11 +65,80 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _allocation_events(prof) -> list[tuple[int, int, int]]:
-    """(time ns, address, signed bytes) of every CPU-allocator event, in time order."""
+def _allocation_events(prof) -> list[tuple[int, ...]]:
+    """(time ns, address, signed bytes, allocator's total) of every CPU-allocator event, in time
+    order."""
     from lynx_compile import _compat
 
-    return _compat.cpu_allocation_events(prof)
+    return _compat.cpu_allocation_events(prof, totals=True)
+
+
+def freed_unseen(events: Sequence[tuple[int, ...]]) -> set[int]:
+    """Indices of the allocations in ``events`` (time, address, signed bytes, ...; time order)
+    whose free the profiler did not record: memory they hold is allocated again while they are
+    still live (the same address, or a block overlapping theirs: the allocator's alignment can
+    move a reused block's start by a few bytes). One whose memory is not used again in the
+    window is not found: see :func:`live_series` for when this is the measure's only guard."""
+    import bisect
+
+    starts: list[int] = []  # live blocks, sorted by address
+    index: dict[int, tuple[int, int]] = {}  # address -> (event index, bytes)
+    unseen: set[int] = set()
+    for i, (_, ptr, size, *_rest) in enumerate(events):
+        if size > 0:
+            at = bisect.bisect_left(starts, ptr)
+            if at > 0 and starts[at - 1] + index[starts[at - 1]][1] > ptr:
+                at -= 1  # a live block starting below ptr reaches into it
+            while at < len(starts) and starts[at] < ptr + size:
+                unseen.add(index.pop(starts.pop(at))[0])
+            bisect.insort(starts, ptr)
+            index[ptr] = (i, size)
+        elif ptr in index:
+            del index[ptr]
+            starts.pop(bisect.bisect_left(starts, ptr))
+    return unseen
+
+
+def live_series(events: Sequence[tuple[int, ...]], every_thread: bool) -> tuple[int, list[tuple[int, int, int]]]:
+    """The bytes live at the window's start and, per allocator event of ``events`` (time,
+    address, signed bytes[, allocator's total]; time order), (time, bytes live at it, bytes live
+    just after it).
+
+    The start counts the tensors live before the window that it frees (CUDA's allocator reports
+    their sizes; the CPU allocator knows none and reports no such free), so no level is below 0.
+
+    A memory-profiling profiler records events only on the threads it follows. Under gloo a
+    collective's buffers are held by the work object as well as by the step; when the worker
+    thread drops the work after the step's own thread dropped its references, the free happens
+    there, unrecorded, and the buffer read as live to the end of the window: identical 2-rank
+    runs of torchtitan's llama3 read 1.4 MiB apart at every later mark under TP, 3.3 MiB under
+    FSDP2 (a reduce-scatter's input), and named other smallest budgets (issue S item 1). With
+    ``every_thread`` (the events carry the allocator's total, counted on every thread:
+    ``_compat.cpu_allocator_counts_every_thread``) the live bytes are that total, so such a free
+    counts from the next recorded event on. Without it an allocation whose memory is allocated
+    again while it is live (:func:`freed_unseen`) counts only at the moment it is made."""
+    seen: set[int] = set()
+    start = 0
+    for _, ptr, size, *_rest in events:
+        if size > 0:
+            seen.add(ptr)
+        elif ptr in seen:
+            seen.discard(ptr)
+        else:
+            start -= size
+    if every_thread and events and len(events[0]) > 3:
+        base = events[0][3] - events[0][2]  # the allocator's total before the first event
+        return start, [(t, start + total - base, start + total - base) for t, _, _, total in events]
+    unseen = freed_unseen(events)
+    series: list[tuple[int, int, int]] = []
+    live = start
+    for i, (t, _, size, *_rest) in enumerate(events):
+        live += size
+        at = live
+        if i in unseen:  # its free was not recorded: counted only as it is made
+            live -= size
+        series.append((t, at, live))
+    return start, series
 
 
 #: Line prefixes of kineto's informational log (its ``STAGE`` and ``USDT`` levels), which it
@@ -110,24 +179,29 @@ def cpu_peak_bytes(fn: Callable[[], Any], exclude: Callable[[], set[int]] | None
     left out: the gradients the step leaves in ``.grad``."""
     from torch.profiler import ProfilerActivity, profile
 
+    from lynx_compile import _compat
+
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
-    with without_kineto_log():  # only around start / stop: what fn() writes goes through as written
-        prof.start()
-    try:
-        fn()
-    finally:
-        with without_kineto_log():
-            prof.stop()
+    with _compat.cpu_allocator_counts_every_thread() as every_thread:
+        with without_kineto_log():  # only around start / stop: what fn() writes goes through as written
+            prof.start()
+        try:
+            fn()
+        finally:
+            with without_kineto_log():
+                prof.stop()
     events = _allocation_events(prof)
-    skip: set[int] = set()
+    skipped = [0] * len(events)  # per event, the bytes of left-out allocations made up to it
     if exclude is not None:
-        last = {ptr: i for i, (_, ptr, size) in enumerate(events) if size > 0}
-        skip = {last[p] for p in exclude() if p in last}
-    live = peak = 0
-    for i, (_, _, size) in enumerate(events):
-        if i not in skip:
-            live += size
-            peak = max(peak, live)
+        last = {ptr: i for i, (_, ptr, size, _) in enumerate(events) if size > 0}
+        for i in {last[p] for p in exclude() if p in last}:
+            skipped[i] = events[i][2]
+        for i in range(1, len(skipped)):
+            skipped[i] += skipped[i - 1]
+    start, series = live_series(events, every_thread)
+    peak = 0  # above the bytes live at the start (a free of a tensor from before reads below it)
+    for (_, at, _), skip in zip(series, skipped):
+        peak = max(peak, at - start - skip)
     return peak
 
 

@@ -196,7 +196,8 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
     record.segment_costs = segment_costs(joint, ctx.forward_names)
     if config.check_plan_agreement:
         with _compat.eager_dispatch():  # real tensors for the all-gather, not the compile's fakes
-            record.stats["plan_fingerprint"] = check_plan_agreement(record.plan, record.graph_id)
+            positions = {n.name: i for i, n in enumerate(joint.graph.nodes)}
+            record.stats["plan_fingerprint"] = check_plan_agreement(record.plan, record.graph_id, positions=positions)
 
     if budget is not None and piece and mem.saved_bytes > budget and config.policy != "lynx":
         raise refuse(config.budget, reference.saved_bytes, None,

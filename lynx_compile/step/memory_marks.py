@@ -11,6 +11,7 @@ mark: its segment's peak and its level, None for a mark not seen).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Callable
 
@@ -44,6 +45,9 @@ class ProfilerRecording:
         from lynx_compile.memory.measure import without_kineto_log
 
         self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
+        # frees on threads the profiler does not follow are counted in the events' totals
+        self._counting = contextlib.ExitStack()
+        self._every_thread = self._counting.enter_context(_compat.cpu_allocator_counts_every_thread())
         with without_kineto_log():
             self._profiler.start()
         return True
@@ -58,38 +62,36 @@ class ProfilerRecording:
     def finish(self, n_marks: int) -> tuple[list[int | None], list[int | None]]:
         from lynx_compile.memory.measure import without_kineto_log
 
-        with without_kineto_log():
-            self._profiler.stop()
+        try:
+            with without_kineto_log():
+                self._profiler.stop()
+        finally:
+            self._counting.close()
         prof, self._profiler = self._profiler, None
-        events = _compat.cpu_allocation_events(prof, "cpu")
+        events = _compat.cpu_allocation_events(prof, "cpu", totals=True)
         times = _compat.profiler_marks(prof, MARK)
-        return segment_memory(events, [times.get(f"{MARK}{i}") for i in range(n_marks)])
+        return segment_memory(events, [times.get(f"{MARK}{i}") for i in range(n_marks)], self._every_thread)
 
 
-def segment_memory(events: list[tuple[int, int, int]],
-                   mark_times: list[int | None]) -> tuple[list[int | None], list[int | None]]:
+def segment_memory(events: list[tuple[int, ...]], mark_times: list[int | None],
+                   every_thread: bool = False) -> tuple[list[int | None], list[int | None]]:
     """Per mark, the highest live bytes between the previous mark and it, and the live bytes at
-    the mark, from allocator ``events`` (time, address, signed bytes) relative to the first
-    event's start; None for a mark with no time. A free of an address not allocated in the window
-    is of a tensor live from the start (CUDA's allocator reports those; the CPU allocator knows no
-    size and reports none)."""
-    seen: set[int] = set()
-    live = 0
-    for _, ptr, size in events:
-        if size > 0:
-            seen.add(ptr)
-        elif ptr in seen:
-            seen.discard(ptr)
-        else:
-            live -= size
+    the mark, from allocator ``events`` (time, address, signed bytes[, allocator's total])
+    relative to the first event's start; None for a mark with no time. How the live bytes are
+    read (frees of tensors from before the window, frees on threads the profiler does not
+    follow, ``every_thread``): ``memory.measure.live_series``."""
+    from lynx_compile.memory.measure import live_series
+
+    start, series = live_series(events, every_thread)
     order = sorted((t, i) for i, t in enumerate(mark_times) if t is not None)
     out: list[int | None] = [None] * len(mark_times)
     levels: list[int | None] = [None] * len(mark_times)
-    peak, e = live, 0
+    live = peak = start
+    e = 0
     for t, i in order:
-        while e < len(events) and events[e][0] < t:
-            live += events[e][2]
-            peak = max(peak, live)
+        while e < len(series) and series[e][0] < t:
+            _, at, live = series[e]
+            peak = max(peak, at)
             e += 1
         out[i], levels[i] = peak, live
         peak = live

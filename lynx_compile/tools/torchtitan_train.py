@@ -344,10 +344,12 @@ def lynx_summary() -> dict[str, Any]:
 
     options = options_from_env() or {}
     bound = lynx_compile.backend(**options)
-    plans = [{"recomputed": len(p.recomputed), "saved": len(p.saved), "budget_scope": p.budget_scope,
+    # each plan with its fingerprint as the ranks compared it (check_plan_agreement; None: not compared)
+    plans = [{"fingerprint": r.stats.get("plan_fingerprint"), "solver": str(p.solver),
+              "recomputed": len(p.recomputed), "saved": len(p.saved), "budget_scope": p.budget_scope,
               "step_peak_bytes": p.step_peak_bytes, "step_reference_bytes": p.step_reference_bytes,
               "budget_bytes": p.budget_bytes}
-             for p in bound.plans]
+             for r in bound.records if (p := r.plan) is not None]
     return {"options": options, "graphs": len(bound.records), "plans": plans}
 
 
