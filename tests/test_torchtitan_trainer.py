@@ -27,19 +27,20 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
               pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))]
 
 PARALLEL = {"fsdp2": ["--dp-shard", "2"], "tp": ["--tp", "2"]}
-BUDGET = {"fsdp2": 0.9, "tp": 0.97}
-"""Reachable with a margin: the smallest budget lynx reaches here varies between identical runs
-(6 runs each: 0.614-0.812 for FSDP2, 0.817-0.941 for TP; one process: 0.857 every time): lynx's
-record of the step's memory outside the compiled blocks differs from run to run under gloo
-(docs/torchtitan.md)."""
+BUDGET = {"fsdp2": 0.9, "tp": 0.85}
+"""Reachable with a margin. TP names 0.817 in every run (3 runs, session 29); FSDP2 0.586-0.617
+(7 runs): the unsharded LM head, all-gathered for the forward, is freed by gloo's worker thread
+at its next collective in some runs, by the step's own thread in others, and the step with no
+recompute reads 2 MiB apart (docs/torchtitan.md). Before session 29 a buffer freed on the
+worker read as live to the step's end: 0.614-0.812 for FSDP2, 0.817-0.941 for TP."""
 STEPS = 4
 ERR_MULTIPLE = 4.0  # lynx at a budget vs Inductor: within this multiple of Inductor's own error vs eager
 RUN_TIMEOUT_S = 420
 
 
-def _run(tmp_path, parallel: str, backend: str, options: dict | None = None) -> dict:
-    """The launcher under torchrun; rank 0's JSON (losses, grad norms, lynx's plans)."""
-    name = f"{parallel}-{backend}" + ("" if options is None else "-budget")
+def _launch(tmp_path, name: str, parallel: str, backend: str, options: dict | None = None,
+            extra: tuple[str, ...] = ()) -> tuple[subprocess.CompletedProcess, object]:
+    """The launcher under torchrun: the finished process and the path of rank 0's JSON."""
     out = tmp_path / f"{name}.json"
     env = {k: v for k, v in os.environ.items() if k != "LYNX_OPTIONS"}
     env["OMP_NUM_THREADS"] = "1"
@@ -47,11 +48,19 @@ def _run(tmp_path, parallel: str, backend: str, options: dict | None = None) -> 
         env["LYNX_OPTIONS"] = json.dumps(options)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "lynx_compile.torchtitan_train", *PARALLEL[parallel], "--compile-backend", backend,
-           "--steps", str(STEPS), "--timeout", str(RUN_TIMEOUT_S), "--out", str(out)]
+           "--steps", str(STEPS), "--timeout", str(RUN_TIMEOUT_S), "--out", str(out), *extra]
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{name}: torchrun ran past {RUN_TIMEOUT_S} s; output tail:\n{(e.stdout or '')[-3000:]}")
+    return proc, out
+
+
+def _run(tmp_path, parallel: str, backend: str, options: dict | None = None, name: str | None = None,
+         extra: tuple[str, ...] = ()) -> dict:
+    """The launcher under torchrun; rank 0's JSON (losses, grad norms, lynx's plans)."""
+    name = name or f"{parallel}-{backend}" + ("" if options is None else "-budget")
+    proc, out = _launch(tmp_path, name, parallel, backend, options, extra)
     assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{(proc.stdout + proc.stderr)[-6000:]}"
     return json.loads(out.read_text())
 
@@ -89,17 +98,27 @@ def test_lynx_without_options_is_inductor_bit_for_bit(runs):
     assert r["lynx"]["grad_norms"] == r["inductor"]["grad_norms"]
 
 
-@pytest.mark.parametrize("runs", sorted(PARALLEL), indirect=True)
-def test_lynx_at_a_budget_is_within_inductors_tolerance(runs):
-    parallel, tmp, r = runs
+_AT_BUDGET: dict = {}
+
+
+def _at_budget(parallel: str, tmp) -> tuple[dict, dict]:
+    """lynx's run at ``BUDGET[parallel]`` (once per parallelism and session) and its options."""
     # plan_cache off: a step plan cached by an earlier run (any earlier test session on this
     # machine) would be swapped in at step 2 instead of re-planned at step 3, a different path
     options = {"memory_budget": BUDGET[parallel], "plan_cache": False}
+    if parallel not in _AT_BUDGET:
+        _AT_BUDGET[parallel] = _run(tmp, parallel, "lynx", options)
+    return _AT_BUDGET[parallel], options
+
+
+@pytest.mark.parametrize("runs", sorted(PARALLEL), indirect=True)
+def test_lynx_at_a_budget_is_within_inductors_tolerance(runs):
+    parallel, tmp, r = runs
     # TP: the pieces are compiled again at step 3 on stand-ins for their gone inputs, DTensors
     # whose local shard (block 0's input under sequence parallelism) is an unwaited
     # AsyncCollectiveTensor (step.piece.InputSpec, _compat.dtensor_stand_in): a plain stand-in
     # made code that segfaulted reading the wrapper's null data pointer
-    budget = _run(tmp, parallel, "lynx", options)
+    budget, options = _at_budget(parallel, tmp)
     lynx = budget["lynx"]
     assert lynx["options"] == options
     # planned on the recorded step (step 2) and in force from step 3: lynx's own prediction
@@ -136,3 +155,52 @@ def test_launcher_refuses_bad_options_before_building(monkeypatch, capsys, value
     assert main(["--compile-backend", backend]) == 2
     err = capsys.readouterr().err.strip()
     assert says in err and "\n" not in err
+
+
+@pytest.mark.parametrize("runs", ["tp"], indirect=True)
+def test_the_same_tp_command_plans_alike_every_run(runs, tmp_path):
+    """Issue S item 1: the same command run again (plan cache off: the step recorded and planned
+    again) gives the same plans (their fingerprints, as the ranks compared them) at ``BUDGET``.
+    Under gloo the recorded step read up to 1.4 MiB apart between identical runs before session
+    29 (a collective's buffers, freed on gloo's worker thread, read as live to the step's end)."""
+    parallel, tmp, _ = runs
+    first, options = _at_budget(parallel, tmp)
+    again = _run(tmp_path, parallel, "lynx", options, name="tp-budget-again")
+    fingerprints = [[p["fingerprint"] for p in run["lynx"]["plans"]] for run in (first, again)]
+    assert fingerprints[0] == fingerprints[1] and all(fingerprints[0]), fingerprints
+
+
+def test_the_same_tp_command_refused_names_one_smallest_budget(tmp_path):
+    """Issue S item 1: llama3 under TP cut to 2 blocks at 0.7, out of reach beside the LM head
+    and loss, run twice with the plan cache off: both runs refused naming the same smallest
+    budget (before session 29: 0.817-0.941 over six runs on 6 blocks). FSDP2 is not tested so:
+    the same command named 0.785 and 0.808 in session 29 (``BUDGET``'s note)."""
+    from lynx_compile.budget import named_fraction
+
+    parallel = "tp"
+    named = []
+    for i in range(2):
+        proc, _ = _launch(tmp_path, f"{parallel}-0.7-{i}", parallel, "lynx", {"memory_budget": 0.7, "plan_cache": False},
+                          ("--layers", "2"))
+        text = proc.stdout + proc.stderr
+        assert proc.returncode != 0 and "BudgetError" in text, text[-4000:]
+        named.append(named_fraction(text))
+    print(f"{parallel} at 0.7: refused naming {named}")
+    assert named[0] is not None and named[0] == named[1] and 0.7 < named[0] <= 1.0, named
+
+
+def test_deepseek_v3_under_tp_at_a_budget_gives_inductors_gradients(tmp_path):
+    """deepseek_v3 (1 block: MLA attention, dense MLP) under TP at 0.99: lynx's plan recomputes
+    the first RMSNorm's ``pow``/``mean`` from the saved ``wait_tensor`` of the block's input (an
+    unwaited sequence-parallel collective). ``wait_tensor`` returns its argument's storage, and
+    AOTAutograd donated it to the backward, where Inductor wrote the recomputed ``pow`` over the
+    input the backward read again: gradient norms 3e-4 apart from Inductor's at step 1 (session
+    29). lynx saves the input itself (``_compat.inputs_saved_for_their_waits``): every step's loss
+    and gradient norm equal Inductor's."""
+    extra = ("--model", "deepseek_v3", "--layers", "1")
+    inductor = _run(tmp_path, "tp", "inductor", name="ds-tp-inductor", extra=extra)
+    lynx = _run(tmp_path, "tp", "lynx", {"memory_budget": 0.99, "plan_cache": False}, name="ds-tp-lynx", extra=extra)
+    assert any(p["recomputed"] > 1 for p in lynx["lynx"]["plans"]), lynx["lynx"]["plans"]
+    # every step: the provisional plans (steps 1-2), then the step's plan (3-4)
+    assert lynx["losses"] == inductor["losses"], (lynx["losses"], inductor["losses"])
+    assert lynx["grad_norms"] == inductor["grad_norms"], (lynx["grad_norms"], inductor["grad_norms"])

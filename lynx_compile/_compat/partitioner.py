@@ -12,6 +12,7 @@ import hashlib
 import inspect
 from typing import Any, Callable
 
+import torch
 import torch.fx as fx
 from torch._functorch import config as _functorch_config
 from torch._functorch import partitioners as _partitioners
@@ -56,6 +57,7 @@ def default_partition(joint_gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_ou
         static_lifetime_input_indices=static_lifetime_input_indices,
     )
     tensors_before_opaque(fw, bw, num_fwd_outputs)  # (it replays recomputed RNG ops alike)
+    inputs_saved_for_their_waits(fw, num_fwd_outputs)
     return fw, bw
 
 
@@ -109,7 +111,36 @@ def min_cut_partition(joint_gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_ou
             static_lifetime_input_indices=static_lifetime_input_indices,
         )
     tensors_before_opaque(fw, bw, num_fwd_outputs)
+    inputs_saved_for_their_waits(fw, num_fwd_outputs)
     return fw, bw
+
+
+def inputs_saved_for_their_waits(fw: fx.GraphModule, num_fwd_outputs: int) -> bool:
+    """A saved ``_c10d_functional.wait_tensor(x)`` of a graph input ``x`` saved as ``x`` itself,
+    in place; True if any was.
+
+    ``wait_tensor`` returns its argument (the same storage) though its schema says it makes a new
+    tensor. AOTAutograd donates the backward the saved values that are not forward inputs or
+    outputs, and Inductor then writes into a donated buffer once its last use is read: a
+    recomputed ``pow`` of the saved ``wait_tensor`` of a block's input (torchtitan's TP
+    sequence-parallel input, an unwaited collective) was written over that input, which the
+    backward read again (deepseek_v3's RMSNorm under TP, 2 gloo ranks: gradient norms 3e-4 apart
+    from Inductor's at step 1). Saved as the input it is, it is not donated. Same values, same
+    storage: the forward waited on it already."""
+    out = fw.graph.output_node()
+    outs = list(out.args[0])
+    changed = False
+    for i in range(num_fwd_outputs, len(outs)):
+        n = outs[i]
+        if (isinstance(n, fx.Node) and n.op == "call_function"
+                and n.target is torch.ops._c10d_functional.wait_tensor.default
+                and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"):
+            outs[i] = n.args[0]
+            changed = True
+    if changed:
+        out.args = (tuple(outs), *out.args[1:])
+        fw.recompile()
+    return changed
 
 
 try:
