@@ -7,7 +7,6 @@ PyTorch's gradients and the measured peak of torch.compile's own per-block step 
 from __future__ import annotations
 
 import contextlib
-
 import copy
 
 import pytest

@@ -56,8 +56,7 @@ def default_partition(joint_gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_ou
         num_fwd_outputs=num_fwd_outputs,
         static_lifetime_input_indices=static_lifetime_input_indices,
     )
-    tensors_before_opaque(fw, bw, num_fwd_outputs)  # (it replays recomputed RNG ops alike)
-    inputs_saved_for_their_waits(fw, num_fwd_outputs)
+    _saved_as_aot_autograd_needs(fw, bw, num_fwd_outputs)  # (it replays recomputed RNG ops alike)
     return fw, bw
 
 
@@ -110,9 +109,16 @@ def min_cut_partition(joint_gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_ou
             num_fwd_outputs=num_fwd_outputs, compiler=compiler,
             static_lifetime_input_indices=static_lifetime_input_indices,
         )
+    _saved_as_aot_autograd_needs(fw, bw, num_fwd_outputs)
+    return fw, bw
+
+
+def _saved_as_aot_autograd_needs(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> None:
+    """What every partition torch makes for lynx gets before AOTAutograd compiles it: saved RNG
+    states before the opaque saved values (:func:`tensors_before_opaque`), a graph input's wait
+    saved as the input (:func:`inputs_saved_for_their_waits`)."""
     tensors_before_opaque(fw, bw, num_fwd_outputs)
     inputs_saved_for_their_waits(fw, num_fwd_outputs)
-    return fw, bw
 
 
 def inputs_saved_for_their_waits(fw: fx.GraphModule, num_fwd_outputs: int) -> bool:
