@@ -37,15 +37,22 @@ ERR_MULTIPLE = 4.0  # lynx at a budget vs Inductor: within this multiple of Indu
 RUN_TIMEOUT_S = 420
 
 
-def _run(tmp_path, parallel: str, backend: str, options: dict | None = None, name: str | None = None,
-         extra: tuple[str, ...] = ()) -> dict:
-    """The launcher under torchrun; rank 0's JSON (losses, grad norms, lynx's plans)."""
-    name = name or f"{parallel}-{backend}" + ("" if options is None else "-budget")
+def _launch(tmp_path, name: str, parallel: str, backend: str, options: dict | None = None,
+            extra: tuple[str, ...] = (), cache: str | None = None) -> tuple[subprocess.CompletedProcess, object]:
+    """The launcher under torchrun: the finished process and the path of rank 0's JSON.
+    ``cache``: torch.compile's cache directory (lynx's plan cache is in it), the calibrated CPU
+    profile and link kept where the other runs keep theirs."""
     out = tmp_path / f"{name}.json"
     env = {k: v for k, v in os.environ.items() if k != "LYNX_OPTIONS"}
     env["OMP_NUM_THREADS"] = "1"
     if options is not None:
         env["LYNX_OPTIONS"] = json.dumps(options)
+    if cache is not None:
+        from lynx_compile.costs.hardware import cpu_profile_cache_path
+        from lynx_compile.distributed.link import link_cache_path
+
+        env.update(LYNX_CPU_PROFILE=str(cpu_profile_cache_path()), LYNX_LINK_PROFILE=str(link_cache_path()),
+                   TORCHINDUCTOR_CACHE_DIR=cache)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "lynx_compile.torchtitan_train", *PARALLEL[parallel], "--compile-backend", backend,
            "--steps", str(STEPS), "--timeout", str(RUN_TIMEOUT_S), "--out", str(out), *extra]
@@ -53,8 +60,29 @@ def _run(tmp_path, parallel: str, backend: str, options: dict | None = None, nam
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{name}: torchrun ran past {RUN_TIMEOUT_S} s; output tail:\n{(e.stdout or '')[-3000:]}")
+    return proc, out
+
+
+def _run(tmp_path, parallel: str, backend: str, options: dict | None = None, name: str | None = None,
+         extra: tuple[str, ...] = (), cache: str | None = None) -> dict:
+    """The launcher under torchrun (:func:`_launch`); rank 0's JSON (losses, grad norms, lynx's plans)."""
+    name = name or f"{parallel}-{backend}" + ("" if options is None else "-budget")
+    proc, out = _launch(tmp_path, name, parallel, backend, options, extra, cache)
     assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{(proc.stdout + proc.stderr)[-6000:]}"
     return json.loads(out.read_text())
+
+
+def _refused(tmp_path, name: str, parallel: str, options: dict, extra: tuple[str, ...] = (),
+             cache: str | None = None) -> tuple[float, str]:
+    """A lynx run that must be refused: the budget it names and its output."""
+    from lynx_compile.budget import named_fraction
+
+    proc, _ = _launch(tmp_path, name, parallel, "lynx", options, extra, cache)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "BudgetError" in text, f"{name}: not refused\n{text[-4000:]}"
+    named = named_fraction(text)
+    assert named is not None, text[-4000:]
+    return named, text
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +91,19 @@ def runs(request, tmp_path_factory):
     parallel = request.param
     tmp = tmp_path_factory.mktemp(parallel)
     return parallel, tmp, {name: _run(tmp, parallel, name) for name in ("eager", "inductor", "lynx")}
+
+
+_AT_BUDGET: dict = {}
+
+
+def _at_budget(parallel: str, tmp) -> tuple[dict, dict, str]:
+    """lynx's run at ``BUDGET[parallel]`` in a fresh plan cache (once per parallelism and
+    session): its JSON, its options and the cache directory it kept its plans in."""
+    options = {"memory_budget": BUDGET[parallel]}
+    cache = str(tmp / "cache")
+    if parallel not in _AT_BUDGET:
+        _AT_BUDGET[parallel] = _run(tmp, parallel, "lynx", options, cache=cache)
+    return _AT_BUDGET[parallel], options, cache
 
 
 def _tolerance(a: list[float], b: list[float]) -> float:
@@ -93,16 +134,16 @@ def test_lynx_without_options_is_inductor_bit_for_bit(runs):
 @pytest.mark.parametrize("runs", sorted(PARALLEL), indirect=True)
 def test_lynx_at_a_budget_is_within_inductors_tolerance(runs):
     parallel, tmp, r = runs
-    # plan_cache off: a step plan cached by an earlier run (any earlier test session on this
-    # machine) would be swapped in at step 2 instead of re-planned at step 3, a different path
-    options = {"memory_budget": BUDGET[parallel], "plan_cache": False}
+    # in a plan cache of its own, fresh: the step is recorded (step 2) and re-planned at step 3,
+    # as on a fresh machine; a cache kept by an earlier run would swap its plan in at step 2.
     # TP: the pieces are compiled again at step 3 on stand-ins for their gone inputs, DTensors
     # whose local shard (block 0's input under sequence parallelism) is an unwaited
     # AsyncCollectiveTensor (step.piece.InputSpec, _compat.dtensor_stand_in): a plain stand-in
     # made code that segfaulted reading the wrapper's null data pointer
-    budget = _run(tmp, parallel, "lynx", options)
+    budget, options, _ = _at_budget(parallel, tmp)
     lynx = budget["lynx"]
     assert lynx["options"] == options
+    assert not any(p["step_plan_cached"] for p in lynx["plans"]), lynx["plans"]
     # planned on the recorded step (step 2) and in force from step 3: lynx's own prediction
     assert lynx["plans"] and all(p["budget_scope"] == "step" for p in lynx["plans"]), lynx
     for p in lynx["plans"]:
@@ -124,6 +165,63 @@ def test_lynx_at_a_budget_is_within_inductors_tolerance(runs):
               f"(inductor vs eager x {ERR_MULTIPLE}); lynx {budget[key]}, inductor {r['inductor'][key]}, "
               f"eager {r['eager'][key]}")
         assert worst <= tol, (key, budget[key], r["inductor"][key], r["eager"][key])
+
+
+@pytest.mark.parametrize("runs", sorted(PARALLEL), indirect=True)
+def test_the_same_command_again_plans_alike(runs):
+    """Issue S item 1: the same command run again with the plan cache the first run kept (on
+    rank 0's machine: every rank takes rank 0's entry) takes the step's plan from it, nothing
+    recorded: the same plans on every rank (their fingerprints, as the ranks compared them) and
+    losses within Inductor's tolerance of the first run's (the plan is in force from step 2
+    instead of step 3). A fresh cache records the step again, and under gloo that record can read
+    a collective's buffer freed later (docs/torchtitan.md)."""
+    parallel, tmp, r = runs
+    first, options, cache = _at_budget(parallel, tmp)
+    again = _run(tmp, parallel, "lynx", options, name=f"{parallel}-budget-again", cache=cache)
+    assert again["lynx"]["plans"] and all(p["step_plan_cached"] for p in again["lynx"]["plans"]), again["lynx"]
+    fingerprints = [[p["fingerprint"] for p in run["lynx"]["plans"]] for run in (first, again)]
+    assert fingerprints[0] == fingerprints[1] and all(fingerprints[0]), fingerprints
+    assert [p["step_peak_bytes"] for p in first["lynx"]["plans"]] == [p["step_peak_bytes"] for p in again["lynx"]["plans"]]
+    tol = _tolerance(r["inductor"]["losses"], r["eager"]["losses"])
+    assert max(abs(x - y) for x, y in zip(first["losses"], again["losses"])) <= tol, (first["losses"], again["losses"])
+
+
+@pytest.mark.parametrize("parallel", sorted(PARALLEL))
+def test_the_same_refused_command_again_names_the_same_budget(parallel, tmp_path):
+    """Issue S item 1: llama3 cut to 2 blocks at 0.5, out of reach beside the LM head and loss,
+    run twice with one plan cache: both refused naming the same smallest budget, the second at
+    the end of step 1 from the first's kept refusal (before session 29 fresh runs named FSDP2
+    0.614-0.812, TP 0.817-0.941 on 6 blocks; fresh runs on 2 blocks still named FSDP2 0.785 and
+    0.808 in session 29)."""
+    options, extra, cache = {"memory_budget": 0.5}, ("--layers", "2"), str(tmp_path / "cache")
+    named, _ = _refused(tmp_path, f"{parallel}-0.5", parallel, options, extra, cache)
+    again, text = _refused(tmp_path, f"{parallel}-0.5-again", parallel, options, extra, cache)
+    assert "from the plan cache" in text, text[-3000:]
+    print(f"{parallel} at 0.5 on 2 blocks: refused naming {named}, again {again}")
+    assert again == named and 0.5 < named <= 1.0
+
+
+@pytest.mark.parametrize("runs", ["tp"], indirect=True)
+def test_tp_with_the_eager_compiler_trains_at_the_budget_it_names(runs):
+    """Issue S item 3: ``compiler="eager"`` under TP at 0.5 is refused naming the step's smallest
+    budget, and asking for it trains: every piece compiled again at step 3 with the step's
+    choice. Before session 30 the named budget was refused at step 3: torch's partition of the
+    piece compiled again left a dead copy of the forward's SDPA (a random op, which FX's dead
+    code pass keeps) at the backward's start, raising its no-recompute peak above what the
+    step had planned it at. Losses within 4 x float32's precision of eager's (no compile)."""
+    parallel, tmp, r = runs
+    named, _ = _refused(tmp, "tp-eager-0.5", parallel, {"memory_budget": 0.5, "compiler": "eager", "plan_cache": False})
+    assert 0.5 < named < 1.0
+    options = {"memory_budget": named, "compiler": "eager", "plan_cache": False}
+    run = _run(tmp, parallel, "lynx", options, name="tp-eager-named")
+    plans = run["lynx"]["plans"]
+    assert plans and all(p["budget_scope"] == "step" for p in plans), plans
+    assert any(p["recomputed"] for p in plans), plans
+    tol = _tolerance(r["eager"]["losses"], r["eager"]["losses"])
+    worst = max(abs(x - y) for x, y in zip(run["losses"], r["eager"]["losses"]))
+    print(f"tp, compiler='eager': 0.5 named {named}; at it, losses {run['losses']} vs eager {r['eager']['losses']}: "
+          f"{worst:.3g} (tolerance {tol:.3g})")
+    assert worst <= tol, (run["losses"], r["eager"]["losses"])
 
 
 @pytest.mark.parametrize("value, backend, says", [

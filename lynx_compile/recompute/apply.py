@@ -60,12 +60,24 @@ def partition_joint(joint: fx.GraphModule, joint_inputs: Any, kw: dict, *, induc
         fw, bw = _compat.min_cut_partition(joint, joint_inputs, memory_budget=1.0, **kw)
     else:
         fw, bw = _compat.default_partition(joint, joint_inputs, **kw)
-    # torch's partitioner can leave forward ops copied into the backward with no user there
-    # (seen on tensor-parallel graphs: the mm's feeding a saved collective input); they would
-    # run every step for nothing.
-    if bw.graph.eliminate_dead_code():
-        bw.recompile()
+    drop_dead_code(bw)
     return fw, bw
+
+
+def drop_dead_code(gm: fx.GraphModule) -> bool:
+    """Drop ``gm``'s ops whose results nothing uses, random ones too (FX's own pass keeps an op
+    tagged ``nondeterministic_seeded``); ops with side effects stay. True if any went.
+
+    torch's partitioner can leave forward ops copied into the backward with no user there (seen
+    on tensor-parallel graphs: the mm's feeding a saved collective input; llama3 under TP with
+    ``compiler="eager"``, a piece compiled again with the step's plan: a copy of the forward's
+    SDPA opening the backward, holding its output, which raised the piece's no-recompute peak
+    3.4% and left nothing to recompute below it). They would run every step for nothing; a
+    random one drew numbers eager's backward never draws."""
+    if gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure(impure_random=False)):
+        gm.recompile()
+        return True
+    return False
 
 
 def scratch_context(ctx: PassContext, policy: str, label: str) -> PassContext:

@@ -348,7 +348,9 @@ def lynx_summary() -> dict[str, Any]:
     plans = [{"fingerprint": r.stats.get("plan_fingerprint"), "solver": str(p.solver),
               "recomputed": len(p.recomputed), "saved": len(p.saved), "budget_scope": p.budget_scope,
               "step_peak_bytes": p.step_peak_bytes, "step_reference_bytes": p.step_reference_bytes,
-              "budget_bytes": p.budget_bytes}
+              "budget_bytes": p.budget_bytes,
+              # the step's plan taken from the plan cache (a run before kept it), not recorded
+              "step_plan_cached": any(n.startswith("from the plan cache") for n in p.notes)}
              for r in bound.records if (p := r.plan) is not None]
     return {"options": options, "graphs": len(bound.records), "plans": plans}
 
