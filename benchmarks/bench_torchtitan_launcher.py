@@ -41,7 +41,7 @@ from lynx_compile.budget import named_fraction
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
-PARALLEL = {"fsdp2": ["--dp-shard", "2"], "tp": ["--tp", "2"]}
+PARALLEL = {"fsdp2": ["--dp-shard", "2"], "tp": ["--tp", "2"], "ep": ["--dp-shard", "2", "--ep", "2"]}
 ERR_MULTIPLE = 4.0
 
 

@@ -146,13 +146,20 @@ def _adopt_sources(gm: fx.GraphModule) -> dict[fx.Node, bool]:
     return sourced
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+"""An object's address in its ``repr`` (`` at 0x7f...``)."""
+
+
 def structural_hash(nodes: list[fx.Node]) -> str:
     """Hash of an op sequence with shapes and dtypes (names excluded), so that identical layers
     hash equal. For blocks, only forward ops are passed in (nodes traced in the forward carry
     ``nn_module_stack``; the first block's backward lacks the input-gradient ops)."""
     h = hashlib.sha1()
     for node in nodes:
-        h.update(str(node.target).encode())
+        # a plain Python function's str holds its address, another in every process (torch.sym_sum
+        # in deepseek_v3's expert-parallel MoE block: its ranks' hashes differed, and so did their
+        # plan fingerprints and plan-cache keys)
+        h.update(_ADDRESS.sub("", str(node.target)).encode())
         val = node.meta.get("val")
         vals = val if isinstance(val, (tuple, list)) else (val,)
         for v in vals:

@@ -74,3 +74,36 @@ def test_annotation_overrides_module_stack():
     backend = lynx_compile.backend(policy="none", disable_passes=NO_COSTS, compiler="eager")
     torch.compile(Annotated(), backend=backend)(torch.randn(4, 16)).backward()
     assert backend.records[-1].blocks == ["first", "second"]
+
+
+def _calls_function(fn) -> list:
+    """The nodes of a graph x -> fn(x, x), traced by hand."""
+    import torch.fx as fx
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    g.output(g.call_function(fn, (x, x)))
+    return list(g.nodes)
+
+
+def test_structural_hash_names_a_python_function_without_its_address():
+    """A graph may call plain Python functions (``torch.sym_sum`` in torchtitan's deepseek_v3 MoE
+    block, whose expert-parallel splits are unbacked sizes); their ``str`` holds the function's
+    address, which differs per process: deepseek_v3 under FSDP2 with expert parallelism stopped
+    with ``PlanMismatchError`` (session 30), both ranks planning the same tensors of graphs whose
+    hashes differed. Two function objects of one name (the same function in two processes)
+    hash alike; another function does not."""
+    from lynx_compile.passes.find_blocks import structural_hash
+
+    def made():  # a fresh function object per call, as an import in another process gives
+        def add(a, b):
+            return a + b
+        return add
+
+    def other(a, b):
+        return a - b
+
+    first, again = made(), made()
+    assert first is not again and str(first) != str(again)  # their reprs hold their addresses
+    assert structural_hash(_calls_function(first)) == structural_hash(_calls_function(again))
+    assert structural_hash(_calls_function(first)) != structural_hash(_calls_function(other))

@@ -186,42 +186,34 @@ def test_the_same_command_again_plans_alike(runs):
     assert max(abs(x - y) for x, y in zip(first["losses"], again["losses"])) <= tol, (first["losses"], again["losses"])
 
 
-@pytest.mark.parametrize("parallel", sorted(PARALLEL))
-def test_the_same_refused_command_again_names_the_same_budget(parallel, tmp_path):
-    """Issue S item 1: llama3 cut to 2 blocks at 0.5, out of reach beside the LM head and loss,
-    run twice with one plan cache: both refused naming the same smallest budget, the second at
-    the end of step 1 from the first's kept refusal (before session 29 fresh runs named FSDP2
-    0.614-0.812, TP 0.817-0.941 on 6 blocks; fresh runs on 2 blocks still named FSDP2 0.785 and
-    0.808 in session 29)."""
-    options, extra, cache = {"memory_budget": 0.5}, ("--layers", "2"), str(tmp_path / "cache")
-    named, _ = _refused(tmp_path, f"{parallel}-0.5", parallel, options, extra, cache)
-    again, text = _refused(tmp_path, f"{parallel}-0.5-again", parallel, options, extra, cache)
+def test_tp_with_the_eager_compiler_names_one_budget_twice_and_trains_at_it(tmp_path):
+    """llama3 on 2 blocks under TP, ``compiler="eager"``, at 0.5: out of reach beside the LM head
+    and loss, refused naming the step's smallest budget; the same command again (one plan cache)
+    is refused naming the same budget at the end of step 1, from the first run's kept refusal
+    (issue S item 1; fresh runs named 0.817-0.941 on 6 blocks before session 29). Asking for the
+    named budget trains 4 steps (issue S item 3): every piece compiled again at step 3 with the
+    step's choice, losses within 4 x float32's precision of eager's (no compile). Before session
+    30 the named budget was refused at step 3: torch's partition of the piece compiled again left
+    a dead copy of the forward's SDPA (a random op, which FX's dead-code pass keeps) at the
+    backward's start, raising its no-recompute peak above what the step had planned it at.
+    FSDP2's refusal run twice: ``tests/test_fsdp2.py``."""
+    parallel, extra, cache = "tp", ("--layers", "2"), str(tmp_path / "cache")
+    options = {"memory_budget": 0.5, "compiler": "eager"}
+    named, _ = _refused(tmp_path, "tp-eager-0.5", parallel, options, extra, cache)
+    again, text = _refused(tmp_path, "tp-eager-0.5-again", parallel, options, extra, cache)
     assert "from the plan cache" in text, text[-3000:]
-    print(f"{parallel} at 0.5 on 2 blocks: refused naming {named}, again {again}")
-    assert again == named and 0.5 < named <= 1.0
-
-
-@pytest.mark.parametrize("runs", ["tp"], indirect=True)
-def test_tp_with_the_eager_compiler_trains_at_the_budget_it_names(runs):
-    """Issue S item 3: ``compiler="eager"`` under TP at 0.5 is refused naming the step's smallest
-    budget, and asking for it trains: every piece compiled again at step 3 with the step's
-    choice. Before session 30 the named budget was refused at step 3: torch's partition of the
-    piece compiled again left a dead copy of the forward's SDPA (a random op, which FX's dead
-    code pass keeps) at the backward's start, raising its no-recompute peak above what the
-    step had planned it at. Losses within 4 x float32's precision of eager's (no compile)."""
-    parallel, tmp, r = runs
-    named, _ = _refused(tmp, "tp-eager-0.5", parallel, {"memory_budget": 0.5, "compiler": "eager", "plan_cache": False})
-    assert 0.5 < named < 1.0
-    options = {"memory_budget": named, "compiler": "eager", "plan_cache": False}
-    run = _run(tmp, parallel, "lynx", options, name="tp-eager-named")
+    assert again == named and 0.5 < named < 1.0, (named, again)
+    eager = _run(tmp_path, parallel, "eager", name="tp-eager-2-blocks", extra=extra)
+    run = _run(tmp_path, parallel, "lynx", {**options, "memory_budget": named}, name="tp-eager-named",
+               extra=extra, cache=cache)
     plans = run["lynx"]["plans"]
     assert plans and all(p["budget_scope"] == "step" for p in plans), plans
     assert any(p["recomputed"] for p in plans), plans
-    tol = _tolerance(r["eager"]["losses"], r["eager"]["losses"])
-    worst = max(abs(x - y) for x, y in zip(run["losses"], r["eager"]["losses"]))
-    print(f"tp, compiler='eager': 0.5 named {named}; at it, losses {run['losses']} vs eager {r['eager']['losses']}: "
-          f"{worst:.3g} (tolerance {tol:.3g})")
-    assert worst <= tol, (run["losses"], r["eager"]["losses"])
+    tol = _tolerance(eager["losses"], eager["losses"])
+    worst = max(abs(x - y) for x, y in zip(run["losses"], eager["losses"]))
+    print(f"tp, compiler='eager', 2 blocks: 0.5 named {named}, again {again}; at it, losses {run['losses']} vs "
+          f"eager {eager['losses']}: {worst:.3g} (tolerance {tol:.3g})")
+    assert worst <= tol, (run["losses"], eager["losses"])
 
 
 @pytest.mark.parametrize("value, backend, says", [

@@ -198,8 +198,8 @@ def build_run(args: argparse.Namespace, device: torch.device, world: int) -> Run
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.tools import utils as tt_utils
 
-    parallelism = ParallelismConfig(data_parallel_shard_degree=args.dp_shard,
-                                    tensor_parallel_degree=args.tp, spmd_backend=args.spmd_backend)
+    parallelism = ParallelismConfig(data_parallel_shard_degree=args.dp_shard, tensor_parallel_degree=args.tp,
+                                    expert_parallel_degree=args.ep, spmd_backend=args.spmd_backend)
     if args.dp_shard * args.tp != world:
         raise SystemExit(f"--dp-shard {args.dp_shard} x --tp {args.tp} != {world} processes; launch with "
                          f"`torchrun --nproc-per-node {args.dp_shard * args.tp} -m lynx_compile.torchtitan_train ...`")
@@ -378,6 +378,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="keep only the first N blocks (default: all)")
     p.add_argument("--dp-shard", type=int, default=1, help="FSDP2 degree (data_parallel_shard_degree)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (tensor_parallel_degree)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel degree (expert_parallel_degree; MoE models; borrowed from --dp-shard "
+                        "x --tp as torchtitan does: `--dp-shard 2 --ep 2` on 2 ranks)")
     p.add_argument("--spmd-backend", default="partial_dtensor", choices=["partial_dtensor", "spmd_types"],
                    help="torchtitan's parallelism.spmd_backend (its default, spmd_types, fails in torch "
                         "2.13's fully_shard: docs/torchtitan.md)")
