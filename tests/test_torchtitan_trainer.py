@@ -229,6 +229,17 @@ def test_launcher_refuses_bad_options_before_building(monkeypatch, capsys, value
     assert says in err and "\n" not in err
 
 
+@pytest.mark.parametrize("argv", [["--model", "llama3", "--ep", "2"], ["--model", "deepseek_v3", "--layers", "1", "--ep", "2"]])
+def test_launcher_refuses_expert_parallelism_without_experts(capsys, argv):
+    """torchtitan trains a model with no MoE block at ``--ep 2`` as if it were 1, silently;
+    the launcher says so before building (deepseek_v3's first block is dense)."""
+    from lynx_compile.tools.torchtitan_train import main
+
+    assert main([*argv, "--dp-shard", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "has no MoE block" in err and "--layers 2" in err and "\n" not in err
+
+
 def test_deepseek_v3_under_tp_at_a_budget_gives_inductors_gradients(tmp_path):
     """deepseek_v3 (1 block: MLA attention, dense MLP) under TP at 0.99: lynx's plan recomputes
     the first RMSNorm's ``pow``/``mean`` from the saved ``wait_tensor`` of the block's input (an

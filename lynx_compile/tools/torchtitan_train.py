@@ -400,9 +400,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _expert_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--ep`` cannot apply to the model asked for (no MoE block: torchtitan would train
+    it with no expert parallelism, saying nothing); None where it can."""
+    if args.ep <= 1:
+        return None
+    config = model_config(args.model, layers=args.layers)
+    if any(getattr(layer, "moe", None) is not None for layer in config.layers):
+        return None
+    cut = f" cut to {args.layers} block(s)" if args.layers else ""
+    return (f"--ep {args.ep}: {args.model}'s debugmodel{cut} has no MoE block, no experts to place "
+            "(deepseek_v3's MoE blocks start at its second block: --model deepseek_v3 --layers 2 or more)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if (why := available() or _options_problem(args.compile_backend)) is not None:
+    if (why := available() or _options_problem(args.compile_backend) or _expert_problem(args)) is not None:
         print(f"lynx_compile.torchtitan_train: {why}", file=sys.stderr)
         return 2
     result = train(args)
