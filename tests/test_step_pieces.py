@@ -7,6 +7,7 @@ PyTorch's gradients and the measured peak of torch.compile's own per-block step 
 from __future__ import annotations
 
 import contextlib
+import logging
 import copy
 
 import pytest
@@ -307,7 +308,22 @@ def test_a_rerun_takes_the_pieces_and_the_step_plan_from_the_plan_cache(tmp_path
 
     first, grads = run(3)
     assert first.step_recorder.state == "done" and not first.step_recorder._cached
-    again, grads_again = run(2)  # step 1 compiles from the cache, step 2 runs the step's plan
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    lynx_log = logging.getLogger("lynx_compile")
+    level = lynx_log.level
+    lynx_log.setLevel(logging.INFO)
+    lynx_log.addHandler(handler)
+    try:
+        again, grads_again = run(2)  # step 1 compiles from the cache, step 2 runs the step's plan
+    finally:
+        lynx_log.removeHandler(handler)
+        lynx_log.setLevel(level)
+    # every piece's provisional plan from its entry: the entry's bytes count the block input the
+    # piece saves, as the step's plan does (until session 30 compared without it, and missed)
+    assert not [m for m in seen if "re-planning" in m], seen
+    assert any("plan cache: hit" in m for m in seen), seen
     recorder = again.step_recorder
     assert recorder.state == "done" and recorder._cached and recorder.steps_seen == 1
     assert [r.step_choice for r in again.records] == [r.step_choice for r in first.records]

@@ -23,11 +23,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from lynx_compile import _compat
 from lynx_compile.decisions import Decisions
-from lynx_compile.memory.simulate import StepMemory, simulate_step
+from lynx_compile.memory.simulate import StepMemory, saved_input_bytes, simulate_step
 from lynx_compile.passes import (APPLY_PIPELINE, BACKWARD_PIPELINE, FORWARD_PIPELINE, GraphRecord, PassContext,
                                   meta, run_passes)
 from lynx_compile.passes.apply_decisions import clear_decision_tags
@@ -62,6 +63,22 @@ def partition_joint(joint: fx.GraphModule, joint_inputs: Any, kw: dict, *, induc
         fw, bw = _compat.default_partition(joint, joint_inputs, **kw)
     drop_dead_code(bw)
     return fw, bw
+
+
+def activation_inputs(joint: fx.GraphModule, kw: dict) -> frozenset[str]:
+    """Names of the joint's primal inputs that are activations of a model in pieces: floating
+    point and not a parameter or buffer (dynamo's static-lifetime inputs)."""
+    static = set(kw.get("static_lifetime_input_indices") or ())
+    primals = [n for n in joint.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
+    return frozenset(p.name for i, p in enumerate(primals)
+                     if i not in static and isinstance(v := p.meta.get("val"), torch.Tensor) and v.is_floating_point())
+
+
+def piece_saved_bytes(applied: "Applied", joint: fx.GraphModule, kw: dict) -> int:
+    """What a piece of a model saves for its backward under ``applied``, as the step's plan
+    counts it (``decide.step_candidate``): its saved activations and the activation inputs it
+    keeps alive only by saving them (``memory.simulate.saved_input_bytes``)."""
+    return applied.mem.saved_bytes + saved_input_bytes(applied.fw, applied.bw, activation_inputs(joint, kw))
 
 
 def drop_dead_code(gm: fx.GraphModule) -> bool:

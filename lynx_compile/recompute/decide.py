@@ -22,7 +22,6 @@ import logging
 import time
 from typing import Any
 
-import torch
 import torch.fx as fx
 
 from lynx_compile.budget import budget_error as refuse
@@ -34,7 +33,7 @@ from lynx_compile.passes import APPLY_PIPELINE, PassContext, run_passes
 from lynx_compile.passes.apply_decisions import clear_decision_tags
 from lynx_compile.passes.mark_recomputed import mark_recomputed_pass
 from lynx_compile.recompute import seeds
-from lynx_compile.recompute.apply import Applied, partition_joint, realize, scratch_context
+from lynx_compile.recompute.apply import Applied, activation_inputs, partition_joint, realize, scratch_context
 from lynx_compile.recompute.baselines import baseline_decisions
 from lynx_compile.recompute.regions import RegionBudgetError
 from lynx_compile.step.model import USER, Candidate, GraphChoices, provisional_pick
@@ -265,15 +264,6 @@ def incoming_bytes(joint: fx.GraphModule) -> int:
     ``step.model.GraphChoices.incoming_bytes``."""
     return sum(_nbytes(n.meta.get("val")) for n in joint.graph.find_nodes(op="placeholder")
                if n.name.startswith("tangents"))
-
-
-def activation_inputs(joint: fx.GraphModule, kw: dict) -> frozenset[str]:
-    """Names of the joint's primal inputs that are activations of a model in pieces: floating
-    point and not a parameter or buffer (dynamo's static-lifetime inputs)."""
-    static = set(kw.get("static_lifetime_input_indices") or ())
-    primals = [n for n in joint.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
-    return frozenset(p.name for i, p in enumerate(primals)
-                     if i not in static and isinstance(v := p.meta.get("val"), torch.Tensor) and v.is_floating_point())
 
 
 def realize_tags(joint: fx.GraphModule, ctx: PassContext, decisions: Decisions) -> None:

@@ -36,7 +36,7 @@ import torch.fx as fx
 
 from lynx_compile import _compat
 from lynx_compile.caches import plans as plan_cache
-from lynx_compile.recompute.apply import Applied, partition_token, realize, scratch_context
+from lynx_compile.recompute.apply import Applied, partition_token, piece_saved_bytes, realize, scratch_context
 from lynx_compile.budget import budget_error
 from lynx_compile.config import LynxConfig
 from lynx_compile.decisions import KEEP, BudgetError, CandidateKey, Decisions
@@ -366,9 +366,12 @@ def _apply_cached_piece(joint: fx.GraphModule, ctx: PassContext, kw: dict, entry
         log.warning("lynx plan cache: entry %s does not apply to this graph (%s: %s); re-planning",
                     key[:12], type(e).__name__, e)
         return None
-    if applied.mem.saved_bytes != want.saved_bytes:
+    # (the candidate's bytes count the activation inputs it keeps by saving them: compared
+    # without them, every piece that saves its input missed, and was weighed again in every rerun)
+    saved = piece_saved_bytes(applied, joint, kw)
+    if saved != want.saved_bytes:
         log.warning("lynx plan cache: entry %s saves %d B here, %d B when it was made; re-planning",
-                    key[:12], applied.mem.saved_bytes, want.saved_bytes)
+                    key[:12], saved, want.saved_bytes)
         return None
     return applied, choices
 
