@@ -275,21 +275,16 @@ class StepRecorder:
     def _cached_step(self) -> bool:
         """At the end of step 1: the step's plan, or its refusal, from the plan cache (a script
         run before), applied (or raised) at step 2's first forward without recording; every rank
-        must hit alike. Rank 0's entry is the one every rank takes (as the calibrated link and
-        CPU profile are: kept on rank 0's machine), so a rerun on ranks whose machines kept no
-        cache, or kept another run's, plans as rank 0's did. (Its key is rank 0's own: a rank's
-        graphs may hold constants of their own, the vocabulary offset of a tensor-parallel
-        loss, and so keys of their own; the entry names candidates per graph in call order,
-        checked against this rank's graphs below, and the plans' fingerprints are compared
-        across ranks before they run.)"""
+        must hit alike. Each rank reads its own entry (a rank's graphs may hold constants of their
+        own, the vocabulary offset of a tensor-parallel loss, and so keys of their own). Taking
+        rank 0's entry on every rank (a broadcast here) was tried in session 30 and withdrawn: two
+        of three full suite runs after it failed FSDP tests (ranks planning apart, once a hang),
+        which passed alone; the cause was not found in the session."""
         from lynx_compile.caches import plans as plan_cache
-        from lynx_compile.distributed.agreement import gather_values, planning_group, rank0_value
+        from lynx_compile.distributed.agreement import gather_values, planning_group
 
         self._key = self._step_key()
-        with planning_group(self.backend.planning_group), _compat.eager_dispatch():
-            entry = rank0_value(plan_cache.load_step(self._key) if self._key else None)
-        if not self._key:
-            entry = None
+        entry = plan_cache.load_step(self._key) if self._key else None
         pick = None
         refused = _cached_refusal(entry)
         if entry is not None and refused is None:
