@@ -147,7 +147,12 @@ def _adopt_sources(gm: fx.GraphModule) -> dict[fx.Node, bool]:
 
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-"""An object's address in its ``repr`` (`` at 0x7f...``)."""
+
+
+def without_addresses(text: str) -> str:
+    """``text`` with every object address of a ``repr`` (`` at 0x7f...``) taken out: another in
+    every process, so never part of a hash or key that processes compare."""
+    return _ADDRESS.sub("", text)
 
 
 def structural_hash(nodes: list[fx.Node]) -> str:
@@ -159,7 +164,7 @@ def structural_hash(nodes: list[fx.Node]) -> str:
         # a plain Python function's str holds its address, another in every process (torch.sym_sum
         # in deepseek_v3's expert-parallel MoE block: its ranks' hashes differed, and so did their
         # plan fingerprints and plan-cache keys)
-        h.update(_ADDRESS.sub("", str(node.target)).encode())
+        h.update(without_addresses(str(node.target)).encode())
         val = node.meta.get("val")
         vals = val if isinstance(val, (tuple, list)) else (val,)
         for v in vals:

@@ -7,7 +7,6 @@ PyTorch's gradients and the measured peak of torch.compile's own per-block step 
 from __future__ import annotations
 
 import contextlib
-import logging
 import copy
 
 import pytest
@@ -284,7 +283,7 @@ def test_a_budget_the_pieces_cannot_reach_is_refused_naming_what_lies_outside_th
 
 
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
-def test_a_rerun_takes_the_pieces_and_the_step_plan_from_the_plan_cache(tmp_path, monkeypatch, compiler):
+def test_a_rerun_takes_the_pieces_and_the_step_plan_from_the_plan_cache(tmp_path, monkeypatch, caplog, compiler):
     """A script run again (a fresh backend on the same cache directory): each piece's plan and
     the step's plan across them come from the plan cache, so nothing is weighed or recorded,
     the pieces are compiled with the same candidates at step 2, and the gradients are the same.
@@ -308,18 +307,10 @@ def test_a_rerun_takes_the_pieces_and_the_step_plan_from_the_plan_cache(tmp_path
 
     first, grads = run(3)
     assert first.step_recorder.state == "done" and not first.step_recorder._cached
-    seen = []
-    handler = logging.Handler()
-    handler.emit = lambda record: seen.append(record.getMessage())
-    lynx_log = logging.getLogger("lynx_compile")
-    level = lynx_log.level
-    lynx_log.setLevel(logging.INFO)
-    lynx_log.addHandler(handler)
-    try:
+    caplog.clear()
+    with caplog.at_level("INFO", logger="lynx_compile"):
         again, grads_again = run(2)  # step 1 compiles from the cache, step 2 runs the step's plan
-    finally:
-        lynx_log.removeHandler(handler)
-        lynx_log.setLevel(level)
+    seen = caplog.messages
     # every piece's provisional plan from its entry: the entry's bytes count the block input the
     # piece saves, as the step's plan does (until session 30 compared without it, and missed)
     assert not [m for m in seen if "re-planning" in m], seen

@@ -169,8 +169,8 @@ def test_lynx_at_a_budget_is_within_inductors_tolerance(runs):
 
 @pytest.mark.parametrize("runs", sorted(PARALLEL), indirect=True)
 def test_the_same_command_again_plans_alike(runs):
-    """Issue S item 1: the same command run again with the plan cache the first run kept (on
-    rank 0's machine: every rank takes rank 0's entry) takes the step's plan from it, nothing
+    """Issue S item 1: the same command run again with the plan cache the first run kept (each
+    rank reads its own entry) takes the step's plan from it, nothing
     recorded: the same plans on every rank (their fingerprints, as the ranks compared them) and
     losses within Inductor's tolerance of the first run's (the plan is in force from step 2
     instead of step 3). A fresh cache records the step again, and under gloo that record can read

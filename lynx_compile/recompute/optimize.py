@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 import time
 import dataclasses
 from dataclasses import dataclass
@@ -42,13 +41,13 @@ from lynx_compile.config import LynxConfig
 from lynx_compile.decisions import KEEP, BudgetError, CandidateKey, Decisions
 from lynx_compile.step.model import USER
 from lynx_compile.passes import PassContext, meta
+from lynx_compile.passes.find_blocks import without_addresses
 from lynx_compile.recompute.problem_from_graph import extract_remat_problem, unit_decisions
 from lynx_compile.recompute import regions as region_budgets
 from lynx_compile.solver.problem import InfeasibleBudget, InfeasibleRegion, RematProblem
 
 log = logging.getLogger("lynx_compile")
 MAX_ROUNDS = 6
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 _CACHE: dict[tuple, tuple[Decisions, str, str, float]] = {}
 """(graph hash, budget, solver, gap, compiler, offload prices) → (decisions, solver, status,
 exposed seconds)."""
@@ -422,5 +421,5 @@ def graph_digest(joint: fx.GraphModule) -> str:
     h = hashlib.sha256()
     for n in joint.graph.nodes:
         line = f"{n.name}|{n.op}|{n.target}|{n.args}|{n.kwargs}|{n.meta.get(meta.COST)!r}\n"
-        h.update(_ADDRESS.sub("", line).encode())  # an object's repr may hold its id
+        h.update(without_addresses(line).encode())  # an object's repr may hold its id
     return h.hexdigest()
