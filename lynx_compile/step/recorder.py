@@ -298,9 +298,11 @@ class StepRecorder:
                 log.warning("lynx plan cache: the step plan %s does not fit this step (%s); recording step %d",
                             self._key[:12], e, RECORDED_STEP)
                 pick = None
-        # one all-gather whatever this rank found: every rank takes the same path
+        # one all-gather whatever this rank found: every rank takes the same path. What each
+        # found is compared, not its text: a refusal's reason names the rank's own measurements
+        # (the transients it measured), which differ between ranks that refused alike
         with planning_group(self.backend.planning_group), _compat.eager_dispatch():
-            if len(set(gather_values((refused, pick is not None)))) > 1:
+            if len(set(gather_values((refused is not None, pick is not None)))) > 1:
                 return False
         if refused is not None:
             log.info("lynx plan cache: hit %s (the step's refusal: nothing recorded)", self._key[:12])
