@@ -83,6 +83,14 @@ class GraphRecord:
     its own peak. Compiled as torch.compile compiles it, but with no horizontal fusion of a
     recomputed kernel sharing under 1 MiB of reads (``_compat.refusing_recompute_fusion``), the
     fusion that put a block's recomputed norm at the backward's start above the simulated peak."""
+    saved_symbols: tuple[str | None, ...] = ()
+    """Per SymInt the forward saves for the backward (AOTAutograd's ``ctx.symints``, in order):
+    the name of the unbacked symbol it is (``u0``: a data-dependent size, an MoE block's routed
+    token count), else None. Read by ``step.sizes`` from the step's backward node."""
+    unbacked_sizes: dict[str, int] | None = None
+    """The values of the unbacked symbols that sized this graph's plan (``costs.types.sizes_seen``):
+    those step 1 ran, the largest over calls and ranks (``step.sizes``); None where the plan
+    sized them at ``costs.types.UNBACKED_SIZE_HINT`` (a first compile)."""
     grads_in_graph: Any = None
     """Where the parameter gradients go (``lynx_compile.memory.grad_in_graph.GradsInGraph``: added into
     ``.grad`` inside the backward, or returned at its end, and why), decided when the graph
@@ -115,6 +123,7 @@ class GraphRecord:
         data["step"] = GraphChoices.from_dict(data["step"]) if data.get("step") else None
         data["step_choice"] = CandidateKey.parse(data["step_choice"]) if data.get("step_choice") else None
         data["saved_names"] = tuple(data.get("saved_names", ()))
+        data["saved_symbols"] = tuple(data.get("saved_symbols", ()))
         data["fsdp"] = tuple(data["fsdp"]) if data.get("fsdp") else None
         seg = data.get("segment_costs")
         if isinstance(seg, dict) and isinstance(seg.get("blocks"), dict):  # JSON made the block indices text

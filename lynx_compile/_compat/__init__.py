@@ -45,6 +45,7 @@ from lynx_compile._compat.autograd_engine import (
     in_backward,
     python_backward_code,
     queue_backward_callback,
+    saved_symints,
     watch_frame,
     will_engine_execute_node,
 )
@@ -64,6 +65,7 @@ from lynx_compile._compat.distributed import (
 )
 from lynx_compile._compat.fx_utils import (
     boxed,
+    hint_with_values,
     is_inductor_seeds,
     is_op_overload,
     is_rng_replay,
@@ -74,6 +76,7 @@ from lynx_compile._compat.fx_utils import (
     qualified_op_name,
     rename_node,
     tree_leaves,
+    unbacked_symbol_name,
 )
 from lynx_compile._compat.inductor import (
     INDUCTOR_KEEP_PLACEMENT,
@@ -161,11 +164,12 @@ __all__ = [
     "REGION_BUDGET_KEY", "adopt_unbacked_symbols", "annotate_region", "detect_fake_mode", "is_plain_fake", "dispatch_mode_base", "dynamo_passthrough_error",
     "eager_dispatch", "refuse_unbacked_retrace", "static_tracing",
     # fx_utils
-    "boxed", "is_inductor_seeds", "is_op_overload", "is_rng_replay", "is_sym_node", "mark_side_effect",
+    "boxed", "hint_with_values", "is_inductor_seeds", "is_op_overload", "is_rng_replay", "is_sym_node", "mark_side_effect",
     "node_is_random", "optimization_hint", "qualified_op_name", "rename_node", "tree_leaves",
+    "unbacked_symbol_name",
     # autograd_engine
     "backward_donates_saved", "backward_holds_grad_inputs", "backward_roots", "current_autograd_node",
-    "engine_run_backward_code", "in_backward", "python_backward_code", "queue_backward_callback", "watch_frame",
+    "engine_run_backward_code", "in_backward", "python_backward_code", "queue_backward_callback", "saved_symints", "watch_frame",
     "will_engine_execute_node",
     # distributed
     "c10d_bindings", "default_store", "dtensor_layout", "dtensor_stand_in", "fake_store", "fsdp2_groups_holding",

@@ -42,6 +42,15 @@ def python_backward_code(node: Any) -> Any:
     return getattr(backward, "__code__", None)
 
 
+def saved_symints(node: Any) -> list | None:
+    """The sizes AOTAutograd's compiled forward saved for its backward (``ctx.symints`` of the
+    ``CompiledFunction`` whose backward node is ``node``: plain ints at run time, in the order of
+    the forward graph's trailing SymInt outputs), or None where the node has none (torch 2.11-2.13
+    set it in ``runtime_wrappers``)."""
+    values = getattr(node, "symints", None)
+    return list(values) if isinstance(values, (list, tuple)) else None
+
+
 def watch_frame(code: Any, event: str, fn: Callable[[Any], None]) -> bool:
     """Call ``fn(frame)`` at the next ``event`` (``"call"`` or ``"return"``) of a frame running
     ``code`` in this thread, once, through Python's profile hook (which is removed then). False,

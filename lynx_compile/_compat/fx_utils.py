@@ -34,6 +34,36 @@ def optimization_hint(x: Any, fallback: int | None = None) -> int:
     return fn(x, fallback=fallback)
 
 
+def unbacked_symbol_name(val: Any) -> str | None:
+    """The name of the unbacked symbol (``u0``) a SymInt ``val`` is, or None for anything else
+    (an int, a backed size, an expression of several symbols). ``SymNode.expr``, sympy."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    if not isinstance(val, torch.SymInt):
+        return None
+    expr = val.node.expr
+    if not getattr(expr, "is_Symbol", False) or not free_unbacked_symbols(expr):
+        return None
+    return str(expr)
+
+
+def hint_with_values(x: Any, values: dict[str, int], fallback: int) -> int:
+    """The size hint of an int / SymInt with the unbacked symbols named in ``values`` taken at
+    those values (a data-dependent size as a step saw it: ``u2 + u3`` routed rows); an
+    expression with another free symbol gets :func:`optimization_hint`'s (``fallback`` per
+    unbacked symbol)."""
+    if isinstance(x, torch.SymInt) and values:
+        expr = x.node.expr
+        import sympy
+
+        named = {s: sympy.Integer(values[str(s)]) for s in getattr(expr, "free_symbols", ()) if str(s) in values}
+        if named:
+            given = expr.xreplace(named)
+            if getattr(given, "is_number", False):
+                return int(given)
+    return int(optimization_hint(x, fallback=fallback))
+
+
 def boxed(gm: fx.GraphModule) -> Callable[[list], Any]:
     """Compile ``gm`` to a Python function with the boxed calling convention.
 

@@ -23,6 +23,29 @@ from lynx_compile._compat.knapsack import knapsack_off_the_allocator
 from lynx_compile._compat.tracing import refuse_unbacked_retrace
 
 
+@contextlib.contextmanager
+def _no_fresh_unbacked_symbols(joint_gm: fx.GraphModule):
+    """Leave the joint's ShapeEnv with the unbacked symbols it had pending. Below budget 1
+    torch's min-cut prices each node by running it on fake tensors (``estimate_runtime`` under
+    the flop counter); a ``.item()`` there (``_local_scalar_dense``: an MoE block's routed
+    counts) makes a fresh unbacked symbol that no graph binds, and Inductor's fake propagation
+    of the compiled graph then fails with ``PendingUnbackedSymbolNotFound`` (torch.compile with
+    ``activation_memory_budget`` < 1 alike; lynx partitions with min-cut several times per
+    graph). Private: ``ShapeEnv.pending_fresh_unbacked_symbols`` (2.11-2.13; torch's own
+    ``bucketing`` pass restores it the same way)."""
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode([n.meta.get("val") for n in joint_gm.graph.find_nodes(op="placeholder")])
+    env = getattr(mode, "shape_env", None)
+    pending = getattr(env, "pending_fresh_unbacked_symbols", None)
+    before = list(pending) if pending is not None else None
+    try:
+        yield
+    finally:
+        if before is not None:
+            env.pending_fresh_unbacked_symbols[:] = before
+
+
 def _call_by_keyword(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Call ``fn`` passing only the keyword arguments its installed signature accepts."""
     params = inspect.signature(fn).parameters
@@ -103,7 +126,7 @@ def min_cut_partition(joint_gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_ou
     inside a step would otherwise allocate torch's DP table beside the step's activations."""
     cse = _functorch_config.cse and not _merged_already(joint_gm.graph)
     with _functorch_config.patch(activation_memory_budget=float(memory_budget), cse=cse), \
-            knapsack_off_the_allocator():
+            knapsack_off_the_allocator(), _no_fresh_unbacked_symbols(joint_gm):
         fw, bw = _call_by_keyword(
             _partitioners.min_cut_rematerialization_partition, joint_gm, joint_inputs,
             num_fwd_outputs=num_fwd_outputs, compiler=compiler,

@@ -55,7 +55,8 @@ def cache_key(gm: fx.GraphModule, example_inputs: list, config: LynxConfig, reco
                                 "step_choice": None if record.step_choice is None else str(record.step_choice),
                                 "provisional": record.provisional, "new_grad_bytes": record.new_grad_bytes,
                                 "fsdp": list(record.fsdp) if record.fsdp is not None else None,
-                                "grads_in_graph": list(record.grads_in_graph or ())})
+                                "grads_in_graph": list(record.grads_in_graph or ()),
+                                "unbacked_sizes": sorted((record.unbacked_sizes or {}).items())})
 
 
 def keeps_plans(config: LynxConfig) -> bool:

@@ -55,6 +55,10 @@ def find_backend_error(e: BaseException | None, kind: type[BaseException]) -> Ba
     return None
 
 
+def _sizes_text(sizes: dict[str, int] | None) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted((sizes or {}).items()))
+
+
 class LynxBackend:
     """A dynamo backend with a bound :class:`LynxConfig`.
 
@@ -195,18 +199,24 @@ class LynxBackend:
         return compiled
 
     def _rebuild(self, gm: fx.GraphModule, inputs, old: GraphRecord, choice: CandidateKey | None, *,
-                 replace: bool = True, grads_in_graph=None) -> tuple[Callable, GraphRecord]:
+                 replace: bool = True, grads_in_graph=None,
+                 unbacked_sizes: dict[str, int] | None = None) -> tuple[Callable, GraphRecord]:
         """``gm`` compiled again with candidate ``choice`` (the step's plan, ``step.recorder``;
         None: as a first compile plans it) and ``old``'s gradient regime unless
-        ``grads_in_graph`` is given (``step.piece.Piece``: gradient accumulation seen);
-        its record replaces ``old`` in ``records`` (``replace``) or follows it (a graph whose
-        calls run two compiles)."""
+        ``grads_in_graph`` is given (``step.piece.Piece``: gradient accumulation seen), its
+        data-dependent sizes at ``old``'s unless ``unbacked_sizes`` is given (those step 1 ran:
+        ``step.sizes``); its record replaces ``old`` in ``records`` (``replace``) or follows it
+        (a graph whose calls run two compiles)."""
         record = GraphRecord(graph_id=old.graph_id, policy=self.config.policy, step_choice=choice,
                              takes_activations=old.takes_activations, fsdp=old.fsdp,
-                             grads_in_graph=grads_in_graph or old.grads_in_graph, new_grad_bytes=old.new_grad_bytes)
+                             grads_in_graph=grads_in_graph or old.grads_in_graph, new_grad_bytes=old.new_grad_bytes,
+                             provisional=old.provisional and unbacked_sizes is not None,
+                             unbacked_sizes=unbacked_sizes if unbacked_sizes is not None else old.unbacked_sizes)
         if "step_hint_key" in old.stats:
             record.stats["step_hint_key"] = old.stats["step_hint_key"]
         why = (f"as the step's plan chose ('{choice}')" if choice is not None
+               else f"with the data-dependent sizes step 1 ran ({_sizes_text(unbacked_sizes)})"
+               if unbacked_sizes is not None
                else "with its gradients added into .grad (gradient accumulation seen)")
         with Progress(f"graph {old.graph_id} ({len(gm.graph.nodes)} nodes): planning and compiling again {why}"):
             if self.config.compiler == "inductor" and not self.config.weight_split:

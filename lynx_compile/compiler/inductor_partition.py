@@ -68,9 +68,11 @@ from lynx_compile import _compat
 from lynx_compile.caches import autograd as autograd_cache
 from lynx_compile.caches import plans as plan_cache
 from lynx_compile.config import LynxConfig
+from lynx_compile.costs.types import sizes_seen
 from lynx_compile.memory.storage import storage_nbytes
 from lynx_compile.passes import POST_GRAD_PIPELINE, GraphRecord, PassContext, run_passes
 from lynx_compile.passes.runner import pass_name
+from lynx_compile.step.sizes import saved_symbols
 
 log = logging.getLogger("lynx_compile")
 
@@ -100,7 +102,9 @@ class LynxPartitioner(_compat.inductor_partitioner_base()):
             self.peak.tangent_bytes = {p.name: storage_nbytes(p.meta.get("val"))
                                        for p in gm.graph.find_nodes(op="placeholder") if p.name.startswith("tangents")}
         self.ran = True
-        fw, bw = lynx_partition(gm, joint_inputs, config=self.config, record=self.record, **kwargs)
+        with sizes_seen(self.record.unbacked_sizes):  # data-dependent sizes as step 1 ran them (step.sizes)
+            fw, bw = lynx_partition(gm, joint_inputs, config=self.config, record=self.record, **kwargs)
+        self.record.saved_symbols = saved_symbols(fw)  # the data-dependent sizes a step shows (step.sizes)
         if self.plan_only:
             raise PlanningDone()
         if self.peak is not None:  # a plan-cache hit's estimate: Inductor's FX-graph cache may skip the scheduler
@@ -194,7 +198,8 @@ class LynxPostGrad:
         # a partitioned graph (forward or backward): no joint outputs to count
         ctx = PassContext(config=self.config, record=self.record, num_fwd_outputs=0)
         k, self.graphs = self.graphs, self.graphs + 1
-        run_passes(gm, ctx, POST_GRAD_PIPELINE, "post_grad", recompile=False, dump_prefix=f"post_grad{k}")
+        with sizes_seen(self.record.unbacked_sizes):
+            run_passes(gm, ctx, POST_GRAD_PIPELINE, "post_grad", recompile=False, dump_prefix=f"post_grad{k}")
 
     def uuid(self) -> tuple[str, ...]:
         """What decides the rewrite besides lynx's sources (``_compat`` keys on those): the names

@@ -6,9 +6,13 @@ plan that copies costs out of a graph stays picklable and JSON-serializable.
 The helpers read ``node.meta["val"]`` as produced by aot_autograd / make_fx: a FakeTensor, a
 tuple/list of them (``None`` entries allowed), a SymInt/int/float, or ``None``. Symbolic sizes
 are replaced by their size hints (``optimization_hint``), so every number here is a plain int.
+A data-dependent (unbacked) size has no hint: inside :func:`sizes_seen` it takes the value a
+step saw (``step.sizes``: the routed token counts of an MoE block), else ``UNBACKED_SIZE_HINT``.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator, Literal
@@ -16,14 +20,28 @@ from typing import Any, Callable, Iterator, Literal
 import torch
 import torch.fx
 
-from lynx_compile._compat import optimization_hint
+from lynx_compile._compat import hint_with_values
 
 #: Where a ``NodeCost.runtime_s`` came from.
 CostSource = Literal["analytic", "measured", "zero"]
 COST_SOURCES: frozenset[str] = frozenset({"analytic", "measured", "zero"})
 
-#: Size hint used for an unbacked SymInt (data-dependent size with no hint at trace time).
+#: Size hint used for an unbacked SymInt (data-dependent size with no hint at trace time)
+#: that no step has shown (:func:`sizes_seen`).
 UNBACKED_SIZE_HINT = 4096
+
+_SEEN: contextvars.ContextVar[dict[str, int]] = contextvars.ContextVar("lynx_unbacked_sizes", default={})
+
+
+@contextlib.contextmanager
+def sizes_seen(values: dict[str, int] | None) -> Iterator[None]:
+    """Within it, an unbacked symbol named in ``values`` (``{"u2": 1536}``) sizes every tensor
+    and time at that value (``hint_int``): a graph planned again with the sizes a step ran."""
+    token = _SEEN.set(dict(values or {}))
+    try:
+        yield
+    finally:
+        _SEEN.reset(token)
 
 
 @dataclass(frozen=True)
@@ -87,9 +105,10 @@ def per_op_cached(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 
 def hint_int(x: Any) -> int:
-    """A plain int for an int or SymInt (its size hint; unbacked ones get ``UNBACKED_SIZE_HINT``)."""
+    """A plain int for an int or SymInt (its size hint; an unbacked symbol the value
+    :func:`sizes_seen` gives it, else ``UNBACKED_SIZE_HINT``)."""
     if isinstance(x, torch.SymInt):
-        return int(optimization_hint(x, fallback=UNBACKED_SIZE_HINT))
+        return hint_with_values(x, _SEEN.get(), UNBACKED_SIZE_HINT)
     return int(x)
 
 

@@ -292,6 +292,8 @@ def _cache_key(joint: fx.GraphModule, ctx: PassContext, reference: int, budget: 
         fields["scope"] = scope
     if ctx.record.fsdp is not None:  # FSDP2's collectives around the backward: windows to plan in
         fields["fsdp"] = list(ctx.record.fsdp)
+    if ctx.record.unbacked_sizes:  # data-dependent sizes as a step ran them (step.sizes)
+        fields["unbacked_sizes"] = sorted(ctx.record.unbacked_sizes.items())
     if ctx.user_tags is not None:  # the user's checkpoint tags are a candidate and bound the plan
         fields["user_tags"] = hashlib.sha256(repr(ctx.user_tags).encode()).hexdigest()
     if ctx.region_check is not None:  # the model's region budgets bound the plan

@@ -123,6 +123,13 @@ class Piece:
                  "with its gradients added into .grad where computed, so that they do not pile up beside it "
                  "(accumulate_grad_in_graph=True does so from the first compile)", self.record.graph_id)
 
+    def replan(self, unbacked_sizes: dict[str, int]) -> None:
+        """Compile again as a first compile plans it, with its data-dependent sizes at
+        ``unbacked_sizes`` (those step 1 ran: ``step.sizes``), before any step's plan assigned it."""
+        self.compiled, self.record = self.rebuild(self.record, self.record.step_choice, unbacked_sizes=unbacked_sizes)
+        self.records = [self.record]
+        self._call_records = [self.record]
+
     def params(self) -> list:
         """The parameters among its inputs (those still alive)."""
         return [p for p in (r() for r in self._params) if p is not None]

@@ -43,10 +43,12 @@ import torch
 from lynx_compile import _compat
 from lynx_compile.budget import budget_error, format_bytes
 from lynx_compile.decisions import BudgetError, CandidateKey
+from lynx_compile.costs.types import UNBACKED_SIZE_HINT
 from lynx_compile.memory import optimizer_state
 from lynx_compile.memory.param_grads import GradWatch
 from lynx_compile.step.memory_marks import AllocatorRecording, ProfilerRecording
 from lynx_compile.step.model import USER, Segment, StepChoice, StepModel, choose
+from lynx_compile.step import sizes
 from lynx_compile.step.piece import Piece
 
 log = logging.getLogger("lynx_compile")
@@ -142,6 +144,12 @@ class StepRecorder:
         self._refused: tuple[int, int, str] | None = None  # (predicted, reference, why): a cached refusal
         self.refusals: dict[int, BudgetError] = {}
         """Per graph id: a whole graph's budget refused on its own peak (``defer``)."""
+        self._sizes: dict[int, dict[str, int]] = {}
+        """Per piece (``Piece.key``): the data-dependent sizes step 1 ran, largest over its calls
+        (``step.sizes``), planned with at the start of step 2 (``_plan_sizes_seen``)."""
+        self._step1: list[Piece] | None = None
+        """Step 1's calls, kept where the plan cache's step plan is looked up at the start of step
+        2 (after the pieces with data-dependent sizes were planned again with those it ran)."""
 
     @property
     def tracking(self) -> bool:
@@ -194,6 +202,10 @@ class StepRecorder:
     def before_forward(self) -> None:
         if self.state == "ending":  # the recording could not be stopped as the backward returned
             self._finish_recording()
+        if self._step1 is not None and not self.calls and torch.is_grad_enabled():
+            calls, self._step1 = self._step1, None
+            self._plan_sizes_seen()
+            self._cached_step(calls)
         if self.state == "recorded":
             self._apply()
         elif (self.state == "warming" and self.steps_seen + 1 >= RECORDED_STEP and not self.calls
@@ -215,6 +227,10 @@ class StepRecorder:
         if node is None:  # nothing to differentiate (or an output lynx cannot follow)
             self.open.discard(call)
             return
+        piece = self.calls[call]
+        if self.state == "warming" and self.steps_seen == 0 and piece.record.saved_symbols:
+            seen = sizes.seen_at(piece.record.saved_symbols, node)
+            self._sizes[piece.key] = sizes.merged(self._sizes.get(piece.key, {}), seen)
         node.register_prehook(lambda grads: self._begin_backward(call, node))
 
     def _begin_backward(self, call: int, node: Any) -> None:
@@ -252,9 +268,16 @@ class StepRecorder:
         self.steps_seen += 1
         if self.refusals:
             self._refuse_alone()
-        if self.state == "warming" and self.steps_seen == 1 and self._cached_step():
-            self.calls, self.marks, self.mark_grads = [], [], []
-            return
+        if self.state == "warming" and self.steps_seen == 1:
+            if any(p.record.saved_symbols for p in self.pieces):
+                # planned again with the sizes step 1 ran first, at the start of step 2: the step
+                # plan kept for this step names the candidates of those plans
+                self._step1 = self.calls
+                self.calls, self.marks, self.mark_grads = [], [], []
+                return
+            if self._cached_step(self.calls):
+                self.calls, self.marks, self.mark_grads = [], [], []
+                return
         if self.state == "recording":
             self._mark(-1, "end")
             self.state = "ending"
@@ -262,20 +285,21 @@ class StepRecorder:
             return
         self.calls, self.marks, self.mark_grads = [], [], []
 
-    def _step_key(self) -> str | None:
+    def _step_key(self, calls: list[Piece]) -> str | None:
         """The plan cache's key of this step's plan (``plan_cache.step_key``), from the piece
-        calls of the step that just ended; None when a piece has no plan-cache key."""
-        keys = [p.record.stats.get("plan_cache_key") for p in self.calls]
+        ``calls`` of step 1; None when a piece has no plan-cache key."""
+        keys = [p.record.stats.get("plan_cache_key") for p in calls]
         if not keys or not all(keys) or not self.backend.config.plan_cache:
             return None
         from lynx_compile.caches import plans as plan_cache
 
         return plan_cache.step_key(keys, self.backend.config.budget.given())
 
-    def _cached_step(self) -> bool:
-        """At the end of step 1: the step's plan, or its refusal, from the plan cache (a script
-        run before), applied (or raised) at step 2's first forward without recording; every rank
-        must hit alike. Each rank reads its own entry (a rank's graphs may hold constants of their
+    def _cached_step(self, calls: list[Piece]) -> bool:
+        """At the end of step 1 (where a piece has data-dependent sizes: at the start of step 2,
+        after ``_plan_sizes_seen``): the step's plan, or its refusal, from the plan cache (a
+        script run before), for step 1's piece ``calls``, applied (or raised) at step 2's first
+        forward without recording; every rank must hit alike. Each rank reads its own entry (a rank's graphs may hold constants of their
         own, the vocabulary offset of a tensor-parallel loss, and so keys of their own). Taking
         rank 0's entry on every rank (a broadcast here) was tried in session 30 and withdrawn: two
         of three full suite runs after it failed FSDP tests (ranks planning apart, once a hang),
@@ -283,14 +307,14 @@ class StepRecorder:
         from lynx_compile.caches import plans as plan_cache
         from lynx_compile.distributed.agreement import gather_values, planning_group
 
-        self._key = self._step_key()
+        self._key = self._step_key(calls)
         entry = plan_cache.load_step(self._key) if self._key else None
         pick = None
         refused = _cached_refusal(entry)
         if entry is not None and refused is None:
             try:
-                graphs = list(dict.fromkeys(p.key for p in self.calls))
-                by_key = {p.key: p for p in self.calls}
+                graphs = list(dict.fromkeys(p.key for p in calls))
+                by_key = {p.key: p for p in calls}
                 pick = {g: tuple(by_key[g].record.step.named(CandidateKey.parse(n)) for n in names)
                         for g, names in zip(graphs, entry["graphs"], strict=True)}
                 numbers = {k: int(entry[k]) for k in ("predicted", "reference", "budget_bytes", "outside")}
@@ -312,7 +336,7 @@ class StepRecorder:
         if pick is None:
             return False
         log.info("lynx plan cache: hit %s (the step's plan across pieces: nothing recorded)", self._key[:12])
-        self.model = StepModel(graphs={g: by_key[g].record.step for g in pick}, calls=tuple(p.key for p in self.calls),
+        self.model = StepModel(graphs={g: by_key[g].record.step for g in pick}, calls=tuple(p.key for p in calls),
                                segments=())
         self.choice = StepChoice(pick=pick, predicted=numbers["predicted"], exposed_s=self.model.exposed_s(pick),
                                  fits=True)
@@ -344,6 +368,27 @@ class StepRecorder:
 
         plan_cache.store_step(self._key, {"refused": {"predicted": int(predicted), "reference": int(self.reference),
                                                       "why": why}})
+
+    def _plan_sizes_seen(self) -> None:
+        """At the start of step 2: each piece whose graph has data-dependent sizes (an MoE
+        block's routed token counts) planned again with the values step 1 ran, the largest over
+        its calls and the ranks (``step.sizes``), in place of ``costs.types.UNBACKED_SIZE_HINT``;
+        step 2 runs and is recorded with those plans."""
+        sized = [p for p in self.pieces if p.record.saved_symbols]
+        seen, self._sizes = self._sizes, {}
+        if not sized:
+            return
+        agreed = sizes.agreed(seen, dict.fromkeys(p.key for p in sized), self.backend.planning_group)
+        for piece in sized:
+            values = agreed.get(piece.key)
+            if not values or values == piece.record.unbacked_sizes:
+                continue
+            piece.replan(values)
+            note = (f"data-dependent sizes: planned again with those step 1 ran "
+                    f"({', '.join(f'{k}={v}' for k, v in sorted(values.items()))}; the largest over calls and "
+                    f"ranks) in place of the hint of {UNBACKED_SIZE_HINT} per unbacked symbol")
+            piece.record.notes.append(note)
+            log.info("lynx: graph %d: %s", piece.record.graph_id, note)
 
     def _mark(self, call: int, kind: str) -> None:
         if self.state == "recording":
