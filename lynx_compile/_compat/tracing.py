@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -24,18 +24,23 @@ def annotate_region(annotation: dict[str, Any]):
 
 
 @contextlib.contextmanager
-def static_tracing(example_inputs: list):
+def static_tracing(example_inputs: list | Callable[[Any], list]):
     """A tracing context like dynamo's, for compiling a graph again outside dynamo (a piece
     recompiled with the step's plan): a fake mode with its own ``ShapeEnv``, and the example
     inputs as fake tensors of static shapes in it (yielded). Without a shape env AOTAutograd's
     and Inductor's caches bypass the compile ("No shape env"); real inputs would be fakified
-    with dynamic sizes there, a symbolic compile of another graph."""
+    with dynamic sizes there, a symbolic compile of another graph. ``example_inputs`` may be a
+    function of the fake mode giving them (some already fake tensors of it)."""
     from torch._guards import TracingContext, tracing
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     mode = FakeTensorMode(shape_env=ShapeEnv())
-    fakes = [mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+    if callable(example_inputs):
+        example_inputs = example_inputs(mode)
+    fakes = [t if isinstance(t, FakeTensor) and t.fake_mode is mode
+             else mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t
+             for t in example_inputs]
     with tracing(TracingContext(mode)):
         yield fakes
 

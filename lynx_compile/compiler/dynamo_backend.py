@@ -221,7 +221,7 @@ class LynxBackend:
         with Progress(f"graph {old.graph_id} ({len(gm.graph.nodes)} nodes): planning and compiling again {why}"):
             if self.config.compiler == "inductor" and not self.config.weight_split:
                 # dynamo's tracing context is gone: one of our own, so torch's caches serve it
-                with _compat.static_tracing(inputs.inputs()) as example_inputs:
+                with _compat.static_tracing(inputs.inputs) as example_inputs:  # (activations: fakes)
                     compiled = self._compile(gm, example_inputs, record)
             else:  # (the eager path's weight deferral holds the real parameters)
                 compiled = self._compile(gm, inputs.inputs(), record)

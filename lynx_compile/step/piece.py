@@ -39,7 +39,11 @@ class InputSpec:
             else:
                 self._items.append(("value", t))
 
-    def inputs(self) -> list:
+    def inputs(self, fake_mode: Any = None) -> list:
+        """The example inputs: those still alive, and stand-ins for the others. With
+        ``fake_mode`` (a compile in ``_compat.static_tracing``) an activation's stand-in is a
+        fake tensor of that mode, so compiling again inside a step allocates nothing of the
+        step's memory (real stand-ins did: 2.6 MB per rank at step 3 of deepseek_v3 under EP)."""
         out = []
         for item in self._items:
             if item[0] == "value":
@@ -47,6 +51,11 @@ class InputSpec:
                 continue
             kind, ref, shape, stride, dtype, device, requires_grad, is_param = item[:8]
             t = ref()
+            if t is None and fake_mode is not None and kind == "tensor" and not is_param:
+                with fake_mode:
+                    out.append(torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                               .requires_grad_(requires_grad))
+                continue
             if t is None:
                 t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
                 if kind == "dtensor":  # a DTensor stands in for a DTensor (TP's activations)
