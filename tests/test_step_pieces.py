@@ -372,3 +372,30 @@ def test_the_provisional_candidate_weighs_what_it_saves_against_its_transient():
     assert provisional_pick([low_saved, low_transient], 196608) == low_transient
     model = _n_calls([low_saved, low_transient], 4, 196608)
     assert model.predicted(model.uniform({0: low_transient})) < model.predicted(model.uniform({0: low_saved}))
+
+
+def test_compiling_a_piece_again_allocates_no_stand_in_for_a_dead_activation():
+    """``InputSpec`` keeps weak references: at step 3 the example activation a piece compiled
+    with is gone. Its stand-in for the compile again (``_compat.static_tracing``) is a fake
+    tensor of the tracing's mode, of the same layout: nothing of the step's memory (a real
+    empty tensor was, 1 MiB here, measured by the CPU allocator's events)."""
+    from lynx_compile import _compat
+    from lynx_compile.step.piece import InputSpec
+
+    weight = torch.nn.Parameter(torch.randn(4, 4))
+    activation = torch.randn(256, 1024, requires_grad=True)  # 1 MiB
+    spec = InputSpec([activation, weight, 3])
+    del activation
+    seen = []
+
+    def compile_again():
+        with _compat.static_tracing(spec.inputs) as fakes:
+            seen.append(fakes)
+
+    assert cpu_peak_bytes(compile_again) < 64 * 1024
+    (x, w, k), = seen
+    assert type(x).__name__ == "FakeTensor" and x.shape == (256, 1024) and x.requires_grad
+    assert type(w).__name__ == "FakeTensor" and w.shape == (4, 4) and k == 3
+    # without the tracing's mode (the eager compiler compiles with real inputs): a real one
+    real = cpu_peak_bytes(lambda: seen.append(spec.inputs()))
+    assert real >= 1024 * 1024 and seen[-1][1] is weight
