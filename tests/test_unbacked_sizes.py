@@ -69,10 +69,10 @@ def _train(backend, steps: int):
         setattr(model, name, torch.compile(getattr(model, name), backend=backend, fullgraph=True))
     x = torch.randn(ROWS, D, generator=torch.Generator().manual_seed(1))
 
-    def step():
+    def step(counts=COUNTS):
         for p in model.parameters():
             p.grad = None
-        loss = model(x, COUNTS).pow(2).mean()
+        loss = model(x, counts).pow(2).mean()
         loss.backward()
         return loss.item()
 
@@ -125,3 +125,19 @@ def test_a_piece_with_routed_rows_is_planned_with_the_count_step_1_ran(cache, ca
     assert recorder._cached and recorder.state == "done", caplog.messages
     assert [r.unbacked_sizes for r in again.records if r.saved_symbols] == [{"u0": ROUTED}]
     assert [r.step_choice for r in again.records] == [r.step_choice for r in backend.records]
+
+
+def test_a_step_routing_more_than_planned_is_said_once(cache, caplog):
+    """Routing moves between steps; the plan holds for the counts step 1 ran. A later step
+    routing more rows through the piece (twice as many) is said once, naming the sizes run and
+    those planned; one routing fewer is not."""
+    backend = LynxBackend(make_config({"policy": "lynx", "memory_budget": BUDGET}))
+    _, _, step = _train(backend, 3)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lynx_compile"):
+        step(COUNTS.clamp(max=1))  # fewer rows
+        assert not caplog.messages
+        step(COUNTS * 2)
+        step(COUNTS * 2)
+    said = [m for m in caplog.messages if "data-dependent sizes above" in m]
+    assert len(said) == 1 and f"u0={2 * ROUTED}" in said[0] and f"u0={ROUTED}" in said[0], caplog.messages

@@ -105,7 +105,10 @@ class Piece:
             self._accumulate_in_graph()
         rec.before_forward()
         if not rec.tracking or not torch.is_grad_enabled():
-            return self._current()(*args)
+            out = self._current()(*args)
+            if self.record.unbacked_sizes and torch.is_grad_enabled():
+                rec.check_sizes(self, out)
+            return out
         call = rec.begin_forward(self, args)
         out = self.compiled(*args)
         rec.end_forward(call, out)

@@ -147,6 +147,7 @@ class StepRecorder:
         self._sizes: dict[int, dict[str, int]] = {}
         """Per piece (``Piece.key``): the data-dependent sizes step 1 ran, largest over its calls
         (``step.sizes``), planned with at the start of step 2 (``_plan_sizes_seen``)."""
+        self._sizes_over: set[int] = set()  # pieces said to run sizes above their plan's (check_sizes)
         self._step1: list[Piece] | None = None
         """Step 1's calls, kept where the plan cache's step plan is looked up at the start of step
         2 (after the pieces with data-dependent sizes were planned again with those it ran)."""
@@ -368,6 +369,25 @@ class StepRecorder:
 
         plan_cache.store_step(self._key, {"refused": {"predicted": int(predicted), "reference": int(self.reference),
                                                       "why": why}})
+
+    def check_sizes(self, piece: Piece, out: Any) -> None:
+        """After the plans: a call of a graph planned with the sizes step 1 ran
+        (``_plan_sizes_seen``) that runs larger ones (routing moved more tokens to this rank's
+        experts) is said once per graph: its memory is then above what its plan holds."""
+        if piece.key in self._sizes_over:
+            return
+        node = _backward_node(out)
+        seen = sizes.seen_at(piece.record.saved_symbols, node) if node is not None else {}
+        planned = piece.record.unbacked_sizes or {}
+        over = {k: v for k, v in seen.items() if v > planned.get(k, v)}
+        if not over:
+            return
+        self._sizes_over.add(piece.key)
+        log.warning("lynx: graph %d ran data-dependent sizes above those its plan was made with (%s; planned "
+                    "with %s, the largest step 1 ran): while they last its memory is above the plan's. Said "
+                    "once per graph; the plan is not made again", piece.record.graph_id,
+                    ", ".join(f"{k}={v}" for k, v in sorted(over.items())),
+                    ", ".join(f"{k}={planned[k]}" for k in sorted(over)))
 
     def _plan_sizes_seen(self) -> None:
         """At the start of step 2: each piece whose graph has data-dependent sizes (an MoE
