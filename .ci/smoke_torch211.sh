@@ -7,7 +7,8 @@
 # and runs tests/test_smoke_versions.py: import, then one training step of gpt-tiny under every
 # policy and both compilers, loss and gradients equal to eager; and one ZBV pipeline of 2 gloo
 # ranks (tests/test_pipeline_per_microbatch.py); the step's pieces (tests/test_step_pieces.py);
-# the recompute priced by kernel against Inductor's scheduler (tests/test_kernel_pricing.py).
+# the recompute priced by kernel against Inductor's scheduler (tests/test_kernel_pricing.py);
+# data-dependent sizes read from AOTAutograd's backward node (tests/test_unbacked_sizes.py).
 #
 #   LYNX_TORCH211_VENV      the virtualenv (default $HOME/.cache/lynx/venv-torch2.11); reused
 #                           when it already has torch 2.11
@@ -55,6 +56,6 @@ deps=$(date +%s)
 # one ZBV pipeline on 2 gloo ranks with per-micro-batch variants: torch 2.11's multi-stage
 # schedules differ from 2.13's (their warm-up sent to the rank's own other stage)
 "$PY" -m pytest -q -p no:cacheprovider --timeout 600 tests/test_smoke_versions.py tests/test_pipeline_per_microbatch.py \
-    tests/test_step_pieces.py tests/test_kernel_pricing.py
+    tests/test_step_pieces.py tests/test_kernel_pricing.py tests/test_unbacked_sizes.py
 end=$(date +%s)
 echo "smoke_torch211: torch $((installed - start)) s, deps+project $((deps - installed)) s, tests $((end - deps)) s, total $((end - start)) s"
