@@ -479,7 +479,7 @@ def matching_lynx_variants(rows: Sequence[dict], model: str) -> list[str]:
     out = []
     for t in torch_points(rows, model):
         if t["variant"].startswith("inductor-b"):
-            f = math.ceil(t["peak_MiB"] / base * 1e6) / 1e6
+            f = math.ceil(round(t["peak_MiB"] / base * 1e6, 3)) / 1e6  # (round: 0.67779 * 1e6 is 677790.0000000001)
             if 0 < f < 1:
                 out.append(f"lynx-b{f:g}")
     return list(dict.fromkeys(out))

@@ -104,13 +104,16 @@ def test_interleaved_rounds_become_the_rows_step_time():
 
 def test_match_torch_puts_lynx_at_each_torch_settings_measured_peak():
     """``--match-torch``: lynx's budget at torch's measured peak over the no-recompute one, rounded
-    down (never above torch's memory); one variant per distinct fraction."""
+    up at the sixth digit (torch's own plan, one of lynx's candidates, fits it; rounded down at
+    the third it missed by up to 0.1%); one variant per distinct fraction."""
     rows = [{"model": "m", "variant": "inductor", "result": "ok", "peak_MiB": 10.0, "step_ms": 1.0},
             {"model": "m", "variant": "inductor-b0.5", "result": "ok", "peak_MiB": 6.7779, "step_ms": 1.0},
             {"model": "m", "variant": "inductor-b0.3", "result": "ok", "peak_MiB": 6.7771, "step_ms": 1.0},
             {"model": "m", "variant": "inductor-b0.1", "result": "error: x"},
             {"model": "n", "variant": "inductor-b0.5", "result": "ok", "peak_MiB": 3.0, "step_ms": 1.0}]
-    assert bench_step.matching_lynx_variants(rows, "m") == ["lynx-b0.677"]
+    assert bench_step.matching_lynx_variants(rows, "m") == ["lynx-b0.67779", "lynx-b0.67771"]
+    rows[1] = {**rows[1], "peak_MiB": 6.77791}
+    assert bench_step.matching_lynx_variants(rows, "m")[0] == "lynx-b0.677791"
     assert bench_step.matching_lynx_variants(rows, "n") == []  # no inductor row: nothing to match
 
 

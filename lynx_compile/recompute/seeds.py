@@ -352,21 +352,11 @@ def _refusal(ctx: PassContext, reference_peak: int, floor: dict[CandidateKey, Ap
     return refuse(ctx.config.budget, reference_peak, low.peak_bytes, why)
 
 
-def _grid_rung(frac: float) -> tuple[float, ...]:
-    """The setting of ``TORCH_SETTINGS`` at or just below ``frac``: what a torch.compile user at
-    that memory would have set (torch's setting peaks above its fraction: HF Llama's 0.7
-    measured 0.781 of the no-recompute peak, so lynx asked for that peak tried min-cut at 0.781
-    and 0.39, never the plan torch ran, and was 1.03x slower there in ``step_cpu_s28``)."""
-    below = [s for s in TORCH_SETTINGS if s <= frac + 1e-9]
-    return (max(below),) if below else ()
-
-
 def baseline_candidates(joint: fx.GraphModule, ctx: PassContext, kw: dict, policies: tuple[str, ...],
                          frac: float | None, settings: tuple[float, ...] = (), *, beat: float | None = None,
                          budget: int | None = None):
     """(name, Applied) of each baseline in ``policies``, then torch's min-cut at ``frac`` times
-    ``TORCH_BUDGET_LADDER`` and at the grid setting below ``frac`` (:func:`_grid_rung`; neither
-    with ``frac`` None) and at each of ``settings``, highest first,
+    ``TORCH_BUDGET_LADDER`` (not with ``frac`` None) and at each of ``settings``, highest first,
     each applied on a scratch record. torch's min-cut breaks ties in set order, which differs
     between processes (seen on 2 gloo ranks: the same graph, different recomputed getitems):
     with several ranks a torch candidate is used only where every rank partitioned it alike
@@ -381,8 +371,7 @@ def baseline_candidates(joint: fx.GraphModule, ctx: PassContext, kw: dict, polic
     with several ranks a torch candidate is skipped only where every rank skips it (where some
     do and some do not, it is no candidate, as a tie broken apart is)."""
     candidates = [(p, None) for p in policies]
-    budgets = ({round(frac * m, 3) for m in TORCH_BUDGET_LADDER} | set(_grid_rung(frac))
-               if frac is not None else set()) | set(settings)
+    budgets = ({round(frac * m, 3) for m in TORCH_BUDGET_LADDER} if frac is not None else set()) | set(settings)
     candidates += [("torch", b) for b in sorted(budgets, reverse=True)]
     saved_sets: dict = {}     # torch's min-cut: saved values -> the first budget that chose them
     realized: dict[str, Applied | Skipped] = {}

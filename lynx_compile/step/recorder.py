@@ -42,13 +42,13 @@ import torch
 
 from lynx_compile import _compat
 from lynx_compile.budget import budget_error, format_bytes
-from lynx_compile.decisions import BudgetError, CandidateKey
 from lynx_compile.costs.types import UNBACKED_SIZE_HINT
+from lynx_compile.decisions import BudgetError, CandidateKey
 from lynx_compile.memory import optimizer_state
 from lynx_compile.memory.param_grads import GradWatch
+from lynx_compile.step import sizes
 from lynx_compile.step.memory_marks import AllocatorRecording, ProfilerRecording
 from lynx_compile.step.model import USER, Segment, StepChoice, StepModel, choose
-from lynx_compile.step import sizes
 from lynx_compile.step.piece import Piece
 
 log = logging.getLogger("lynx_compile")
@@ -300,8 +300,9 @@ class StepRecorder:
         """At the end of step 1 (where a piece has data-dependent sizes: at the start of step 2,
         after ``_plan_sizes_seen``): the step's plan, or its refusal, from the plan cache (a
         script run before), for step 1's piece ``calls``, applied (or raised) at step 2's first
-        forward without recording; every rank must hit alike. Each rank reads its own entry (a rank's graphs may hold constants of their
-        own, the vocabulary offset of a tensor-parallel loss, and so keys of their own). Taking
+        forward without recording; every rank must hit alike. Each rank reads its own entry (a
+        rank's graphs may hold constants of their own, the vocabulary offset of a
+        tensor-parallel loss, and so keys of their own). Taking
         rank 0's entry on every rank (a broadcast here) was tried in session 30 and withdrawn: two
         of three full suite runs after it failed FSDP tests (ranks planning apart, once a hang),
         which passed alone; the cause was not found in the session."""
