@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import sympy
 import torch
 import torch.fx as fx
 
@@ -54,8 +55,6 @@ def hint_with_values(x: Any, values: dict[str, int], fallback: int) -> int:
     unbacked symbol)."""
     if isinstance(x, torch.SymInt) and values:
         expr = x.node.expr
-        import sympy
-
         named = {s: sympy.Integer(values[str(s)]) for s in getattr(expr, "free_symbols", ()) if str(s) in values}
         if named:
             given = expr.xreplace(named)

@@ -20,7 +20,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from lynx_compile._compat.fx_utils import is_sym_node
 from lynx_compile._compat.knapsack import knapsack_off_the_allocator
-from lynx_compile._compat.tracing import refuse_unbacked_retrace
+from lynx_compile._compat.tracing import detect_fake_mode, refuse_unbacked_retrace
 
 
 @contextlib.contextmanager
@@ -33,8 +33,6 @@ def _no_fresh_unbacked_symbols(joint_gm: fx.GraphModule):
     ``activation_memory_budget`` < 1 alike; lynx partitions with min-cut several times per
     graph). Private: ``ShapeEnv.pending_fresh_unbacked_symbols`` (2.11-2.13; torch's own
     ``bucketing`` pass restores it the same way)."""
-    from torch._guards import detect_fake_mode
-
     mode = detect_fake_mode([n.meta.get("val") for n in joint_gm.graph.find_nodes(op="placeholder")])
     env = getattr(mode, "shape_env", None)
     pending = getattr(env, "pending_fresh_unbacked_symbols", None)

@@ -55,10 +55,6 @@ def find_backend_error(e: BaseException | None, kind: type[BaseException]) -> Ba
     return None
 
 
-def _sizes_text(sizes: dict[str, int] | None) -> str:
-    return ", ".join(f"{k}={v}" for k, v in sorted((sizes or {}).items()))
-
-
 class LynxBackend:
     """A dynamo backend with a bound :class:`LynxConfig`.
 
@@ -214,8 +210,10 @@ class LynxBackend:
                              unbacked_sizes=unbacked_sizes if unbacked_sizes is not None else old.unbacked_sizes)
         if "step_hint_key" in old.stats:
             record.stats["step_hint_key"] = old.stats["step_hint_key"]
+        from lynx_compile.step import sizes as step_sizes
+
         why = (f"as the step's plan chose ('{choice}')" if choice is not None
-               else f"with the data-dependent sizes step 1 ran ({_sizes_text(unbacked_sizes)})"
+               else f"with the data-dependent sizes step 1 ran ({step_sizes.text(unbacked_sizes)})"
                if unbacked_sizes is not None
                else "with its gradients added into .grad (gradient accumulation seen)")
         with Progress(f"graph {old.graph_id} ({len(gm.graph.nodes)} nodes): planning and compiling again {why}"):

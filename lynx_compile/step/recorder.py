@@ -387,8 +387,7 @@ class StepRecorder:
         log.warning("lynx: graph %d ran data-dependent sizes above those its plan was made with (%s; planned "
                     "with %s, the largest step 1 ran): while they last its memory is above the plan's. Said "
                     "once per graph; the plan is not made again", piece.record.graph_id,
-                    ", ".join(f"{k}={v}" for k, v in sorted(over.items())),
-                    ", ".join(f"{k}={planned[k]}" for k in sorted(over)))
+                    sizes.text(over), sizes.text({k: planned[k] for k in over}))
 
     def _plan_sizes_seen(self) -> None:
         """At the start of step 2: each piece whose graph has data-dependent sizes (an MoE
@@ -406,7 +405,7 @@ class StepRecorder:
                 continue
             piece.replan(values)
             note = (f"data-dependent sizes: planned again with those step 1 ran "
-                    f"({', '.join(f'{k}={v}' for k, v in sorted(values.items()))}; the largest over calls and "
+                    f"({sizes.text(values)}; the largest over calls and "
                     f"ranks) in place of the hint of {UNBACKED_SIZE_HINT} per unbacked symbol")
             piece.record.notes.append(note)
             log.info("lynx: graph %d: %s", piece.record.graph_id, note)

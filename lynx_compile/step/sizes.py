@@ -57,6 +57,11 @@ def seen_at(symbols: tuple[str | None, ...], node: Any) -> dict[str, int]:
             if name is not None and isinstance(v, int)}
 
 
+def text(values: dict[str, int] | None) -> str:
+    """``u0=795, u1=792``: sizes as lynx's notes and log say them."""
+    return ", ".join(f"{k}={v}" for k, v in sorted((values or {}).items()))
+
+
 def merged(into: dict[str, int], more: dict[str, int]) -> dict[str, int]:
     """``into`` with each symbol of ``more`` at the larger of the two values."""
     return {**into, **{k: max(v, into.get(k, v)) for k, v in more.items()}}
