@@ -16,7 +16,8 @@ from .context import PassContext
 
 
 def annotate_costs_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    from lynx_compile.costs import LINKS, get_profile, is_collective_node, node_costs
+    from lynx_compile.costs import LINKS, get_profile, node_costs
+    from lynx_compile.graph.collectives import is_collective_node
     from lynx_compile.distributed.agreement import rank0_value
     from lynx_compile.distributed.link import resolve_link
 

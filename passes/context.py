@@ -88,9 +88,9 @@ class GraphRecord:
     the name of the unbacked symbol it is (``u0``: a data-dependent size, an MoE block's routed
     token count), else None. Read by ``step.sizes`` from the step's backward node."""
     unbacked_sizes: dict[str, int] | None = None
-    """The values of the unbacked symbols that sized this graph's plan (``costs.types.sizes_seen``):
+    """The values of the unbacked symbols that sized this graph's plan (``graph.values.sizes_seen``):
     those step 1 ran, the largest over calls and ranks (``step.sizes``); None where the plan
-    sized them at ``costs.types.UNBACKED_SIZE_HINT`` (a first compile)."""
+    sized them at ``graph.values.UNBACKED_SIZE_HINT`` (a first compile)."""
     grads_in_graph: Any = None
     """Where the parameter gradients go (``lynx_compile.memory.grad_in_graph.GradsInGraph``: added into
     ``.grad`` inside the backward, or returned at its end, and why), decided when the graph

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from lynx_compile.costs import is_collective_node
+from lynx_compile.graph.collectives import is_collective_node
 from lynx_compile.decisions import Window
 from lynx_compile.distributed.fsdp import WINDOW as FSDP_WINDOW
 

@@ -28,8 +28,7 @@ import torch
 import torch.fx as fx
 
 from lynx_compile import _compat
-from lynx_compile.costs import is_collective_node
-from lynx_compile.costs.comm import is_wait_node
+from lynx_compile.graph.collectives import is_collective_node, is_wait_node
 from lynx_compile.decisions import Window
 
 from . import meta

@@ -30,9 +30,8 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from lynx_compile.costs import is_collective_node
 from lynx_compile.costs.analytic import is_free_node
-from lynx_compile.costs.comm import is_wait_node
+from lynx_compile.graph.collectives import is_collective_node, is_wait_node
 from lynx_compile.runtime import stream_ops
 
 from . import meta

@@ -20,7 +20,8 @@ from lynx_compile.costs import (
     collective_time,
     comm_node_cost,
 )
-from lynx_compile.costs.comm import _fit_alpha_beta, canonical_collective
+from lynx_compile.costs.comm import _fit_alpha_beta
+from lynx_compile.graph.collectives import canonical_collective
 
 import torch.distributed._functional_collectives  # noqa: F401  (registers _c10d_functional ops)
 

@@ -3,7 +3,7 @@
 A model compiled in pieces whose middle piece routes rows by data-dependent counts (an expert
 dispatch's shape: ``.item()`` of the counts sizes a ``repeat_interleave``, an unbacked SymInt),
 one process, CPU Inductor. At its first compile the routed rows are priced at the hint
-(``costs.types.UNBACKED_SIZE_HINT``, 4096 rows); the recorder reads the count step 1 ran from
+(``graph.values.UNBACKED_SIZE_HINT``, 4096 rows); the recorder reads the count step 1 ran from
 the backward node's saved sizes and plans the piece again with it before step 2 is recorded.
 Checked against torch.compile's own per-piece step, measured, and Inductor's gradients.
 """
@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from lynx_compile.compiler.dynamo_backend import LynxBackend
 from lynx_compile.config import make_config
-from lynx_compile.costs.types import UNBACKED_SIZE_HINT
+from lynx_compile.graph.values import UNBACKED_SIZE_HINT
 from lynx_compile.memory.measure import cpu_peak_bytes
 
 D, ROWS, BUDGET = 32, 64, 0.7

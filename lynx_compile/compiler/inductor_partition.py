@@ -68,7 +68,7 @@ from lynx_compile import _compat
 from lynx_compile.caches import autograd as autograd_cache
 from lynx_compile.caches import plans as plan_cache
 from lynx_compile.config import LynxConfig
-from lynx_compile.costs.types import sizes_seen
+from lynx_compile.graph.values import sizes_seen
 from lynx_compile.memory.storage import storage_nbytes
 from lynx_compile.passes import POST_GRAD_PIPELINE, GraphRecord, PassContext, run_passes
 from lynx_compile.passes.runner import pass_name

@@ -6,8 +6,9 @@
 
 Plain data out, no graph writes: ``passes/annotate_costs.py`` stores them in ``node.meta``.
 
-Modules: ``types`` (NodeCost, size helpers), ``hardware`` (profiles, CPU calibration),
-``analytic`` (roofline), ``measured`` (timing interpreter), ``comm`` (α–β collectives).
+Modules: ``types`` (NodeCost; its size helpers: ``lynx_compile.graph.values``), ``hardware``
+(profiles, CPU calibration), ``analytic`` (roofline), ``measured`` (timing interpreter),
+``comm`` (α–β collectives; which nodes are collectives: ``lynx_compile.graph.collectives``).
 """
 from __future__ import annotations
 
@@ -22,9 +23,8 @@ from lynx_compile.costs.comm import (
     calibrate_link,
     collective_time,
     comm_node_cost,
-    is_collective_node,
-    is_wait_node,
 )
+
 from lynx_compile.costs.hardware import (
     DATASHEET_PROFILES,
     DEFAULT_CPU_PROFILE_CACHE,
@@ -36,6 +36,7 @@ from lynx_compile.costs.hardware import (
 )
 from lynx_compile.costs.measured import materialize_inputs, measure_node_costs, measured_node_cost
 from lynx_compile.costs.types import NodeCost
+from lynx_compile.graph.collectives import is_collective_node
 
 #: ``source=`` values ``node_costs`` accepts.
 ANNOTATE_SOURCES: tuple[str, ...] = ("analytic", "measured")
@@ -89,9 +90,7 @@ __all__ = [
     "collective_time",
     "comm_node_cost",
     "get_profile",
-    "is_collective_node",
     "is_free_node",
-    "is_wait_node",
     "materialize_inputs",
     "measure_node_costs",
     "measured_node_cost",

@@ -25,10 +25,11 @@ import torch
 import torch.fx
 from torch.utils.flop_counter import flop_registry
 
-from lynx_compile.costs.comm import LINKS, LinkProfile, comm_node_cost, is_collective_node, is_wait_node
+from lynx_compile.costs.comm import LINKS, LinkProfile, comm_node_cost
 from lynx_compile.costs.hardware import HardwareProfile
-from lynx_compile.costs.types import (
-    NodeCost,
+from lynx_compile.costs.types import NodeCost
+from lynx_compile.graph.collectives import is_collective_node, is_wait_node
+from lynx_compile.graph.values import (
     hint_int,
     hint_shape,
     input_tensors,

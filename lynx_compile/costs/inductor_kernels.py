@@ -38,7 +38,7 @@ import torch.fx as fx
 from lynx_compile.costs.analytic import (_dtype_of, analytic_node_cost, is_free_node, matrix_flops, node_flops,
                                          tensor_bytes_of)
 from lynx_compile.costs.hardware import HardwareProfile
-from lynx_compile.costs.types import iter_tensors, tensor_read_bytes
+from lynx_compile.graph.values import iter_tensors, tensor_read_bytes
 from lynx_compile.memory.inductor_model import interior_nodes, is_loop_kernel, view_source
 
 

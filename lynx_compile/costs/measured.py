@@ -22,8 +22,9 @@ import torch
 import torch.fx
 
 from lynx_compile.costs.analytic import node_work
-from lynx_compile.costs.comm import is_wait_node
-from lynx_compile.costs.types import NodeCost, hint_int
+from lynx_compile.costs.types import NodeCost
+from lynx_compile.graph.collectives import is_wait_node
+from lynx_compile.graph.values import hint_int
 
 _UNTIMED_OPS = frozenset({"placeholder", "output", "get_attr"})
 

@@ -85,7 +85,7 @@ class CollectiveRecord:
     """One completed collective on an emulated group (times from ``time.perf_counter()``)."""
 
     kind: str
-    """Canonical kind (``comm.COLLECTIVE_KINDS``), or barrier / gather / scatter / reduce."""
+    """Canonical kind (``graph.collectives.COLLECTIVE_KINDS``), or barrier / gather / scatter / reduce."""
     nbytes: int
     """Payload in ``comm.collective_time``'s convention for ``kind``."""
     issue_t: float

@@ -15,14 +15,14 @@ plan may recompute units between the issue and the wait (``decisions.Window``). 
 only reads a compiled graph's record back: which units the plan recomputes in which all-to-all.
 
 Sizes that depend on the token counts are unbacked SymInts; lynx's cost and memory models size
-each unbacked symbol as ``costs.types.UNBACKED_SIZE_HINT`` rows (not the counts of a step).
+each unbacked symbol as ``graph.values.UNBACKED_SIZE_HINT`` rows (not the counts of a step).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Iterable
 
-from lynx_compile.costs.comm import canonical_collective
+from lynx_compile.graph.collectives import canonical_collective
 from lynx_compile.decisions import Window
 
 

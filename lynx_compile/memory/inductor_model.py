@@ -44,7 +44,7 @@ import torch
 import torch.fx as fx
 
 from lynx_compile import _compat
-from lynx_compile.costs.comm import is_wait_node
+from lynx_compile.graph.collectives import is_wait_node
 from lynx_compile.memory.storage import HOST_OUTPUT_OPS, _bytes, _value, aliased_input, allocations
 
 

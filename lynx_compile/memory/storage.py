@@ -8,8 +8,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from lynx_compile.costs.comm import is_wait_node
-from lynx_compile.costs.types import per_op_cached
+from lynx_compile.graph.collectives import is_wait_node
+from lynx_compile.graph.values import per_op_cached
 
 
 def _nbytes(val) -> int:
@@ -36,8 +36,8 @@ def _hint(d) -> int:
     if isinstance(d, int):
         return d
     # an unbacked size (expert-parallel token counts) as the cost model sizes it
-    # (``costs.types.UNBACKED_SIZE_HINT``), so a tensor's bytes and its time agree
-    from lynx_compile.costs.types import hint_int
+    # (``graph.values.UNBACKED_SIZE_HINT``), so a tensor's bytes and its time agree
+    from lynx_compile.graph.values import hint_int
 
     return hint_int(d)
 

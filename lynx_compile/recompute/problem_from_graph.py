@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from lynx_compile.costs import is_collective_node, is_free_node, is_wait_node, tensor_bytes_of
+from lynx_compile.costs import is_free_node, tensor_bytes_of
+from lynx_compile.graph.collectives import is_collective_node, is_wait_node
 from lynx_compile.memory.inductor_model import index_values, is_loop_kernel, reads_in_loop, written_to_be_saved
 from lynx_compile.decisions import DEMAND, KEEP, OFFLOAD, Decisions
 from lynx_compile.decisions import Window as DecisionWindow

@@ -26,7 +26,7 @@ import torch.fx as fx
 from lynx_compile import _compat
 from lynx_compile.budget import budget_error as refuse
 from lynx_compile.costs.analytic import is_free_node
-from lynx_compile.costs.comm import is_collective_node, is_wait_node
+from lynx_compile.graph.collectives import is_collective_node, is_wait_node
 from lynx_compile.decisions import CandidateKey, Decisions, Demand, Window
 from lynx_compile.distributed.agreement import gather_values, planning_world_size
 from lynx_compile.costs.inductor_kernels import recompute_seconds, written_seconds

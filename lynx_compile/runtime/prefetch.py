@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx as fx
 
-from lynx_compile.costs.comm import is_collective_node, is_wait_node
+from lynx_compile.graph.collectives import is_collective_node, is_wait_node
 from lynx_compile.passes import meta
 
 _KEY: contextvars.ContextVar[Any] = contextvars.ContextVar("lynx_microbatch", default=None)

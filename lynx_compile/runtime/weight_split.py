@@ -33,8 +33,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.fx as fx
 
-from lynx_compile.costs.comm import is_collective_node, is_wait_node
-from lynx_compile.costs.types import iter_tensors
+from lynx_compile.graph.collectives import is_collective_node, is_wait_node
+from lynx_compile.graph.values import iter_tensors
 
 _DEFER: contextvars.ContextVar[Any] = contextvars.ContextVar("lynx_defer_weights", default=None)
 

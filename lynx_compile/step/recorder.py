@@ -42,7 +42,7 @@ import torch
 
 from lynx_compile import _compat
 from lynx_compile.budget import budget_error, format_bytes
-from lynx_compile.costs.types import UNBACKED_SIZE_HINT
+from lynx_compile.graph.values import UNBACKED_SIZE_HINT
 from lynx_compile.decisions import BudgetError, CandidateKey
 from lynx_compile.memory import optimizer_state
 from lynx_compile.memory.param_grads import GradWatch
@@ -392,7 +392,7 @@ class StepRecorder:
     def _plan_sizes_seen(self) -> None:
         """At the start of step 2: each piece whose graph has data-dependent sizes (an MoE
         block's routed token counts) planned again with the values step 1 ran, the largest over
-        its calls and the ranks (``step.sizes``), in place of ``costs.types.UNBACKED_SIZE_HINT``;
+        its calls and the ranks (``step.sizes``), in place of ``graph.values.UNBACKED_SIZE_HINT``;
         step 2 runs and is recorded with those plans."""
         sized = [p for p in self.pieces if p.record.saved_symbols]
         seen, self._sizes = self._sizes, {}

@@ -3,7 +3,7 @@
 A graph with data-dependent shapes (an MoE block: the tokens routed to each expert, exchanged
 by all-to-all, become unbacked SymInts ``u0``, ``u1``, ... through ``.tolist()``) is planned at
 its first compile before any step ran, with every unbacked symbol sized at
-``costs.types.UNBACKED_SIZE_HINT`` rows. AOTAutograd keeps the sizes the backward needs on the
+``graph.values.UNBACKED_SIZE_HINT`` rows. AOTAutograd keeps the sizes the backward needs on the
 backward node (``ctx.symints``: plain ints at run time), in the order of the forward graph's
 trailing SymInt outputs; ``GraphRecord.saved_symbols`` names the unbacked symbol each one is.
 
@@ -11,7 +11,7 @@ So at step 1 the recorder reads, per piece call, the value of each such symbol
 (:func:`seen_at`), keeps the largest over the step's calls of each graph, and at the start of
 step 2 (before it is recorded) the ranks take the largest over ranks (:func:`agreed`: every rank
 plans alike) and each graph whose sizes these are is planned again within them
-(``costs.types.sizes_seen``, ``StepRecorder._plan_sizes_seen``): its candidates' bytes and
+(``graph.values.sizes_seen``, ``StepRecorder._plan_sizes_seen``): its candidates' bytes and
 times, and which units fit in its all-to-all windows, are those of the routed counts seen.
 Routing moves from step to step; the plan holds for counts up to those of step 1 (a later step
 routing more tokens to this rank's experts allocates more than planned).

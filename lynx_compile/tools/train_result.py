@@ -91,7 +91,8 @@ def comm_stats(result: TrainResult, emulated, world: int, steps: int) -> None:
 
 def _modeled_seconds(log, link, world: int) -> float:
     """Sum of each logged collective's alpha-beta time on ``link`` (no queueing)."""
-    from lynx_compile.costs.comm import COLLECTIVE_KINDS, collective_time
+    from lynx_compile.costs.comm import collective_time
+    from lynx_compile.graph.collectives import COLLECTIVE_KINDS
 
     return sum(collective_time(r.kind, r.nbytes, world, link) for r in log if r.kind in COLLECTIVE_KINDS)
 
