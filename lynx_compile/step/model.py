@@ -212,6 +212,60 @@ class StepModel:
         return sum(c.exposed_s for calls in pick.values() for c in calls)
 
 
+def recorded(graphs: dict[int, GraphChoices], calls: tuple[int, ...], marks: list[tuple[int, str]],
+             peaks: list[int | None], levels: list[int | None], grads: list[int],
+             before: int) -> tuple[StepModel, StepModel, list[tuple[int, str, int, int]]]:
+    """A recorded step as segments. ``calls``: the graph of each piece call; ``marks``: (call,
+    ``fw0`` / ``fw1`` / ``bw0`` / ``bw1`` / ``end``) in the order the step placed them;
+    ``peaks[i]``: the highest bytes measured between mark ``i - 1`` and mark ``i``,
+    ``levels[i]`` the bytes at mark ``i`` (None: mark ``i`` was not seen); ``grads[i]``: the
+    ``.grad`` bytes accumulated into by mark ``i`` (``memory.param_grads.GradWatch``);
+    ``before``: bytes the step allocated before the recording started (the first call's
+    activation inputs), in every segment.
+
+    Two models: the step as if it allocated its parameter gradients (``.grad`` None at its
+    start), and as it ran (the same when no ``.grad`` was accumulated into); in both, the
+    candidates that ran have their transients as measured (:meth:`StepModel.measured`, whose
+    changes are returned third)."""
+    segments: list[Segment] = []
+    as_ran: list[Segment] = []
+    alive: set[int] = set()
+    running: tuple[int, str] | None = None
+    # on CPU the allocator does not report the free of a block allocated before the recording;
+    # on CUDA the recording's base holds it
+    start: int | None = before  # the level the recording starts from
+    for (call, kind), peak, level, held in zip(marks, peaks, levels, [0, *grads[:-1]]):
+        if peak is None:
+            start = None
+            continue
+        peak += before
+        level = None if level is None else level + before
+        # + the gradients accumulated into an allocated .grad before this segment started,
+        # which a step starting with .grad None holds (memory.param_grads). One accumulated
+        # within the segment was in its measured peak until then (the backward's output that
+        # autograd adds into .grad and frees), so it counts from the next segment on.
+        segments.append(Segment(peak=peak + held, alive=tuple(sorted(alive)), running=running,
+                                start=None if start is None else start + held))
+        as_ran.append(Segment(peak=peak, alive=tuple(sorted(alive)), running=running, start=start))
+        start = level
+        if kind == "fw0":
+            running = (call, "fw")
+        elif kind == "fw1":
+            running = None
+            alive.add(call)
+        elif kind == "bw0":
+            alive.discard(call)
+            running = (call, "bw")
+        elif kind == "bw1":
+            running = None
+    model = StepModel(graphs=graphs, calls=calls, segments=tuple(segments))
+    # the transients as the step ran them; a step that allocates its gradients holds, in a
+    # piece's backward, the gradients it accumulates there too, which a step that ran with
+    # .grad allocated did not measure: that one keeps the model's
+    ran, changes = dataclasses.replace(model, segments=tuple(as_ran)).measured()
+    return (ran if not any(grads) else model), ran, changes
+
+
 @dataclass(frozen=True)
 class StepChoice:
     pick: dict[int, Assignment]

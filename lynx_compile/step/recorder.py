@@ -42,13 +42,11 @@ import torch
 
 from lynx_compile import _compat
 from lynx_compile.budget import budget_error, format_bytes
-from lynx_compile.graph.values import UNBACKED_SIZE_HINT
 from lynx_compile.decisions import BudgetError, CandidateKey
-from lynx_compile.memory import optimizer_state
 from lynx_compile.memory.param_grads import GradWatch
-from lynx_compile.step import sizes
+from lynx_compile.step import cached, device_budget, sizes
 from lynx_compile.step.memory_marks import AllocatorRecording, ProfilerRecording
-from lynx_compile.step.model import USER, Segment, StepChoice, StepModel, choose
+from lynx_compile.step.model import USER, StepChoice, StepModel, choose, recorded
 from lynx_compile.step.piece import Piece
 
 log = logging.getLogger("lynx_compile")
@@ -84,16 +82,6 @@ def _activation_bytes(args: tuple) -> int:
             storage = local.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
-
-
-def _cached_refusal(entry: dict | None) -> tuple[int, int, str] | None:
-    """(predicted, reference, why) of a step plan-cache entry that keeps a refusal; None for any
-    other entry (a plan, nothing, or a malformed refusal, then recorded again)."""
-    refused = (entry or {}).get("refused")
-    try:
-        return (int(refused["predicted"]), int(refused["reference"]), str(refused["why"])) if refused else None
-    except (KeyError, TypeError, ValueError):
-        return None
 
 
 def _with_choices(steps) -> bool:
@@ -141,12 +129,12 @@ class StepRecorder:
         self.budget_bytes: int | None = None
         self._key: str | None = None  # the plan cache's key of the step's plan
         self._cached = False  # the step's plan came from the plan cache
-        self._refused: tuple[int, int, str] | None = None  # (predicted, reference, why): a cached refusal
+        self._refused: cached.Refusal | None = None  # a refusal from the plan cache
         self.refusals: dict[int, BudgetError] = {}
         """Per graph id: a whole graph's budget refused on its own peak (``defer``)."""
         self._sizes: dict[int, dict[str, int]] = {}
         """Per piece (``Piece.key``): the data-dependent sizes step 1 ran, largest over its calls
-        (``step.sizes``), planned with at the start of step 2 (``_plan_sizes_seen``)."""
+        (``step.sizes``), planned with at the start of step 2 (``sizes.plan_again``)."""
         self._sizes_over: set[int] = set()  # pieces said to run sizes above their plan's (check_sizes)
         self._step1: list[Piece] | None = None
         """Step 1's calls, kept where the plan cache's step plan is looked up at the start of step
@@ -205,7 +193,8 @@ class StepRecorder:
             self._finish_recording()
         if self._step1 is not None and not self.calls and torch.is_grad_enabled():
             calls, self._step1 = self._step1, None
-            self._plan_sizes_seen()
+            seen, self._sizes = self._sizes, {}
+            sizes.plan_again(self.pieces, seen, self.backend.planning_group)
             self._cached_step(calls)
         if self.state == "recorded":
             self._apply()
@@ -286,19 +275,9 @@ class StepRecorder:
             return
         self.calls, self.marks, self.mark_grads = [], [], []
 
-    def _step_key(self, calls: list[Piece]) -> str | None:
-        """The plan cache's key of this step's plan (``plan_cache.step_key``), from the piece
-        ``calls`` of step 1; None when a piece has no plan-cache key."""
-        keys = [p.record.stats.get("plan_cache_key") for p in calls]
-        if not keys or not all(keys) or not self.backend.config.plan_cache:
-            return None
-        from lynx_compile.caches import plans as plan_cache
-
-        return plan_cache.step_key(keys, self.backend.config.budget.given())
-
     def _cached_step(self, calls: list[Piece]) -> bool:
         """At the end of step 1 (where a piece has data-dependent sizes: at the start of step 2,
-        after ``_plan_sizes_seen``): the step's plan, or its refusal, from the plan cache (a
+        after ``sizes.plan_again``): the step's plan, or its refusal, from the plan cache (a
         script run before), for step 1's piece ``calls``, applied (or raised) at step 2's first
         forward without recording; every rank must hit alike. Each rank reads its own entry (a
         rank's graphs may hold constants of their own, the vocabulary offset of a
@@ -306,109 +285,36 @@ class StepRecorder:
         rank 0's entry on every rank (a broadcast here) was tried in session 30 and withdrawn: two
         of three full suite runs after it failed FSDP tests (ranks planning apart, once a hang),
         which passed alone; the cause was not found in the session."""
-        from lynx_compile.caches import plans as plan_cache
         from lynx_compile.distributed.agreement import gather_values, planning_group
 
-        self._key = self._step_key(calls)
-        entry = plan_cache.load_step(self._key) if self._key else None
-        pick = None
-        refused = _cached_refusal(entry)
-        if entry is not None and refused is None:
-            try:
-                graphs = list(dict.fromkeys(p.key for p in calls))
-                by_key = {p.key: p for p in calls}
-                pick = {g: tuple(by_key[g].record.step.named(CandidateKey.parse(n)) for n in names)
-                        for g, names in zip(graphs, entry["graphs"], strict=True)}
-                numbers = {k: int(entry[k]) for k in ("predicted", "reference", "budget_bytes", "outside")}
-            except (KeyError, TypeError, ValueError) as e:
-                log.warning("lynx plan cache: the step plan %s does not fit this step (%s); recording step %d",
-                            self._key[:12], e, RECORDED_STEP)
-                pick = None
+        self._key = cached.key(calls, self.backend.config)
+        found = cached.lookup(self._key, calls)
         # one all-gather whatever this rank found: every rank takes the same path. What each
         # found is compared, not its text: a refusal's reason names the rank's own measurements
         # (the transients it measured), which differ between ranks that refused alike
         with planning_group(self.backend.planning_group), _compat.eager_dispatch():
-            if len(set(gather_values((refused is not None, pick is not None)))) > 1:
+            if len(set(gather_values((isinstance(found, cached.Refusal), isinstance(found, cached.Kept))))) > 1:
                 return False
-        if refused is not None:
+        if isinstance(found, cached.Refusal):
             log.info("lynx plan cache: hit %s (the step's refusal: nothing recorded)", self._key[:12])
-            self._refused = refused
+            self._refused = found
             self.state = "recorded"
             return True
-        if pick is None:
+        if found is None:
             return False
         log.info("lynx plan cache: hit %s (the step's plan across pieces: nothing recorded)", self._key[:12])
-        self.model = StepModel(graphs={g: by_key[g].record.step for g in pick}, calls=tuple(p.key for p in calls),
-                               segments=())
-        self.choice = StepChoice(pick=pick, predicted=numbers["predicted"], exposed_s=self.model.exposed_s(pick),
-                                 fits=True)
-        self.reference, self.budget_bytes = numbers["reference"], numbers["budget_bytes"]
-        self.outside = [numbers["outside"]]
+        self.model, self.choice = found.model_and_choice(calls)
+        self.reference, self.budget_bytes = found.reference, found.budget_bytes
+        self.outside = [found.outside]
         self._cached = True
         self.state = "recorded"
         return True
 
-    def _store_step(self) -> None:
-        if not self._key or not self.choice.fits:
-            return
-        from lynx_compile.caches import plans as plan_cache
-
-        order = list(dict.fromkeys(self.model.calls))
-        plan_cache.store_step(self._key, {
-            "graphs": [[str(c.name) for c in self.choice.pick[g]] for g in order],
-            "predicted": self.choice.predicted, "reference": self.reference, "budget_bytes": self.budget_bytes,
-            "outside": max(self.outside, default=0)})
-
-    def _store_refusal(self, predicted: int, why: str) -> None:
-        """Keep the step's refusal under its key: the same command refused again names the same
-        smallest budget, whatever the recorded step's measure would read in that run (under gloo
-        the memory outside the compiled pieces moves between runs: some collectives' buffers are
-        freed at different points)."""
-        if not self._key:
-            return
-        from lynx_compile.caches import plans as plan_cache
-
-        plan_cache.store_step(self._key, {"refused": {"predicted": int(predicted), "reference": int(self.reference),
-                                                      "why": why}})
-
     def check_sizes(self, piece: Piece, out: Any) -> None:
-        """After the plans: a call of a graph planned with the sizes step 1 ran
-        (``_plan_sizes_seen``) that runs larger ones (routing moved more tokens to this rank's
-        experts) is said once per graph: its memory is then above what its plan holds."""
-        if piece.key in self._sizes_over:
-            return
-        node = _backward_node(out)
-        seen = sizes.seen_at(piece.record.saved_symbols, node) if node is not None else {}
-        planned = piece.record.unbacked_sizes or {}
-        over = {k: v for k, v in seen.items() if v > planned.get(k, v)}
-        if not over:
-            return
-        self._sizes_over.add(piece.key)
-        log.warning("lynx: graph %d ran data-dependent sizes above those its plan was made with (%s; planned "
-                    "with %s, the largest step 1 ran): while they last its memory is above the plan's. Said "
-                    "once per graph; the plan is not made again", piece.record.graph_id,
-                    sizes.text(over), sizes.text({k: planned[k] for k in over}))
-
-    def _plan_sizes_seen(self) -> None:
-        """At the start of step 2: each piece whose graph has data-dependent sizes (an MoE
-        block's routed token counts) planned again with the values step 1 ran, the largest over
-        its calls and the ranks (``step.sizes``), in place of ``graph.values.UNBACKED_SIZE_HINT``;
-        step 2 runs and is recorded with those plans."""
-        sized = [p for p in self.pieces if p.record.saved_symbols]
-        seen, self._sizes = self._sizes, {}
-        if not sized:
-            return
-        agreed = sizes.agreed(seen, dict.fromkeys(p.key for p in sized), self.backend.planning_group)
-        for piece in sized:
-            values = agreed.get(piece.key)
-            if not values or values == piece.record.unbacked_sizes:
-                continue
-            piece.replan(values)
-            note = (f"data-dependent sizes: planned again with those step 1 ran "
-                    f"({sizes.text(values)}; the largest over calls and "
-                    f"ranks) in place of the hint of {UNBACKED_SIZE_HINT} per unbacked symbol")
-            piece.record.notes.append(note)
-            log.info("lynx: graph %d: %s", piece.record.graph_id, note)
+        """After the plans: a call of a graph planned with the sizes step 1 ran that runs larger
+        ones is said once per graph (``sizes.ran_above_plan``)."""
+        if piece.key not in self._sizes_over and sizes.ran_above_plan(piece, _backward_node(out)):
+            self._sizes_over.add(piece.key)
 
     def _mark(self, call: int, kind: str) -> None:
         if self.state == "recording":
@@ -420,7 +326,7 @@ class StepRecorder:
     def _start_recording(self) -> None:
         if not _with_choices(p.record.step for p in self.pieces):
             self.state = "done"  # whole graphs only, each planned on its own peak: nothing to plan together
-            self._recheck_device_budget()
+            device_budget.recheck(self.pieces, self.backend.config.budget, self._device_type, RECORDED_STEP)
             return
         # (some piece has choices; whether this step calls one is known when it ends: a step of
         # whole graphs only is then left as it is, _finish_recording)
@@ -432,58 +338,12 @@ class StepRecorder:
         gc.collect()
         if not recording.start():
             return
-        self._resident = self._resident_bytes()
+        self._resident = device_budget.resident_bytes(self.pieces, self._device_type, RECORDED_STEP)
         self._recording = recording
         self._grads = GradWatch()
         if not self._grads.start():
             self._grads = None
         self.state = "recording"
-
-    def _resident_bytes(self) -> tuple[int, str]:
-        """What ``device_budget`` holds besides the step, as the recorded step starts: CUDA's
-        ``memory_allocated`` (at the first piece's forward: the embedding's output is in it);
-        elsewhere the largest of the pieces' own readings (``backend.resident_bytes``) without
-        the optimizer state they saw, plus the optimizer state of every piece's parameters now
-        (``memory.optimizer_state``: AdamW's, created by the first ``optimizer.step()``, after
-        the pieces compiled)."""
-        if self._device_type == "cuda":
-            return int(torch.cuda.memory_allocated()), "torch.cuda.memory_allocated() as the recorded step started"
-        read = [p for p in self.pieces if p.record.plan is not None and p.record.plan.resident_bytes is not None]
-        if not read:
-            return 0, "nothing read"
-        best = max(read, key=lambda p: p.record.plan.resident_bytes - p.state_at_compile)
-        state, what = optimizer_state.state_bytes(t for p in self.pieces for t in p.params())
-        source = best.record.plan.resident_source.replace(optimizer_state.COUNTED_LATER, "")
-        if state:
-            source += f"; with the optimizer state as step {RECORDED_STEP} started ({what})"
-        return best.record.plan.resident_bytes - best.state_at_compile + state, source
-
-    def _recheck_device_budget(self) -> None:
-        """As step ``RECORDED_STEP`` starts, graphs compiled whole only: ``device_budget`` checked
-        again on what is resident now. The optimizer's state (AdamW: two tensors per parameter)
-        is created by the first ``optimizer.step()``, after lynx read the resident bytes; a plan
-        whose peak no longer fits beside it is planned again within what is left (and swapped in
-        for this step), or refused naming the smallest ``device_budget`` reachable."""
-        budget = self.backend.config.budget
-        if budget is None or budget.device_nbytes is None:
-            return
-        resident, source = self._resident_bytes()
-        room = budget.device_nbytes - resident
-        for piece in self.pieces:
-            plan = piece.record.plan
-            if plan is None or plan.resident_bytes is None or plan.peak_bytes <= room:
-                continue
-            now = budget.with_resident(resident, source)  # (a BudgetError when nothing is left)
-            why = (f"what is resident grew from {format_bytes(plan.resident_bytes)} when graph "
-                   f"{piece.record.graph_id} compiled to {format_bytes(resident)} as step {RECORDED_STEP} started")
-            try:
-                piece.compiled, piece.record = piece.rebuild(piece.record, CandidateKey("plan", nbytes=room))
-            except BudgetError as e:
-                raise budget_error(now, plan.reference_peak_bytes, e.smallest_bytes, why) from None
-            note = (f"device_budget: {why} ({source}); graph {piece.record.graph_id} planned again within the "
-                    f"{format_bytes(room)} left for its step (was {format_bytes(plan.peak_bytes)})")
-            piece.record.notes.append(note)
-            log.warning("lynx: %s", note)
 
     def _finish_recording(self) -> None:
         if self.state != "ending":
@@ -510,57 +370,17 @@ class StepRecorder:
             return
         self._choose(as_ran)
         self.state = "recorded"
-        self._store_step()
+        cached.store(self._key, self.model, self.choice, self.reference, self.budget_bytes, self.outside)
 
     def _model(self, peaks: list[int | None], levels: list[int | None]) -> tuple[StepModel, StepModel]:
-        """The recorded step as segments: ``peaks[i]`` is the highest bytes measured between
-        mark ``i - 1`` and mark ``i``, ``levels[i]`` the bytes at mark ``i`` (None: mark ``i``
-        was not seen). Two models: the step as if it allocated its parameter gradients (``.grad``
-        None at its start), and as it ran (the same when it did); in both, the candidates that
-        ran have the transients measured (``StepModel.measured``, said in ``self.measured_note``)."""
+        """The recorded step as segments (``step.model.recorded``): the step as if it allocated its
+        parameter gradients (``.grad`` None at its start), and as it ran; the transients measured
+        other than lynx's memory model are said in ``self.measured_note``."""
         calls, marks, self.calls, self.marks = self.calls, self.marks, [], []
         grads, self.mark_grads = self.mark_grads, []
-        segments: list[Segment] = []
-        as_ran: list[Segment] = []
-        alive: set[int] = set()
-        running: tuple[int, str] | None = None
-        # what the step allocated before the recording started (the first call's activation
-        # inputs): in every segment. On CPU the allocator does not report the free of a block
-        # allocated before the recording; on CUDA the recording's base holds it
         before, self._before = self._before, 0
-        start: int | None = before  # the level the recording starts from
-        for (call, kind), peak, level, held in zip(marks, peaks, levels, [0, *grads[:-1]]):
-            if peak is None:
-                start = None
-                continue
-            peak += before
-            level = None if level is None else level + before
-            # + the gradients accumulated into an allocated .grad before this segment started,
-            # which a step starting with .grad None holds (memory.param_grads). One accumulated
-            # within the segment was in its measured peak until then (the backward's output that
-            # autograd adds into .grad and frees), so it counts from the next segment on.
-            segments.append(Segment(peak=peak + held, alive=tuple(sorted(alive)), running=running,
-                                    start=None if start is None else start + held))
-            as_ran.append(Segment(peak=peak, alive=tuple(sorted(alive)), running=running, start=start))
-            start = level
-            if kind == "fw0":
-                running = (call, "fw")
-            elif kind == "fw1":
-                running = None
-                alive.add(call)
-            elif kind == "bw0":
-                alive.discard(call)
-                running = (call, "bw")
-            elif kind == "bw1":
-                running = None
-        model = StepModel(graphs={p.key: p.record.step for p in calls}, calls=tuple(p.key for p in calls),
-                          segments=tuple(segments))
-        # the transients as the step ran them; a step that allocates its gradients holds, in a
-        # piece's backward, the gradients it accumulates there too, which a step that ran with
-        # .grad allocated did not measure: that one keeps the model's
-        as_ran, changes = dataclasses.replace(model, segments=tuple(as_ran)).measured()
-        if not any(grads):
-            model = as_ran
+        model, as_ran, changes = recorded({p.key: p.record.step for p in calls}, tuple(p.key for p in calls),
+                                          marks, peaks, levels, grads, before)
         self.measured_note = "; ".join(
             f"graph {g} '{model.graphs[g].current}' {kind} peak {format_bytes(new)} as measured "
             f"(lynx's memory model: {format_bytes(old)})" for g, kind, old, new in changes)
@@ -650,8 +470,8 @@ class StepRecorder:
     def _apply(self) -> None:
         self.state = "done"
         if self._refused is not None:  # a refusal from the plan cache: the same as when recorded
-            predicted, reference, why = self._refused
-            raise budget_error(self.backend.config.budget, reference, predicted, why + " (the step's refusal "
+            r = self._refused
+            raise budget_error(self.backend.config.budget, r.reference, r.predicted, r.why + " (the step's refusal "
                                f"from the plan cache, as when step {RECORDED_STEP} was recorded)")
         choice, model = self.choice, self.model
         outside_peak = max(self.outside, default=0)
@@ -676,7 +496,7 @@ class StepRecorder:
                    f"{format_bytes(self.budget_bytes)}; what runs outside them (embedding, LM head, "
                    "loss) is not recomputed: compile it too (the whole model, or the module "
                    "computing the loss) or raise the budget")
-            self._store_refusal(choice.predicted, why)
+            cached.store_refusal(self._key, cached.Refusal(int(choice.predicted), int(self.reference), why))
             raise budget_error(config.budget, self.reference, choice.predicted, why)
         changed = [f"graph {p.record.graph_id}: its own peak planned within {format_bytes(p.record.step_choice.plan_within)}"
                    for p in self.pieces if p.record.step_choice is not None and p.record.step_choice.plan_within is not None]

@@ -11,19 +11,23 @@ So at step 1 the recorder reads, per piece call, the value of each such symbol
 (:func:`seen_at`), keeps the largest over the step's calls of each graph, and at the start of
 step 2 (before it is recorded) the ranks take the largest over ranks (:func:`agreed`: every rank
 plans alike) and each graph whose sizes these are is planned again within them
-(``graph.values.sizes_seen``, ``StepRecorder._plan_sizes_seen``): its candidates' bytes and
+(``graph.values.sizes_seen``, :func:`plan_again`): its candidates' bytes and
 times, and which units fit in its all-to-all windows, are those of the routed counts seen.
 Routing moves from step to step; the plan holds for counts up to those of step 1 (a later step
 routing more tokens to this rank's experts allocates more than planned).
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Iterable
 
 import torch
 import torch.fx as fx
 
 from lynx_compile import _compat
+from lynx_compile.graph.values import UNBACKED_SIZE_HINT
+
+log = logging.getLogger("lynx_compile")
 
 
 def saved_symbols(fw: fx.GraphModule) -> tuple[str | None, ...]:
@@ -85,3 +89,40 @@ def agreed(per_graph: dict[int, dict[str, int]], graphs: Iterable[int], group: A
         if sizes:
             out[g] = sizes
     return out
+
+
+def plan_again(pieces: list[Any], seen: dict[int, dict[str, int]], group: Any) -> None:
+    """At the start of step 2: each of ``pieces`` whose graph has data-dependent sizes (an MoE
+    block's routed token counts) planned again (``Piece.replan``) with the values step 1 ran
+    (``seen``, per ``Piece.key``), the largest over its calls and the ranks (:func:`agreed`), in
+    place of ``UNBACKED_SIZE_HINT``; step 2 runs and is recorded with those plans."""
+    sized = [p for p in pieces if p.record.saved_symbols]
+    if not sized:
+        return
+    together = agreed(seen, dict.fromkeys(p.key for p in sized), group)
+    for piece in sized:
+        values = together.get(piece.key)
+        if not values or values == piece.record.unbacked_sizes:
+            continue
+        piece.replan(values)
+        note = (f"data-dependent sizes: planned again with those step 1 ran ({text(values)}; the largest over "
+                f"calls and ranks) in place of the hint of {UNBACKED_SIZE_HINT} per unbacked symbol")
+        piece.record.notes.append(note)
+        log.info("lynx: graph %d: %s", piece.record.graph_id, note)
+
+
+def ran_above_plan(piece: Any, node: Any) -> bool:
+    """After the plans: whether a call of ``piece`` (its backward node ``node``; None: not
+    read) ran data-dependent sizes above those its plan was made with (routing moved more tokens
+    to this rank's experts); said in a warning when it did: its memory is then above what the
+    plan holds."""
+    seen = seen_at(piece.record.saved_symbols, node) if node is not None else {}
+    planned = piece.record.unbacked_sizes or {}
+    over = {k: v for k, v in seen.items() if v > planned.get(k, v)}
+    if not over:
+        return False
+    log.warning("lynx: graph %d ran data-dependent sizes above those its plan was made with (%s; planned "
+                "with %s, the largest step 1 ran): while they last its memory is above the plan's. Said "
+                "once per graph; the plan is not made again", piece.record.graph_id,
+                text(over), text({k: planned[k] for k in over}))
+    return True
