@@ -174,6 +174,15 @@ class LynxConfig:
     runs and stop every rank with one error when they differ (different plans issue
     collectives in different orders, which deadlocks NCCL)."""
 
+    buffer_reuse: bool = True
+    """Inductor's buffer reuse in lynx's own placements (``_compat.inductor_reuse``): a freed
+    buffer's storage handed to a later buffer of its size instead of a free and an allocation,
+    where it keeps the plan's peak (freed just before), or within the budget's bytes above the
+    plan's predicted peak (a graph planned on its own peak), never a gradient kept as ``.grad``.
+    On CPU it saves ~80 allocator calls and 1.5-3.5% of a 4-layer step. False: every buffer its
+    own allocation, as Inductor's ``allow_buffer_reuse=False`` (the compiled peak is then the
+    predicted one exactly)."""
+
     measure_repeats: int = 5
     """Repeats per node when ``cost_source="measured"`` (the median is kept)."""
 
@@ -305,7 +314,7 @@ def make_config(options: dict[str, Any] | None = None) -> LynxConfig:
 
 
 _BOOLS = ("plan_cache", "windows", "offload", "recompute_in_wait", "side_stream", "check_plan_agreement",
-          "trace_recompute", "verbose", "weight_split")
+          "trace_recompute", "verbose", "weight_split", "buffer_reuse")
 
 
 def _check_types(options: dict[str, Any]) -> None:

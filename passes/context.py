@@ -96,6 +96,29 @@ class GraphRecord:
     ``.grad`` inside the backward, or returned at its end, and why), decided when the graph
     compiles; None before."""
 
+    @property
+    def reuse_headroom(self) -> int:
+        """Bytes Inductor's buffer reuse may hold above the plan's predicted peak
+        (``compiler.inductor_partition.BufferReuse``): the budget's bytes above it, for a graph
+        planned on its own peak (the budget bounds the step it is); 0 elsewhere (a piece, whose
+        budget is of the step's plan across pieces; no budget): there only a buffer freed just
+        before its reuse is reused."""
+        plan = self.plan
+        if plan is None or plan.budget_scope != "peak" or plan.budget_bytes is None or self.step_choice is not None:
+            return 0
+        return max(0, plan.budget_bytes - plan.peak_bytes)
+
+    @property
+    def compiled_peak_bound(self) -> int | None:
+        """The most this graph's compiled code may peak at: the plan's predicted peak plus what
+        Inductor's buffer reuse held (``stats["buffer_reuse"]``; its headroom where not reported,
+        a compile served by a cache)."""
+        if self.plan is None:
+            return None
+        reuse = self.stats.get("buffer_reuse")
+        held = reuse["held_bytes"] if reuse else (0 if self.torch_partition else self.reuse_headroom)
+        return self.plan.peak_bytes + held
+
     def to_dict(self) -> dict[str, Any]:
         problem, index, self.problem, self.unit_index = self.problem, self.unit_index, None, None
         try:

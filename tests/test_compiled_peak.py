@@ -202,8 +202,9 @@ def _llama_full_peak(lynx_settings: bool) -> tuple[int, int]:
     idx = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(1))
     disabled = () if lynx_settings else ("split_shared_pointwise_pass",)
     # the gradients returned (the pile), as when these numbers were taken: the test is of Inductor's fusion
+    # before: Inductor's own buffer reuse rule (lynx's, option buffer_reuse, holds nothing above the plan)
     backend = lynx_compile.backend(policy="full", plan_cache=False, disable_passes=disabled,
-                                   accumulate_grad_in_graph=False)
+                                   accumulate_grad_in_graph=False, buffer_reuse=lynx_settings)
     first = len(backend.records)  # the backend is shared with every compile of the same options
     compiled = torch.compile(model, backend=backend)
     saved = _compat.INDUCTOR_KEEP_PLACEMENT["allow_buffer_reuse"]

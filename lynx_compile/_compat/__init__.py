@@ -17,6 +17,8 @@ Modules, each re-exported here (import from the package, not from a module of it
   one partitioned graph, or at an activation-memory budget.
 - ``inductor_fusion``: the horizontal fusions refused in lynx's placements (a recomputed kernel
   with an independent one sharing under 1 MiB of reads), through Inductor's choices handler.
+- ``inductor_reuse``: Inductor's buffer reuse under a rule lynx's memory model can promise
+  (within a headroom, never a buffer kept as ``.grad``).
 - ``keyed_passes``: lynx's partitioner and passes as Inductor config entries, pickled in its
   cache keys as their uuid.
 - ``inductor_schedule``: from inside Inductor's compile: ordering edges, graph inputs, its
@@ -94,6 +96,7 @@ from lynx_compile._compat.inductor_fusion import (
     refuses_horizontal_fusion,
     refusing_recompute_fusion,
 )
+from lynx_compile._compat.inductor_reuse import ReuseRule, buffer_reuse_within
 from lynx_compile._compat.inductor_schedule import (
     inductor_atomic_add_falls_back,
     inductor_graph_input_names,
@@ -154,6 +157,9 @@ __all__ = [
     # inductor_fusion
     "RECOMPUTE_FUSION_SHARED_BYTES", "CompiledKernels", "recording_kernels", "refuses_horizontal_fusion",
     "refusing_recompute_fusion",
+    # inductor_reuse
+    "ReuseRule",
+    "buffer_reuse_within",
     # inductor_schedule
     "inductor_atomic_add_falls_back", "inductor_graph_input_names", "inductor_preserve_node_ordering", "inductor_realize_thresholds",
     "inductor_schedule_memory",

@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 from torch._functorch import config as _functorch_config
 
+from lynx_compile._compat.inductor_reuse import buffer_reuse_within
 from lynx_compile._compat.keyed_passes import _chained_post_grad_pass, _keyed_partitioner_class, _scheduler_pass
 from lynx_compile._compat.tracing import adopt_unbacked_symbols
 
@@ -41,7 +42,8 @@ def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, 
                                       post_grad: Callable | None = None,
                                       post_fusion: Callable | None = None,
                                       inner_compile: Callable | None = None,
-                                      autograd_cache: bool = False, *, source_digest: str) -> Callable:
+                                      autograd_cache: bool = False, reuse: Any = None, *,
+                                      source_digest: str) -> Callable:
     """Compile a dynamo graph with Inductor end to end (``compile_fx``: decompositions, joint
     passes, then ``partitioner`` instead of min-cut, post-grad passes, fused codegen) —
     ``torch.compile``'s own pipeline with only the partition replaced.
@@ -66,7 +68,11 @@ def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, 
     backward's with ``is_backward=True``; see :func:`inductor_compile_graph`). ``source_digest``:
     lynx's sources (``caches.source_digest``), part of the partitioner's and ``post_grad``'s keys
     in Inductor's and AOTAutograd's caches, so that a changed lynx never reuses their entries
-    (the caller passes it: ``_compat`` imports nothing of lynx)."""
+    (the caller passes it: ``_compat`` imports nothing of lynx). ``reuse``: where the placement
+    is kept, Inductor's buffer reuse under lynx's rule (``inductor_reuse.buffer_reuse_within``):
+    ``reuse.headroom()`` (bytes) and ``reuse.keep_ops`` are read at each graph's compile and
+    ``reuse.done(rule)`` is called after it (a graph served by Inductor's FX-graph cache reports
+    no graph: the rule was not consulted); its headroom must be in ``post_grad``'s cache key."""
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
@@ -79,6 +85,8 @@ def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, 
         # first backward, after this call has returned
         plain = inner_compile or compile_fx_inner
         inner_compile = sys.modules[__package__].refusing_recompute_fusion(plain)
+        if reuse is not None:
+            inner_compile = _reusing(reuse, inner_compile)
         if callable(keep_placement):
             inner_compile = _placement_if(keep_placement, inner_compile, plain, keep_recompute_apart,
                                           # buffer reuse stays off: lynx adds gradients into .grad
@@ -126,6 +134,19 @@ def _cacheable_rng_replay() -> dict:
     marked = dict(inductor_config.unsafe_marked_cacheable_functions)
     marked[f"{replay.__module__}.{replay.__name__}"] = torch.__version__
     return {"unsafe_marked_cacheable_functions": marked}
+
+
+def _reusing(reuse: Any, compile_inner: Callable) -> Callable:
+    """``compile_inner`` with Inductor's buffer reuse under lynx's rule (``buffer_reuse_within``)."""
+
+    @functools.wraps(compile_inner)
+    def compile_reusing(*args: Any, **kwargs: Any) -> Any:
+        with buffer_reuse_within(reuse.headroom(), reuse.keep_ops) as rule:
+            out = compile_inner(*args, **kwargs)
+        reuse.done(rule)
+        return out
+
+    return compile_reusing
 
 
 def _placement_if(keep: Callable[[], bool], keeping: Callable, plain: Callable, apart: Callable[[], bool] | None,

@@ -245,7 +245,8 @@ class LynxBackend:
         estimate of the compiled step's peak goes on the plan once the backward is compiled.
         ``config``: this graph's (``self.config`` with its resident bytes)."""
         from lynx_compile.distributed.agreement import planning_group
-        from lynx_compile.compiler.inductor_partition import CompiledPeak, LynxPartitioner, LynxPostGrad, WeightSplitCompile
+        from lynx_compile.compiler.inductor_partition import (BufferReuse, CompiledPeak, LynxPartitioner, LynxPostGrad,
+                                                              WeightSplitCompile)
 
         # policy lynx with no budget (and no plan file) keeps torch.compile's own partition: no
         # placement of lynx's to keep, so Inductor runs as in torch.compile (bit for bit: its
@@ -276,6 +277,7 @@ class LynxBackend:
                     keep_recompute_apart=lambda: record.keep_recompute_apart,
                     post_grad=LynxPostGrad(config, record) if own_placement else None, post_fusion=peak,
                     inner_compile=split, autograd_cache=cached,
+                    reuse=BufferReuse(record) if own_placement and config.buffer_reuse else None,
                     source_digest=lynx_source_digest())
                 served = _compat.dynamo_counters()["aot_autograd"]["autograd_cache_hit"] > hits
                 # served by AOTAutograd's cache, not partitioned: the plan is the one kept

@@ -167,6 +167,38 @@ class CompiledPeak:
         return max(self.forward_bytes, self.backward_bytes)
 
 
+class BufferReuse:
+    """Inductor's buffer reuse for lynx's own placements (``_compat.buffer_reuse_within``; the
+    ``reuse`` of ``_compat.inductor_compile_with_partitioner``): within ``GraphRecord.reuse_headroom``,
+    never a gradient ``lynx::accumulate_grads`` may keep as ``.grad``. What each compile held
+    goes into the record (``stats["buffer_reuse"]``, a note); a compile served by Inductor's
+    FX-graph cache reports its headroom, the most it may hold."""
+
+    def __init__(self, record: GraphRecord):
+        self.record = record
+
+    @property
+    def keep_ops(self) -> tuple:
+        from lynx_compile.memory import grad_in_graph
+
+        return (grad_in_graph.accumulate_grads_op(),)
+
+    def headroom(self) -> int:
+        return self.record.reuse_headroom
+
+    def done(self, rule: Any) -> None:
+        stats = self.record.stats.setdefault("buffer_reuse", {"headroom_bytes": rule.headroom, "held_bytes": 0,
+                                                              "reused": 0, "refused": 0})
+        stats["headroom_bytes"] = rule.headroom
+        stats["held_bytes"] = max(stats["held_bytes"], rule.held() if rule.graphs else rule.headroom)
+        stats["reused"] += rule.reused
+        stats["refused"] += rule.refused
+        if rule.graphs:
+            log.info("lynx graph %d: Inductor's buffer reuse: %d buffers reused, %d refused, up to %d B held at once "
+                     "(headroom %d B above the predicted peak)", self.record.graph_id, rule.reused, rule.refused,
+                     rule.held(), rule.headroom)
+
+
 class LynxPostGrad:
     """Inductor's post-grad hook for lynx's own placements: ``passes.POST_GRAD_PIPELINE``
     (``split_late_addmm_pass``, ``split_shared_pointwise_pass``, then ``pin_windows_pass``, last:
@@ -208,7 +240,9 @@ class LynxPostGrad:
         names = map(pass_name, POST_GRAD_PIPELINE)
         if self.record.torch_partition:  # (the fusion refusal is in no other cache key)
             return ("torch_partition", "recompute_apart") if self.record.keep_recompute_apart else ("torch_partition",)
-        return tuple(name for name in names if name not in self.config.disable_passes)
+        # (the buffer reuse's headroom decides the wrapper code: BufferReuse)
+        reuse = f"reuse_headroom={self.record.reuse_headroom}" if self.config.buffer_reuse else "no_buffer_reuse"
+        return (*(name for name in names if name not in self.config.disable_passes), reuse)
 
 
 class WeightSplitCompile:

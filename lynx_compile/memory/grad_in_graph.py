@@ -176,6 +176,12 @@ def _(params: list[torch.Tensor], grads: list[torch.Tensor], keep: list[bool]) -
 _compat.mark_side_effect(torch.ops.lynx.accumulate_grads.default)
 
 
+def accumulate_grads_op():
+    """The op (``torch.ops.lynx.accumulate_grads.default``): what Inductor's buffer reuse must not
+    hand a buffer of (``compiler.inductor_partition.BufferReuse``: it may be kept as ``.grad``)."""
+    return torch.ops.lynx.accumulate_grads.default
+
+
 class GradsInGraph(NamedTuple):
     """Where one graph's parameter gradients go (:func:`decide`)."""
 

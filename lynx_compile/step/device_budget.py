@@ -48,7 +48,8 @@ def recheck(pieces: list[Any], budget: Any, device_type: str, step: int) -> None
     room = budget.device_nbytes - resident
     for piece in pieces:
         plan = piece.record.plan
-        if plan is None or plan.resident_bytes is None or plan.peak_bytes <= room:
+        # (the compiled code's peak: the plan's, plus what Inductor's buffer reuse held)
+        if plan is None or plan.resident_bytes is None or piece.record.compiled_peak_bound <= room:
             continue
         now = budget.with_resident(resident, source)  # (a BudgetError when nothing is left)
         why = (f"what is resident grew from {format_bytes(plan.resident_bytes)} when graph "
