@@ -89,10 +89,12 @@ def inductor_compile_with_partitioner(gm: fx.GraphModule, example_inputs: list, 
             inner_compile = _reusing(reuse, inner_compile)
         if callable(keep_placement):
             inner_compile = _placement_if(keep_placement, inner_compile, plain, keep_recompute_apart,
-                                          # buffer reuse stays off: lynx adds gradients into .grad
-                                          # in the graph, and with .grad None a reused buffer
-                                          # became a .grad that a later kernel overwrote (wrong
-                                          # gradients, gpt-tiny per block at 0.5)
+                                          # buffer reuse stays off here (torch's partitions):
+                                          # lynx adds gradients into .grad in the graph, and with
+                                          # .grad None a reused buffer became a .grad that a later
+                                          # kernel overwrote (wrong gradients, gpt-tiny per block
+                                          # at 0.5); lynx's placements reuse under its own rule
+                                          # (``reuse``: inductor_reuse)
                                           {k: getattr(inductor_config, k) for k in settings if k != "allow_buffer_reuse"})
     if post_grad is not None:
         patches["post_grad_custom_post_pass"] = _chained_post_grad_pass(inductor_config.post_grad_custom_post_pass,

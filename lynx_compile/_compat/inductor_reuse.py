@@ -6,8 +6,8 @@ and device instead of freeing it and allocating anew (``config.allow_buffer_reus
 Its own rule takes a reuse where its estimate of the graph's memory allows, and that estimate
 counts the graph's inputs (the parameters) until their last reader: loose, so a reuse may hold a
 buffer above the peak lynx planned (HF Llama under ``full``: 99 KB). Off, every buffer is one
-allocation and one free: on CPU, ~80 more allocator calls in a 4-layer backward and 1.5-3.5% of
-the step (``benchmarks/results/buffer_reuse_cpu_s32.md``).
+allocation and one free: on CPU, ~90 more allocator calls in a 4-layer step (245 against
+torch.compile's 129 on gpt-small) and 0.2-1% of its time (``benchmarks/results/buffer_reuse_cpu_s32.md``).
 
 :func:`buffer_reuse_within` turns it on under lynx's rule (``AllocateLine.should_reuse_buffer``
 replaced while Inductor generates code inside it):
