@@ -171,7 +171,7 @@ class BufferReuse:
     """Inductor's buffer reuse for lynx's own placements (``_compat.buffer_reuse_within``; the
     ``reuse`` of ``_compat.inductor_compile_with_partitioner``): within ``GraphRecord.reuse_headroom``,
     never a gradient ``lynx::accumulate_grads`` may keep as ``.grad``. What each compile held
-    goes into the record (``stats["buffer_reuse"]``, a note); a compile served by Inductor's
+    goes into the record (``stats["buffer_reuse"]``) and the log; a compile served by Inductor's
     FX-graph cache reports its headroom, the most it may hold."""
 
     def __init__(self, record: GraphRecord):
