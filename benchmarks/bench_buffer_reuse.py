@@ -33,8 +33,6 @@ import bench_step  # noqa: E402
 
 
 def _variant(name: str, s: "bench_step.Settings", placement: dict | None, reuse: bool):
-    from torch._inductor.utils import run_and_get_code
-
     from lynx_compile import _compat
     from lynx_compile.memory.measure import cpu_peak_bytes, grad_snapshot
     from lynx_compile.tools import variants
@@ -57,7 +55,8 @@ def _variant(name: str, s: "bench_step.Settings", placement: dict | None, reuse:
         _compat.INDUCTOR_KEEP_PLACEMENT = placement
     try:
         torch.manual_seed(1234)
-        _, codes = run_and_get_code(step)
+        with _compat.inductor_output_code() as codes:
+            step()
         first = grad_snapshot(model)
         step()
     finally:
@@ -74,8 +73,9 @@ def run_case(case: str, rounds: int) -> list[dict]:
     model_name, budget, setting = case.rsplit(":", 2)
     s = bench_step.Settings(model=model_name, layers=4, seq=64, batch=4, zero_grad=1)
     _, ref = bench_step.eager_reference(s)
-    plain = {k: v for k, v in __import__("lynx_compile")._compat.INDUCTOR_KEEP_PLACEMENT.items()
-             if k != "allow_buffer_reuse"}
+    from lynx_compile import _compat
+
+    plain = {k: v for k, v in _compat.INDUCTOR_KEEP_PLACEMENT.items() if k != "allow_buffer_reuse"}
     # a hair apart: one lynx backend per budget (dynamo shares a backend's code between copies)
     names = {"lynx": (f"lynx-b{budget}", None, True),
              "lynx, buffer_reuse=False": (f"lynx-b{float(budget) + 1e-7:.7f}", None, False),
