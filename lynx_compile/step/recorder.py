@@ -379,12 +379,37 @@ class StepRecorder:
         calls, marks, self.calls, self.marks = self.calls, self.marks, [], []
         grads, self.mark_grads = self.mark_grads, []
         before, self._before = self._before, 0
+        peaks, levels, grads, before = self._every_ranks(marks, peaks, levels, grads, before)
         model, as_ran, changes = recorded({p.key: p.record.step for p in calls}, tuple(p.key for p in calls),
                                           marks, peaks, levels, grads, before)
         self.measured_note = "; ".join(
             f"graph {g} '{model.graphs[g].current}' {kind} peak {format_bytes(new)} as measured "
             f"(lynx's memory model: {format_bytes(old)})" for g, kind, old, new in changes)
         return model, as_ran
+
+    def _every_ranks(self, marks: list, peaks: list[int | None], levels: list[int | None], grads: list[int],
+                     before: int) -> tuple[list[int | None], list[int | None], list[int], int]:
+        """The step as every rank of the planning group measured it: each mark's peak, level and
+        ``.grad`` bytes, the highest any rank measured (a mark one rank did not see: unseen). The
+        ranks' measurements differ (under gloo a collective's buffer is freed by another thread,
+        sometimes after the mark that follows it); a model built from each rank's own chose
+        differently per rank, and then the ranks' plans of one graph disagreed
+        (``PlanMismatchError`` at step 3, session 32's suite). Built from the highest, the step's
+        model and choice are the same on every rank, and hold each rank's measured step."""
+        from lynx_compile.distributed.agreement import gather_values, planning_group
+
+        with planning_group(self.backend.planning_group), _compat.eager_dispatch():
+            everyone = gather_values((len(marks), peaks, levels, grads, before))
+        if len({e[0] for e in everyone}) > 1:
+            raise RuntimeError("lynx: the ranks recorded steps of different shapes (marks per step "
+                               f"{[e[0] for e in everyone]}); every rank must run the same compiled pieces")
+
+        def highest(column):
+            return None if any(v is None for v in column) else max(column)
+
+        return ([highest(c) for c in zip(*(e[1] for e in everyone))],
+                [highest(c) for c in zip(*(e[2] for e in everyone))],
+                [max(c) for c in zip(*(e[3] for e in everyone))], max(e[4] for e in everyone))
 
     # -- choosing and applying ---------------------------------------------------------------
     def _choose(self, as_ran: StepModel) -> None:
