@@ -78,3 +78,22 @@ def test_ranks_measuring_a_step_apart_plan_it_alike():
     assert r0["choice"] == r1["choice"], (r0["choice"], r1["choice"])
     assert r0["fingerprints"] == r1["fingerprints"] and all(r0["fingerprints"]), (r0["fingerprints"], r1["fingerprints"])
     assert r0["segments"] == r1["segments"], (r0["segments"], r1["segments"])
+
+
+def test_a_forced_candidate_the_ranks_partitioned_apart_is_named():
+    """Compiling a piece again with the step's choice realizes that one candidate; where the
+    ranks partitioned it differently (torch's min-cut breaking a tie in set order) nothing is
+    yielded, and the error names the candidate and the way out (it was a bare StopIteration)."""
+    import types
+
+    import pytest
+
+    from lynx_compile.decisions import CandidateKey
+    from lynx_compile.distributed.agreement import PlanMismatchError
+    from lynx_compile.recompute.decide import _only
+
+    ctx = types.SimpleNamespace(record=types.SimpleNamespace(notes=["torch@0.4: ranks partitioned it differently"]))
+    name = CandidateKey("torch", setting=0.4)
+    assert _only(name, iter([(name, "applied")]), ctx) == "applied"
+    with pytest.raises(PlanMismatchError, match=r"chose 'torch@0.4'.*partitioned it differently.*plan='plan.json'"):
+        _only(name, iter([]), ctx)

@@ -237,9 +237,9 @@ def _forced_piece(joint, ctx: PassContext, kw: dict, name: CandidateKey, frac: f
         own = plan_lynx(joint, ctx, *_problem_base(joint, ctx, kw), target, kw)
         applied = own.applied
     elif name.policy == "torch":
-        applied = next(a for _, a in seeds.baseline_candidates(joint, ctx, kw, (), None, (name.setting,)))
+        applied = _only(name, seeds.baseline_candidates(joint, ctx, kw, (), None, (name.setting,)), ctx)
     else:
-        applied = next(a for _, a in seeds.baseline_candidates(joint, ctx, kw, (name.policy,), None))
+        applied = _only(name, seeds.baseline_candidates(joint, ctx, kw, (name.policy,), None), ctx)
     cost = seeds.exposed(applied, joint)
     choice = step_candidate(name, cost, applied.mem,
                             saved_input_bytes(applied.fw, applied.bw, activation_inputs(joint, kw)))
@@ -247,6 +247,20 @@ def _forced_piece(joint, ctx: PassContext, kw: dict, name: CandidateKey, frac: f
                                    incoming_bytes=incoming_bytes(joint))
     note = f"one block or a piece of a model: '{name}', chosen for the step's pieces planned together"
     return _piece_outcome(joint, ctx, name, cost, applied, own, note)
+
+
+def _only(name: CandidateKey, candidates, ctx: PassContext):
+    """The one candidate ``baseline_candidates`` yields for ``name``; none (with several ranks:
+    they partitioned it apart, torch's min-cut breaking a tie in set order) is an error naming it
+    (it was a ``StopIteration`` escaping the compile)."""
+    for _, applied in candidates:
+        return applied
+    from lynx_compile.distributed.agreement import PlanMismatchError
+
+    raise PlanMismatchError(
+        f"lynx: the step's plan chose '{name}' for this graph, and the ranks partitioned it differently "
+        f"this time ({'; '.join(ctx.record.notes[-1:])}). Plan once with `lynx plan --out plan.json` and pass "
+        "plan='plan.json' on every rank, or ask for another memory_budget.")
 
 
 def step_candidate(name: CandidateKey, exposed_s: float, mem, held_inputs: int = 0) -> Candidate:
