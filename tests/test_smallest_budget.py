@@ -115,29 +115,3 @@ def test_policy_fulls_measured_fraction_is_accepted(refusals):
     model, x = _model()
     lynx = plan_model(model, (x,), memory_budget=fraction, **OPTIONS)[-1].plan  # a refusal raises here
     assert lynx.peak_bytes <= lynx.budget_bytes
-
-
-def test_at_the_named_budget_what_saves_more_is_not_extracted(refusals, monkeypatch):
-    """Compiled at the budget a refusal named (a graph compiled whole is, until the step shows
-    whether it is alone), a candidate whose saved values alone hold more than the budget is
-    skipped at torch's choice, not extracted and simulated, and the plan is the one every
-    candidate realized gives (the same candidate, peak and exposed recompute); each candidate
-    skipped peaks above the budget, exactly, when realized."""
-    from lynx_compile.recompute import seeds
-
-    (_, named, _), _ = refusals
-
-    def plan():
-        model, x = _model()
-        return plan_model(model, (x,), memory_budget=named, **OPTIONS)[-1]
-
-    record = plan()
-    skipped = {k: c["peak_at_least_bytes"] for k, c in record.stats["candidates"].items() if "peak_at_least_bytes" in c}
-    monkeypatch.setattr(seeds, "saved_floor_bytes", lambda *a, **k: 0)  # every candidate realized
-    every = plan()
-    exact = {k: c["peak_bytes"] for k, c in every.stats["candidates"].items() if "peak_bytes" in c}
-    assert skipped, record.stats["candidates"]
-    for k, at_least in skipped.items():
-        assert record.plan.budget_bytes < at_least <= exact[k], (k, at_least, exact[k], record.plan.budget_bytes)
-    assert (record.plan.solver, record.plan.peak_bytes, record.plan.exposed_s) == \
-        (every.plan.solver, every.plan.peak_bytes, every.plan.exposed_s)

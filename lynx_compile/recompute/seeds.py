@@ -244,12 +244,7 @@ def seed_with_baselines(joint, ctx: PassContext, kw: dict, budget: int, referenc
     every peak a baseline reaches with no more exposed recompute. Where the optimizer has no
     plan under the budget (on any rank), torch's min-cut is tried at ``TORCH_SETTINGS`` too, and
     when nothing fits, at ``LAST_SETTINGS`` and the optimizer at its own smallest peak; still
-    nothing: a ``BudgetError`` naming the lowest exact peak of those (:func:`_refusal`).
-
-    A torch min-cut choice (and a baseline's, planned on one rank) that saves more than the
-    budget is not extracted: it cannot fit. Where nothing fits, those are realized after all, so
-    the refusal names the lowest exact peak of every candidate, as before; where something fits
-    (a graph compiled again at the smallest peak a refusal named) they cost their choice only."""
+    nothing: a ``BudgetError`` naming the lowest exact peak of those (:func:`_refusal`)."""
     from lynx_compile.recompute.optimize import SMALLEST
 
     frac = min(1.0, budget / reference_peak)
@@ -263,19 +258,14 @@ def seed_with_baselines(joint, ctx: PassContext, kw: dict, budget: int, referenc
     floor = {*map(CandidateKey, policies), *(CandidateKey("torch", setting=s) for s in settings)} if failed_somewhere else set()
     # where lynx's plan fits, a baseline that exposes at least as much cannot win: not realized
     beat = weighed.best[1] if weighed.best is not None and not failed_somewhere else None
-    # a candidate that saves more than the budget is not extracted (it cannot fit); where nothing
-    # fits, those are realized after all, for the lowest exact peak a refusal names
-    for name, applied in baseline_candidates(joint, ctx, kw, policies, frac, settings, beat=beat, budget=budget):
+    for name, applied in baseline_candidates(joint, ctx, kw, policies, frac, settings, beat=beat,
+                                             budget=budget if beat is not None else None):
         weighed.add(name, applied, name in floor)
     if failed_somewhere:
-        if _nothing_fits(weighed):  # on every rank: the optimizer's solve is agreed on by a collective
-            for name, applied in _last_candidates(joint, ctx, kw, budget):
-                weighed.add(name, applied, True)
-        if _nothing_fits(weighed):
-            over = weighed.over_budget()
-            again = (*(p for p in policies if CandidateKey(p) in over),)
-            for name, applied in baseline_candidates(joint, ctx, kw, again, None, tuple(
-                    k.setting for k in over if k.policy == "torch")):
+        with _compat.eager_dispatch():
+            nothing_fits = any(gather_values(weighed.best is None))
+        if nothing_fits:  # on every rank: the optimizer's solve is agreed on by a collective
+            for name, applied in _last_candidates(joint, ctx, kw):
                 weighed.add(name, applied, True)
     ctx.record.stats["candidates"] = {
         str(k): {"exposed_s": e, "peak_bytes": b} if b is not None else e.stats() for k, (e, b) in weighed.scores.items()}
@@ -308,10 +298,6 @@ class _Weighing:
             self.best = (CandidateKey("lynx"), exposed(outcome.applied, joint), outcome)
             self.scores[self.best[0]] = (self.best[1], outcome.applied.mem.peak_bytes)
 
-    def over_budget(self) -> list[CandidateKey]:
-        """The candidates skipped as saving more than the budget, in the order they were tried."""
-        return [k for k, (e, _) in self.scores.items() if isinstance(e, Skipped) and e.peak_at_least_bytes is not None]
-
     def add(self, name: CandidateKey, applied: Applied | Skipped, in_floor: bool) -> None:
         from lynx_compile.recompute.optimize import SMALLEST, LynxOutcome
 
@@ -334,19 +320,12 @@ class _Weighing:
                 plan_time_s=outcome.plan_time_s if outcome else 0.0, solve_s=outcome.solve_s if outcome else 0.0))
 
 
-def _nothing_fits(weighed: "_Weighing") -> bool:
-    """Whether no candidate fits the budget on some rank (a collective: every rank calls it)."""
-    with _compat.eager_dispatch():
-        return any(gather_values(weighed.best is None))
-
-
-def _last_candidates(joint, ctx: PassContext, kw: dict, budget: int | None = None):
-    """(name, Applied) of torch's min-cut at ``LAST_SETTINGS`` (one that saves more than
-    ``budget``: ``Skipped``), then of lynx's optimizer at its own smallest peak
-    (``optimize.plan_smallest``)."""
+def _last_candidates(joint, ctx: PassContext, kw: dict):
+    """(name, Applied) of torch's min-cut at ``LAST_SETTINGS``, then of lynx's optimizer at its
+    own smallest peak (``optimize.plan_smallest``)."""
     from lynx_compile.recompute.optimize import SMALLEST, plan_smallest
 
-    yield from baseline_candidates(joint, ctx, kw, (), None, LAST_SETTINGS, budget=budget)
+    yield from baseline_candidates(joint, ctx, kw, (), None, LAST_SETTINGS)
     applied = plan_smallest(joint, ctx, kw)
     if applied is not None:
         yield SMALLEST, applied
@@ -402,7 +381,7 @@ def baseline_candidates(joint: fx.GraphModule, ctx: PassContext, kw: dict, polic
         name = CandidateKey("torch", setting=torch_budget) if policy == "torch" else CandidateKey(policy)
         sub = scratch_context(ctx, policy, str(name))
         check = contextlib.nullcontext()
-        if (beat is not None or budget is not None) and (policy == "torch" or not several):  # a choice that cannot win is not extracted
+        if beat is not None and (policy == "torch" or not several):  # a choice that cannot win is not extracted
             check = _compat.min_cut_checks_choice(functools.partial(_check_choice, joint, ctx, beat, budget, storages))
         if policy != "torch":
             user = policy == USER
@@ -440,14 +419,12 @@ def baseline_candidates(joint: fx.GraphModule, ctx: PassContext, kw: dict, polic
         yield name, applied
 
 
-def _check_choice(joint: fx.GraphModule, ctx: PassContext, beat: float | None, budget: int | None, storages: dict,
+def _check_choice(joint: fx.GraphModule, ctx: PassContext, beat: float, budget: int | None, storages: dict,
                   saved: frozenset) -> None:
-    """Raise :class:`_CannotWin` when a min-cut choice that saves ``saved`` cannot win: it exposes
-    at least ``beat`` (a plan that fits exposes that), or it saves more than ``budget``."""
-    if beat is not None:
-        floor = min_cut_floor(joint, ctx, saved) - _writes_bound(ctx)
-        if floor >= beat:
-            raise _CannotWin(Skipped(exposed_at_least_s=floor))
+    """Raise :class:`_CannotWin` when a min-cut choice that saves ``saved`` cannot win."""
+    floor = min_cut_floor(joint, ctx, saved) - _writes_bound(ctx)
+    if floor >= beat:
+        raise _CannotWin(Skipped(exposed_at_least_s=floor))
     held = saved_floor_bytes(joint, ctx, saved, storages) if budget is not None else 0
     if budget is not None and held > budget:
         raise _CannotWin(Skipped(peak_at_least_bytes=held))
