@@ -9,8 +9,19 @@ own checkpointing and of budgets per region; ``tests/test_ddp.py`` and
 ``benchmarks/bench_ddp.py`` run it under DDP."""
 import torch
 
+from lynx_compile.compiler.dynamo_backend import LynxBackend
+from lynx_compile.config import make_config
 from lynx_compile.memory.measure import cpu_peak_bytes
 from lynx_compile.models import example_batch
+
+
+def per_block(model, options: dict, **compile_kw) -> LynxBackend:
+    """A lynx backend with ``options`` (no plan cache) compiling each of ``model.blocks`` apart
+    (``block.compile(backend=..., **compile_kw)``), as torchtitan's trainer compiles."""
+    backend = LynxBackend(make_config({**options, "plan_cache": False}))
+    for block in model.blocks:
+        block.compile(backend=backend, **compile_kw)
+    return backend
 
 
 def reset_grads(params, grads: str) -> None:

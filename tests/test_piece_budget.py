@@ -17,16 +17,11 @@ from lynx_compile.config import make_config
 from lynx_compile.memory.measure import measure_step
 from lynx_compile.models import build_model, example_batch
 
+from _steps import per_block
+
 
 def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def _per_block(model, options):
-    backend = LynxBackend(make_config({**options, "plan_cache": False}))
-    for block in model.blocks:
-        block.compile(backend=backend)
-    return backend
 
 
 @pytest.mark.parametrize("compiler", ["inductor", "eager"])
@@ -37,8 +32,8 @@ def test_per_block_compile_at_half_budget_equals_eager_and_saves_memory(compiler
     # batch 4: the step's plan holds for a step that starts from .grad None too (its gradients
     # kept, memory.param_grads); at batch 2 they are so much of the step that 0.5 is refused (0.713)
     x = example_batch(model, 4)
-    backend = _per_block(model, {"policy": "lynx", "memory_budget": 0.5, "compiler": compiler})
-    _per_block(none_model, {"policy": "none", "compiler": compiler})
+    backend = per_block(model, {"policy": "lynx", "memory_budget": 0.5, "compiler": compiler})
+    per_block(none_model, {"policy": "none", "compiler": compiler})
     loss = model(x).loss
     loss.backward()
     want = ref(x).loss

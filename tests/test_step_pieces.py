@@ -19,6 +19,8 @@ from lynx_compile.memory.measure import cpu_peak_bytes, measure_step
 from lynx_compile.models import build_model, example_batch
 from lynx_compile.step.model import Candidate, GraphChoices, Segment, StepModel, choose
 
+from _steps import per_block
+
 
 def _c(name, exposed, saved, fw=None, bw=None):
     """A candidate named by its key's text (``half``: torch's min-cut at 0.5, ``late`` at 0.2)."""
@@ -176,13 +178,6 @@ def test_the_allocator_counts_a_free_on_another_thread_while_lynx_records():
     assert again[-1][3] - again[0][3] == 300  # off again after the block
 
 
-def _per_block(model, options):
-    backend = LynxBackend(make_config({**options, "plan_cache": False}))
-    for block in model.blocks:
-        block.compile(backend=backend, fullgraph=True)
-    return backend
-
-
 def _inductor_per_block(model):
     for block in model.blocks:
         block.compile(backend="inductor", fullgraph=True)
@@ -208,7 +203,7 @@ def test_per_block_budget_holds_on_the_measured_whole_step(monkeypatch):
     model = build_model("gpt-tiny", dropout=0.0, n_layers=4)
     ref, plain = copy.deepcopy(model), copy.deepcopy(model)
     x = example_batch(model, 4, generator=torch.Generator().manual_seed(1))
-    backend = _per_block(model, {"policy": "lynx", "memory_budget": 0.5})
+    backend = per_block(model, {"policy": "lynx", "memory_budget": 0.5}, fullgraph=True)
     _inductor_per_block(plain)
     for step in range(3):  # step 2 is recorded, step 3 runs the pieces planned together
         for m in (model, ref):
@@ -249,7 +244,7 @@ def test_a_step_recorded_with_grad_allocated_is_planned_for_grad_none_too():
     model = build_model("gpt-tiny", dropout=0.0, n_layers=4)
     plain = copy.deepcopy(model)
     x = example_batch(model, 4, generator=torch.Generator().manual_seed(1))
-    backend = _per_block(model, {"policy": "lynx", "memory_budget": 0.5})
+    backend = per_block(model, {"policy": "lynx", "memory_budget": 0.5}, fullgraph=True)
     _inductor_per_block(plain)
     for m in (model, plain):
         for _ in range(3):  # .grad never set to None: allocated from step 2 on
@@ -273,7 +268,7 @@ def test_a_budget_the_pieces_cannot_reach_is_refused_naming_what_lies_outside_th
     torch.manual_seed(0)
     model = build_model("gpt-tiny", dropout=0.0, n_layers=2)
     x = example_batch(model, 2)
-    _per_block(model, {"policy": "lynx", "memory_budget": 0.05, "compiler": "eager"})
+    per_block(model, {"policy": "lynx", "memory_budget": 0.05, "compiler": "eager"}, fullgraph=True)
     for _ in range(2):
         model(x).loss.backward()
     with pytest.raises(BudgetError) as err:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from _dist import run_ranks
+from _steps import per_block, reset_grads
 
 LATE_FREE_BYTES = 200_000
 """What rank 1's recording holds through each backward's peak: enough that rank 1 alone chooses
@@ -23,8 +24,6 @@ the ranks compiled different candidates and rank 0 failed inside a compile)."""
 
 
 def _rank(rank: int, world: int) -> dict:
-    from lynx_compile.compiler.dynamo_backend import LynxBackend
-    from lynx_compile.config import make_config
     from lynx_compile.models import build_model, example_batch
     from lynx_compile.step import recorder
     from lynx_compile.step.model import choose, recorded
@@ -58,12 +57,9 @@ def _rank(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = build_model("gpt-tiny", dropout=0.0, n_layers=4)
     x = example_batch(model, 4, generator=torch.Generator().manual_seed(1))
-    backend = LynxBackend(make_config({"policy": "lynx", "memory_budget": 0.5, "plan_cache": False}))
-    for block in model.blocks:
-        block.compile(backend=backend, fullgraph=True)
+    backend = per_block(model, {"policy": "lynx", "memory_budget": 0.5}, fullgraph=True)
     for _ in range(4):  # step 2 is recorded, steps 3-4 run the plan chosen
-        for p in model.parameters():
-            p.grad = None
+        reset_grads(model.parameters(), "none")
         model(x).loss.backward()
     rec = backend.step_recorder
     return {"fingerprints": [r.stats.get("plan_fingerprint") for r in backend.records],
