@@ -81,6 +81,15 @@ def _train(backend, steps: int):
     return model, losses, step
 
 
+def _peak(model, step) -> int:
+    """The measured peak of ``step`` from ``.grad`` None, the last step's gradients freed before
+    the window (freed inside it, they read as the step allocating less where the allocator knew
+    their size: 178 KB against 278 KB at the second measurement of Inductor's step)."""
+    for p in model.parameters():
+        p.grad = None
+    return cpu_peak_bytes(step)
+
+
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
@@ -104,9 +113,9 @@ def test_a_piece_with_routed_rows_is_planned_with_the_count_step_1_ran(cache, ca
     plan = routed[0].plan
     assert plan.budget_scope == "step" and plan.step_peak_bytes <= plan.budget_bytes
 
-    measured = cpu_peak_bytes(step)  # (before torch._dynamo.reset() drops lynx's compiles)
+    measured = _peak(model, step)  # (before torch._dynamo.reset() drops lynx's compiles)
     inductor, inductor_losses, inductor_step = _train("inductor", 3)
-    none = cpu_peak_bytes(inductor_step)
+    none = _peak(inductor, inductor_step)
     # lynx's model of torch.compile's per-piece step is the measured one; at the hint it is not
     assert abs(plan.step_reference_bytes - none) <= 0.1 * none, (plan.step_reference_bytes, none)
     # (one routed activation at the hint's rows alone is over 5x the whole step)
