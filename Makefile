@@ -40,7 +40,7 @@ plan: install
 	lynx plan --model gpt-small --policy selective
 
 test: install-test
-	$(PYTHON) -m pytest -q $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -q $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
 bench: install
 	$(PYTHON) benchmarks/bench_policies.py
