@@ -173,16 +173,15 @@ def without_kineto_log() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def without_collection(collect_first: bool = False) -> Iterator[None]:
-    """Python's cyclic garbage collector off in the block (and with ``collect_first``, run once
-    before it). With the allocator's totals (frees on every thread counted) the level is relative
-    to the window's start, and a collection inside it freeing garbage from before (a dropped
-    model's compiled graphs) read as the step allocating less: one step of an Inductor graph
-    allocating 278 KB read 0 B in CI (stop 62)."""
+def without_collection() -> Iterator[None]:
+    """Python's cyclic garbage collected once, then the collector off in the block. With the
+    allocator's totals (frees on every thread counted) the level is relative to the window's
+    start, and a collection inside it freeing garbage from before (a dropped model's compiled
+    graphs) read as the step allocating less: one step of an Inductor graph allocating 278 KB
+    read 0 B in CI (stop 62). (lynx's step recorder collects before it records, too.)"""
     import gc
 
-    if collect_first:
-        gc.collect()
+    gc.collect()
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -202,7 +201,7 @@ def cpu_peak_bytes(fn: Callable[[], Any], exclude: Callable[[], set[int]] | None
     from lynx_compile import _compat
 
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
-    with _compat.cpu_allocator_counts_every_thread() as every_thread, without_collection(collect_first=True):
+    with _compat.cpu_allocator_counts_every_thread() as every_thread, without_collection():
         with without_kineto_log():  # only around start / stop: what fn() writes goes through as written
             prof.start()
         try:

@@ -42,14 +42,12 @@ class ProfilerRecording:
             return False
         from torch.profiler import ProfilerActivity, profile
 
-        from lynx_compile.memory.measure import without_collection, without_kineto_log
+        from lynx_compile.memory.measure import without_kineto_log
 
         self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
         # frees on threads the profiler does not follow are counted in the events' totals
         self._counting = contextlib.ExitStack()
         self._every_thread = self._counting.enter_context(_compat.cpu_allocator_counts_every_thread())
-        # levels are relative to the start: garbage from before collected inside would read low
-        self._counting.enter_context(without_collection())
         with without_kineto_log():
             self._profiler.start()
         return True
