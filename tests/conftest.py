@@ -36,10 +36,7 @@ def lynx_log(caplog):
 def pytest_collection_modifyitems(config, items):
     """Test files longest first (``tests/file_seconds.json``, measured; files not in it after, in
     their own order): with ``--no-loadscope-reorder`` pytest-xdist hands them out in this order."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    try:
-        from _file_seconds import load
-    finally:
-        sys.path.pop(0)
+    from _file_seconds import load  # (tests/ is on sys.path, as for _steps and _dist)
+
     seconds = load()
     items.sort(key=lambda item: -seconds.get(item.path.name, 0.0))  # stable: a file stays whole

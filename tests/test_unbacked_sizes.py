@@ -18,6 +18,8 @@ from lynx_compile.config import make_config
 from lynx_compile.graph.values import UNBACKED_SIZE_HINT
 from lynx_compile.memory.measure import cpu_peak_bytes
 
+from _steps import reset_grads
+
 D, ROWS, BUDGET = 32, 64, 0.7
 
 
@@ -85,8 +87,7 @@ def _peak(model, step) -> int:
     """The measured peak of ``step`` from ``.grad`` None, the last step's gradients freed before
     the window (freed inside it, they read as the step allocating less where the allocator knew
     their size: 178 KB against 278 KB at the second measurement of Inductor's step)."""
-    for p in model.parameters():
-        p.grad = None
+    reset_grads(model.parameters(), "none")
     return cpu_peak_bytes(step)
 
 
