@@ -7,9 +7,9 @@ first step, so when a piece is planned nothing is known of the others: each gets
 plan (``decide.decide_piece``: its saved bytes within the budget's fraction of its own). Then:
 
 1. **step 1** runs on the provisional plans (and compiles every piece);
-2. **step 2 is recorded** (``step.memory_marks``: the profiler's allocator events on CPU,
-   the allocator's peaks on CUDA), cut at the start and end of every piece call's forward and
-   backward, giving each segment's measured peak; lynx knows what the plans that ran
+2. **step 2 is recorded** from its first module call (``step.memory_marks``: the profiler's
+   allocator events on CPU, the allocator's peaks on CUDA), cut at the start and end of every
+   piece call's forward and backward, giving each segment's measured peak; lynx knows what the plans that ran
    contribute, the rest is ``outside`` (measured, not modelled: embedding, LM head, loss,
    gradient accumulation);
 3. at the end of step 2's backward, one choice per call (``step.model.choose``: a graph called
@@ -118,8 +118,13 @@ class StepRecorder:
         """The transients of the candidates that ran, where the recording measured them other
         than lynx's memory model (``StepModel.measured``), for the step's log line."""
         self._before = 0
-        """Bytes the recorded step allocated before its first piece call and the recording: that
-        call's activation inputs (the embedding's output), added to every segment."""
+        """Where the recording started at the first piece call (no module was called before it):
+        the bytes the step allocated before it, taken as that call's activation inputs (the
+        embedding's output), added to every segment."""
+        self._step_hooks: _compat.ModuleCallHooks | None = None
+        """Global module hooks waiting for the recorded step's start (``_wait_for_start``)."""
+        self._depth = 0  # module calls running, while they wait
+        self._from_start = False  # the recording started at the step's outermost module call
         self._queued = False
         self._recording: ProfilerRecording | AllocatorRecording | None = None
         self._device_type = "cpu"
@@ -188,7 +193,13 @@ class StepRecorder:
                  ", ".join(str(i) for i in dict.fromkeys(p.record.graph_id for p in deferred)), RECORDED_STEP)
 
     # -- the step's calls --------------------------------------------------------------------
-    def before_forward(self) -> None:
+    def before_forward(self, module_call: bool = False) -> None:
+        """Before a piece call (``module_call``: before the outermost module call that may be the
+        step's start, ``_wait_for_start``)."""
+        if not module_call and self._step_hooks is not None:
+            if self._depth == 0 and self.state == "recording":  # the first piece is called outside any module
+                self._cancel_recording()
+            self._unhook()
         if self.state == "ending":  # the recording could not be stopped as the backward returned
             self._finish_recording()
         if self._step1 is not None and not self.calls and torch.is_grad_enabled():
@@ -202,9 +213,49 @@ class StepRecorder:
               and torch.is_grad_enabled()):
             self._start_recording()
 
+    def _wait_for_start(self) -> None:
+        """At the end of the step before the recorded one: record from the recorded step's start,
+        the outermost module call running when its first piece is called (global module hooks:
+        the recording starts again at each outermost call with gradients on until a piece is
+        called; another model run between the steps is not the step), not from the first piece
+        call. What the step allocates before that call and holds past it is the step's as the
+        user measures it: under torchtitan's TP on 2 ranks (qwen3, 2 blocks) the root module's
+        all-gathered embedding, norm and LM head (2 MiB) and block 0's input (a reduce-scatter's
+        result), recorded from the first piece call, were outside the step, and a step planned
+        at budget 1.0 measured 40.96 MB against a budget of 38.73 MB. Where the first piece is
+        called outside any module (a compiled function), the recording starts there (``_before``)."""
+        if self._step_hooks is None:
+            self._depth = 0
+            self._step_hooks = _compat.ModuleCallHooks(self._module_enters, self._module_leaves)
+
+    def _module_enters(self, module: torch.nn.Module) -> None:
+        depth, self._depth = self._depth, self._depth + 1
+        if depth or self.calls or not torch.is_grad_enabled():  # (evaluation under no_grad: not the step)
+            return
+        if self.state == "recording":  # an outermost call before held no piece (another model): from here
+            self._cancel_recording()
+        self.before_forward(module_call=True)
+        self._from_start = self.state == "recording"
+
+    def outside_recording(self, compile_again: Callable[[], None]) -> None:
+        """A piece compiles again before the step's first piece call (``Piece._accumulate_in_graph``):
+        a recording started at the step's module call would count the compile, so it is dropped
+        and starts at the piece call instead (``_before``)."""
+        if self.state == "recording" and not self.calls:
+            self._cancel_recording()
+        compile_again()
+
+    def _module_leaves(self, module: torch.nn.Module) -> None:
+        self._depth = max(0, self._depth - 1)
+
+    def _unhook(self) -> None:
+        if self._step_hooks is not None:
+            self._step_hooks.remove()
+            self._step_hooks = None
+
     def begin_forward(self, piece: Piece, args: tuple = ()) -> int:
         call = len(self.calls)
-        if call == 0 and self.state == "recording":
+        if call == 0 and self.state == "recording" and not self._from_start:
             self._before = _activation_bytes(args)
         self.calls.append(piece)
         self.open.add(call)
@@ -264,10 +315,13 @@ class StepRecorder:
                 # plan kept for this step names the candidates of those plans
                 self._step1 = self.calls
                 self.calls, self.marks, self.mark_grads = [], [], []
+                self._wait_for_start()
                 return
             if self._cached_step(self.calls):
                 self.calls, self.marks, self.mark_grads = [], [], []
                 return
+        if self.state == "warming" and self.steps_seen + 1 == RECORDED_STEP:
+            self._wait_for_start()
         if self.state == "recording":
             self._mark(-1, "end")
             self.state = "ending"
@@ -345,6 +399,15 @@ class StepRecorder:
             self._grads = None
         self.state = "recording"
 
+    def _cancel_recording(self) -> None:
+        """Drop a recording that started at a module call that was not the step's (nothing marked)."""
+        self._recording.cancel()
+        self._recording = None
+        if self._grads is not None:
+            self._grads.stop()
+            self._grads = None
+        self.state, self._from_start = "warming", False
+
     def _finish_recording(self) -> None:
         if self.state != "ending":
             return
@@ -378,7 +441,7 @@ class StepRecorder:
         other than lynx's memory model are said in ``self.measured_note``."""
         calls, marks, self.calls, self.marks = self.calls, self.marks, [], []
         grads, self.mark_grads = self.mark_grads, []
-        before, self._before = self._before, 0
+        before, self._before, self._from_start = self._before, 0, False
         peaks, levels, grads, before = self._every_ranks(marks, peaks, levels, grads, before)
         model, as_ran, changes = recorded({p.key: p.record.step for p in calls}, tuple(p.key for p in calls),
                                           marks, peaks, levels, grads, before)
