@@ -229,8 +229,10 @@ def test_per_block_budget_holds_on_the_measured_whole_step(monkeypatch):
     lynx = measure_step(lambda: model(x).loss.backward(), repeats=1, warmup=1, params=list(model.parameters()))
     none = measure_step(lambda: plain(x).loss.backward(), repeats=1, warmup=1, params=list(plain.parameters()))
     assert lynx.peak_bytes <= 0.5 * 1.02 * none.peak_bytes, (lynx.peak_bytes, none.peak_bytes)
-    # lynx's model of torch.compile's per-block step is the measured one to a few percent
-    assert abs(plan.step_reference_bytes - none.peak_bytes) <= 0.05 * none.peak_bytes
+    # lynx's model of torch.compile's per-block step is the measured one (2,634,504 B against
+    # 2,633,992 B in session 35): the recording starts at the model's call, not at ``ref``'s, an
+    # eager model run between lynx's steps
+    assert abs(plan.step_reference_bytes - none.peak_bytes) <= 0.01 * none.peak_bytes
 
 
 class _Block(torch.nn.Module):
