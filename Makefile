@@ -49,7 +49,16 @@ bench: install
 # (device calls name ".whl" in carry). Their only other requirement, numpy, is already there (as are
 # torch, triton, pytest, pytest-timeout, pytest-xdist, matplotlib, transformers). Pinned to the
 # versions installed here; one version of each, or the install there stops.
-GPU_WHEELS ?= pyomo==6.10.1 highspy==1.16.0
+# The second line is for `gpu_session.sh titan` (torchtitan's own trainer, `-m torchtitan.train`):
+# the pyproject extra `torchtitan`, then what the trainer imports beyond it and the GPU image lacks
+# (the image has tensorboard, tokenizers, safetensors, pyarrow, pandas, xxhash, httpx, aiohttp,
+# huggingface-hub): torchdata (its data loader), datasets with dill and multiprocess (the llama3
+# config registry imports its text loader; torchtitan 0.3.0 requires datasets<4.8, so 4.7.0 and the
+# dill / multiprocess / fsspec versions 4.7.0 declares). Not installed here (make install-torchtitan
+# stays the model/config/loss/compile set); tried here with `pip install --target` outside the venv.
+GPU_WHEELS ?= pyomo==6.10.1 highspy==1.16.0 \
+	torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1 typing_extensions==4.16.0 \
+	torchdata==0.11.0 datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18 fsspec==2026.2.0
 
 gpu-wheels:
 	rm -rf .whl && mkdir -p .whl

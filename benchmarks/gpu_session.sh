@@ -2,7 +2,7 @@
 # The GPU numbers issue G owes, in one or two calls of the device tool (one NVIDIA H100/H200,
 # torch 2.11.0+cu130, triton 3.6, Python 3.12, no network):
 #
-#   bash benchmarks/gpu_session.sh [step|checks|compile|all]   (default: step)
+#   bash benchmarks/gpu_session.sh [step|checks|compile|titan|all]   (default: step)
 #
 #   step    One training step of gpt-1.3b cut to 4 layers, batch 2 x 2048, bf16, dropout 0, with
 #           explicit attention and with SDPA; variants eager, checkpoint, inductor,
@@ -23,6 +23,20 @@
 #           Writes $OUT/compile.log, compile_cuda.md (first_step_s cold / warm, ratios to
 #           inductor's, lynx's plan-cache log lines), after tests/test_plan_cache.py's CUDA test
 #           (AOTAutograd's cache serves a plan that replays SDPA's dropout). About 4-5 minutes.
+#   titan   torchtitan 0.3.0's own trainer, `torchrun --nproc-per-node 1 -m torchtitan.train`, on
+#           its llama3 debugmodel config with SDPA attention in place of FlexAttention (apply_compile
+#           refuses lynx on Flex; --module torchtitan_trainer_assets --config llama3_debugmodel_sdpa,
+#           benchmarks/torchtitan_trainer_assets.py), torchtitan's shape (8 x 2048, fp32), 10 steps,
+#           no torchtitan activation checkpointing (activation_checkpoint:none), CUDA graphs off
+#           (--training.disable_cuda_graphs: lynx plans the step over steps 1-3), --compile.enable
+#           with --compile.backend inductor, then lynx with LYNX_OPTIONS='{"memory_budget": 0.7}'
+#           (TITAN_LYNX_OPTIONS), one process at a time, each on a cold Inductor/Triton cache. Its
+#           tokenizer and data set are made at run time (the helper's `assets`: a 2,000-token BPE
+#           and ~2,400 local documents of made-up text; torchtitan's tests/assets are not in its
+#           wheel). Needs torchtitan and what torchtitan.train imports (GPU_WHEELS: datasets,
+#           torchdata, ...). Writes $OUT/titan.log (both runs' logs), titan_cuda.md (per run: losses
+#           per step, peak memory from torchtitan's TensorBoard scalars, step time; lynx against
+#           inductor), titan_cuda.json. About 3-5 minutes; it stops at TITAN_BUDGET_S (360 s).
 #   all     step, then checks: about 13-14 minutes, more than one device call may run (10 min);
 #           for a machine without that limit.
 #
@@ -65,12 +79,18 @@
 # Hidden overrides (for this script's own smoke test on a machine without a GPU):
 #   LYNX_GPU_SESSION_DEVICE=cpu  the same flow with --device cpu --quick (gpt-tiny), 2 variants
 #                                (eager,lynx-b0.5), 5 rounds, test selections cut to what runs
-#                                on CPU in seconds; under 3 minutes on 2 cores.
+#                                on CPU in seconds; under 3 minutes on 2 cores. titan: batch 2 x
+#                                256, 4 steps, through the helper's `cpu-train` (torchtitan has no
+#                                CPU device path: its device globals pointed at the CPU, this smoke
+#                                test only), when torchtitan.train imports; else the assets only,
+#                                and a line saying why the runs were skipped.
 #   LYNX_GPU_SESSION_VARIANTS=a,b    variant list of every bench_step run
 #   LYNX_GPU_SESSION_ATTN=manual|sdpa   step: one attention only (a third call, if step ran out
 #                                       of time for SDPA)
 #   LYNX_GPU_SESSION_JOBS=N      variant processes at a time (1: strictly one after another)
 #   STEP_BUDGET_S, CHECKS_BUDGET_S   seconds per part (default 510 / 540; CPU 170 / 170)
+#   TITAN_BUDGET_S, TITAN_LYNX_OPTIONS  titan: seconds (default 360; CPU 600), lynx's LYNX_OPTIONS
+#                                (default '{"memory_budget": 0.7}'; CPU 0.9)
 #   ILV_RESERVE_S, KERNELS_RESERVE_S seconds kept for the interleaved timings / bench_kernels
 #                                    (default 220 / 210; CPU 70 / 40): for a device budget under
 #                                    15 minutes, e.g. `all` with one attention in one call
@@ -78,9 +98,9 @@ set -euo pipefail
 
 PART=${1:-step}
 case "$PART" in
-    step | checks | compile | all) ;;
-    -h | --help) sed -n '2,26p' "$0"; exit 0 ;;
-    *) echo "usage: bash benchmarks/gpu_session.sh [step|checks|compile|all]" >&2; exit 2 ;;
+    step | checks | compile | titan | all) ;;
+    -h | --help) sed -n '2,40p' "$0"; exit 0 ;;
+    *) echo "usage: bash benchmarks/gpu_session.sh [step|checks|compile|titan|all]" >&2; exit 2 ;;
 esac
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -117,6 +137,12 @@ if [ "$DEVICE" = cuda ]; then
     COMPILE_VARIANTS=${LYNX_GPU_SESSION_COMPILE_VARIANTS:-inductor,lynx-b0.7,inductor-b0.7,lynx-none,lynx-b0.6}
     COMPILE_ARGS="--device cuda --model gpt-1.3b --layers 4 --batch 2 --seq 2048 --dtype bf16 --dropout 0 --attn sdpa --warmup 2 --steps 3"
     COMPILE_BUDGET_S=${COMPILE_BUDGET_S:-240}
+    TITAN_SHAPE=()        # torchtitan's debugmodel config: local batch 8 x seq 2048
+    TITAN_STEPS=10
+    TITAN_BUDGET_S=${TITAN_BUDGET_S:-360}
+    TITAN_CAP_INDUCTOR_S=150  # one run at most: inductor's, lynx's (cold caches: ~1 / ~2-3 min expected)
+    TITAN_CAP_LYNX_S=300
+    TITAN_LYNX_MIN_S=150      # the inductor run stops in time to leave the lynx run this much
 elif [ "$DEVICE" = cpu ]; then
     VARIANTS=${LYNX_GPU_SESSION_VARIANTS:-eager,lynx-b0.5}
     DROPOUT_VARIANTS=$VARIANTS
@@ -138,6 +164,12 @@ elif [ "$DEVICE" = cpu ]; then
     COMPILE_VARIANTS=${LYNX_GPU_SESSION_COMPILE_VARIANTS:-inductor,lynx-b0.7}
     COMPILE_ARGS="--device cpu --quick --attn sdpa --warmup 1 --steps 1"
     COMPILE_BUDGET_S=${COMPILE_BUDGET_S:-150}
+    TITAN_SHAPE=(--training.local_batch_size 2 --training.seq_len 256)
+    TITAN_STEPS=4
+    TITAN_BUDGET_S=${TITAN_BUDGET_S:-600}
+    TITAN_CAP_INDUCTOR_S=240
+    TITAN_CAP_LYNX_S=420
+    TITAN_LYNX_MIN_S=240
 else
     echo "LYNX_GPU_SESSION_DEVICE must be cuda or cpu, not $DEVICE" >&2
     exit 2
@@ -227,7 +259,7 @@ if torch.cuda.is_available():
 else:
     print("GPU (torch): none")
 for name in ("triton", "numpy", "pyomo", "highspy", "transformers", "pytest", "pytest-xdist", "pytest-timeout",
-             "matplotlib"):
+             "matplotlib", "torchtitan", "datasets", "torchdata", "tensorboard", "tokenizers"):
     try:
         print(f"{name}: {version(name)}")
     except PackageNotFoundError:
@@ -627,6 +659,124 @@ part_compile() {
     say "compile: done in $((SECONDS - t0)) s (exit $rc)"
 }
 
+# -------------------------------------------------------------------------------------- titan
+# torchtitan's own trainer, one process at a time: inductor, then lynx (header). Each run's log,
+# exit status and TensorBoard scalars under $WORK/titan/<run>/; the helper's `report` reads them.
+TITAN_HELPER=benchmarks/torchtitan_trainer_assets.py
+
+titan_run() {  # label backend limit_s: one torchrun, log $WORK/titan/<label>/train.log, "rc wall_s" in rc
+    local label=$1 backend=$2 limit=$3 d="$WORK/titan/$1" t=$SECONDS rc=0
+    mkdir -p "$d"
+    local args=(--module torchtitan_trainer_assets --config llama3_debugmodel_sdpa
+        --hf_assets_path "$WORK/titan/assets/tokenizer" --dataloader.dataset_path "$WORK/titan/assets/c4_local"
+        "${TITAN_SHAPE[@]}" --training.steps "$TITAN_STEPS" --training.disable_cuda_graphs
+        --compile.enable --compile.backend "$backend"
+        --metrics.log_freq 1 --metrics.enable_tensorboard --metrics.disable_color_printing
+        --debug.seed 0 --dump_folder "$d/dump" activation_checkpoint:none)
+    local entry=("${TITAN_ENTRY[@]}")
+    (
+        if [ "$backend" = lynx ]; then export LYNX_OPTIONS="$TITAN_LYNX_OPTIONS"; else unset LYNX_OPTIONS; fi
+        export TORCHINDUCTOR_CACHE_DIR="$d/inductor_cache" TRITON_CACHE_DIR="$d/triton_cache" \
+            HF_HOME="$WORK/titan/hf" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 LYNX_DEBUG=1 \
+            PYTHONPATH="$REPO/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
+        echo "\$ LYNX_OPTIONS=${LYNX_OPTIONS:-(unset)} torchrun --standalone --nproc-per-node 1 ${entry[*]} ${args[*]}"
+        exec timeout --kill-after=15 "$limit" "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 \
+            "${entry[@]}" "${args[@]}"
+    ) >"$d/train.log" 2>&1 || rc=$?
+    echo "$rc $((SECONDS - t))" >"$d/rc"
+    say "titan $label: exit $rc$([ "$rc" = 124 ] && echo ' (TIMED OUT)') in $((SECONDS - t)) s: $(grep -E 'step: *[0-9]+ +loss' "$d/train.log" | tail -n 1 | sed 's/.* - //' | cut -c1-110)"
+    if [ "$rc" != 0 ]; then
+        grep -E '(Error|Exception)' "$d/train.log" | grep -v Warning | tail -n 3 | cut -c1-240 | sed 's/^/    /' || true
+    fi
+}
+
+part_titan() {
+    local t0=$SECONDS deadline=$((PART_START + TITAN_BUDGET_S))
+    rm -f "$OUT"/titan*
+    # 0.7 on the GPU (8 x 2048; on the CPU at that shape lynx planned the step at 0.694 of its
+    # no-recompute peak); 0.9 for the CPU smoke's 2 x 256, where 0.7 is refused (naming 0.811: the
+    # uncompiled embedding, LM head chunks and the gradients are most of that small step)
+    if [ "$DEVICE" = cpu ]; then
+        TITAN_LYNX_OPTIONS=${TITAN_LYNX_OPTIONS:-'{"memory_budget": 0.9}'}
+    else
+        TITAN_LYNX_OPTIONS=${TITAN_LYNX_OPTIONS:-'{"memory_budget": 0.7}'}
+    fi
+    mkdir -p "$WORK/titan"
+    local summary
+    if ! summary=$("$PY" "$TITAN_HELPER" assets "$WORK/titan/assets" 2>&1); then
+        say "titan: making the tokenizer and data set failed: $(tail -n 1 <<<"$summary")"
+        echo "$summary" >"$OUT/titan.log"
+        return 0
+    fi
+    say "titan: assets $(tail -n 1 <<<"$summary")"
+    local imp
+    if ! imp=$(cd /tmp && PYTHONPATH="$REPO/benchmarks${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c '
+import torch, torchtitan_trainer_assets as a
+added = a.torch_compat()
+if added:
+    print(f"torch {torch.__version__} lacks what torchtitan imports: the helper adds {added}")
+import torchtitan.train, tensorboard
+from torchtitan.config import ConfigManager
+c = ConfigManager().parse_args(["--module", "torchtitan_trainer_assets", "--config", "llama3_debugmodel_sdpa",
+                                "--compile.enable", "--compile.backend", "lynx", "activation_checkpoint:none"])
+att = {type(l.attention.inner_attention).__name__ for l in c.model_spec.model.layers}
+print(f"torchtitan {torchtitan.__version__}: config parsed, {len(c.model_spec.model.layers)} layers, attention {att}")' 2>&1); then
+        {
+            echo "torchtitan.train or its config does not import / parse here:"
+            echo "$imp"
+            echo "checked: the tokenizer and data set were made ($summary)"
+        } >"$OUT/titan.log"
+        say "titan: runs SKIPPED: torchtitan.train does not import here ($(grep -E '[A-Za-z]+(Error|Exception)' <<<"$imp" | tail -n 1 | cut -c1-160)); checked: the assets only (see titan.log)"
+        return 0
+    fi
+    say "titan: $(tail -n 1 <<<"$imp")"
+    # torchtitan's own entry point where it imports as it is; else the helper's `train` (the same
+    # torchtitan.train.main(), after torch_compat) or, on the CPU smoke test, `cpu-train`
+    TITAN_ENTRY=(-m torchtitan.train)
+    if [ "$DEVICE" = cpu ]; then
+        TITAN_ENTRY=("$TITAN_HELPER" cpu-train)
+    elif grep -q "lacks what torchtitan imports" <<<"$imp"; then
+        TITAN_ENTRY=("$TITAN_HELPER" train)
+        say "titan: $(head -n 1 <<<"$imp" | cut -c1-200): runs through the helper's \`train\`"
+    fi
+    if [ "$DEVICE" = cuda ]; then  # lynx's hardware="auto": the GPU measured once, alone, before the runs
+        export LYNX_CPU_PROFILE="$WORK/device_profiles.json"
+        timeout 90 "$PY" -c 'import dataclasses, json, torch
+from lynx_compile.costs.hardware import calibrate_cuda_profile, _cuda_key
+p = calibrate_cuda_profile()
+print("lynx device profile (" + _cuda_key(torch.cuda.current_device()) + "): " + json.dumps(dataclasses.asdict(p)))' \
+            >>"$OUT/env.txt" 2>&1 || say "titan: measuring the device profile failed (env.txt): lynx plans on the datasheet"
+    fi
+    local left
+    left=$((deadline - $(date +%s)))
+    say "titan: inductor, then lynx ($TITAN_LYNX_OPTIONS), $TITAN_STEPS steps each, ${left} s left of ${TITAN_BUDGET_S}"
+    local limit=$((left - TITAN_LYNX_MIN_S))  # the inductor run leaves the lynx run at least TITAN_LYNX_MIN_S
+    if [ "$limit" -gt "$TITAN_CAP_INDUCTOR_S" ]; then limit=$TITAN_CAP_INDUCTOR_S; fi
+    if [ "$limit" -lt 30 ]; then limit=30; fi
+    titan_run inductor inductor "$limit"
+    left=$((deadline - $(date +%s) - 15))  # 15 s kept for the report
+    if [ "$left" -lt 60 ]; then
+        say "titan: lynx not run: ${left} s left"
+        mkdir -p "$WORK/titan/lynx" && echo "none 0" >"$WORK/titan/lynx/rc"
+    else
+        titan_run lynx lynx "$(( left < TITAN_CAP_LYNX_S ? left : TITAN_CAP_LYNX_S ))"
+    fi
+    local tokens
+    if [ "$DEVICE" = cpu ]; then tokens=$((2 * 256)); else tokens=$((8 * 2048)); fi
+    "$PY" "$TITAN_HELPER" report --md "$OUT/titan_$DEVICE.md" --json "$OUT/titan_$DEVICE.json" \
+        --tokens-per-step "$tokens" --from-step 4 \
+        --title "torchtitan's trainer ($DEVICE): --compile.backend lynx against inductor, written by \`benchmarks/gpu_session.sh titan\`" \
+        --note "\`torchrun --standalone --nproc-per-node 1 ${TITAN_ENTRY[*]} --module torchtitan_trainer_assets --config llama3_debugmodel_sdpa ...\` (torchtitan's llama3_debugmodel, SDPA in every layer; the full command heads each run in titan.log), $([ "$DEVICE" = cpu ] && echo "batch 2 x 256 (CPU smoke: the helper's cpu-train)" || echo "torchtitan's 8 x 2048"), torchtitan's dtypes (float32 parameters; FSDP2's mixed precision, bfloat16 compute, installed on the one rank as torchtitan always does), ${TITAN_STEPS} steps, --training.disable_cuda_graphs, activation_checkpoint:none, --compile.enable (model and loss: ChunkedLossWrapper's inner CrossEntropyLoss), each run on a cold Inductor/Triton cache, one after the other. lynx: LYNX_OPTIONS='$TITAN_LYNX_OPTIONS'. Tokenizer and data set made at run time (benchmarks/torchtitan_trainer_assets.py assets: $summary)." \
+        inductor="$WORK/titan/inductor" lynx="$WORK/titan/lynx" || true
+    {
+        for label in inductor lynx; do
+            echo "=================== titan $label: exit/wall_s $(cat "$WORK/titan/$label/rc" 2>/dev/null)"
+            tail -c 6000000 "$WORK/titan/$label/train.log" 2>/dev/null || echo "(no log)"
+        done
+    } >"$OUT/titan.log"
+    say "titan: done in $((SECONDS - t0)) s; files: $(cd "$OUT" && ls | tr '\n' ' ')"
+}
+
 # --------------------------------------------------------------------------------------- main
 PART_START=$(date +%s)  # each part's budget counts from here: the script's start, or checks' own in all
 say "part $PART on $DEVICE, OUT=$OUT"
@@ -640,6 +790,7 @@ case "$PART" in
     step) part_step ;;
     checks) part_checks ;;
     compile) part_compile ;;
+    titan) part_titan ;;
     all) part_step; PART_START=$(date +%s); part_checks ;;
 esac
 say "finished in ${SECONDS} s; $(ls "$OUT" | wc -l) files in $OUT"

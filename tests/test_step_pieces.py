@@ -294,6 +294,30 @@ def test_the_step_is_recorded_from_its_first_module_call():
         (plan.step_reference_bytes, peaks)
 
 
+def test_the_hooks_waiting_for_step_2_leave_other_models_alone():
+    """After step 1 lynx waits for step 2's outermost module call with process-wide module
+    hooks. Another model run instead (step 2 never comes: a notebook, a test) has no recording
+    left running after each of its calls, and after ``MODULE_CALLS_WAITED`` such calls the hooks
+    are gone."""
+    from torch.nn.modules import module as nn_module
+
+    from lynx_compile import _compat
+    from lynx_compile.step.recorder import MODULE_CALLS_WAITED
+
+    before = (len(nn_module._global_forward_pre_hooks), len(nn_module._global_forward_hooks))
+    torch.manual_seed(0)
+    model = build_model("gpt-tiny", dropout=0.0, n_layers=2)
+    x = example_batch(model, 2)
+    backend = per_block(model, {"policy": "lynx", "memory_budget": 0.5})
+    model(x).loss.backward()  # step 1
+    assert len(nn_module._global_forward_pre_hooks) == before[0] + 1
+    other = torch.nn.Linear(8, 8)
+    for _ in range(MODULE_CALLS_WAITED):
+        other(torch.randn(2, 8)).sum().backward()
+        assert not _compat.profiler_running() and backend.step_recorder.state == "warming"
+    assert (len(nn_module._global_forward_pre_hooks), len(nn_module._global_forward_hooks)) == before
+
+
 def test_a_step_recorded_with_grad_allocated_is_planned_for_grad_none_too():
     """Gradient accumulation (or ``zero_grad(set_to_none=False)``): step 2, the recorded one,
     starts with ``.grad`` allocated, so its parameter gradients are added into ``.grad`` and

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -52,6 +53,9 @@ from lynx_compile.step.piece import Piece
 log = logging.getLogger("lynx_compile")
 RECORDED_STEP = 2
 """Which step is recorded (see the module docstring for why not the first)."""
+MODULE_CALLS_WAITED = 8
+"""Outermost module calls without a piece call the recorder waits through for the recorded
+step's start (``StepRecorder._wait_for_start``)."""
 NOISE = 1000
 """A plan predicted above the budget by at most 1/NOISE of the step's reference is accepted: the
 recorded step's measure moves by that little between runs, and a refusal names its budget to the
@@ -82,6 +86,12 @@ def _activation_bytes(args: tuple) -> int:
             storage = local.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
+
+
+def _skipped() -> bool:
+    """A module call the step recorder's hooks let pass: one dynamo traces (a no-op in its
+    graph: the hooks are lynx's, not the model's) or one recomputed inside a backward."""
+    return torch.compiler.is_compiling() or _compat.in_backward()
 
 
 def _with_choices(steps) -> bool:
@@ -118,12 +128,13 @@ class StepRecorder:
         """The transients of the candidates that ran, where the recording measured them other
         than lynx's memory model (``StepModel.measured``), for the step's log line."""
         self._before = 0
-        """Where the recording started at the first piece call (no module was called before it):
-        the bytes the step allocated before it, taken as that call's activation inputs (the
-        embedding's output), added to every segment."""
+        """Bytes the step allocated before the recording started, added to every segment: the
+        activation inputs (the embedding's output) of the call it started at, the step's
+        outermost module call or its first piece call."""
         self._step_hooks: _compat.ModuleCallHooks | None = None
         """Global module hooks waiting for the recorded step's start (``_wait_for_start``)."""
         self._depth = 0  # module calls running, while they wait
+        self._misses = 0  # outermost module calls that called no piece, while they wait
         self._from_start = False  # the recording started at the step's outermost module call
         self._queued = False
         self._recording: ProfilerRecording | AllocatorRecording | None = None
@@ -196,9 +207,7 @@ class StepRecorder:
     def before_forward(self, module_call: bool = False) -> None:
         """Before a piece call (``module_call``: before the outermost module call that may be the
         step's start, ``_wait_for_start``)."""
-        if not module_call and self._step_hooks is not None:
-            if self._depth == 0 and self.state == "recording":  # the first piece is called outside any module
-                self._cancel_recording()
+        if not module_call and not self.calls:
             self._unhook()
         if self.state == "ending":  # the recording could not be stopped as the backward returned
             self._finish_recording()
@@ -215,27 +224,55 @@ class StepRecorder:
 
     def _wait_for_start(self) -> None:
         """At the end of the step before the recorded one: record from the recorded step's start,
-        the outermost module call running when its first piece is called (global module hooks:
-        the recording starts again at each outermost call with gradients on until a piece is
-        called; another model run between the steps is not the step), not from the first piece
-        call. What the step allocates before that call and holds past it is the step's as the
+        the outermost module call running when its first piece is called, not from that call.
+        What the step allocates before the first piece and holds past it is the step's as the
         user measures it: under torchtitan's TP on 2 ranks (qwen3, 2 blocks) the root module's
         all-gathered embedding, norm and LM head (2 MiB) and block 0's input (a reduce-scatter's
         result), recorded from the first piece call, were outside the step, and a step planned
-        at budget 1.0 measured 40.96 MB against a budget of 38.73 MB. Where the first piece is
-        called outside any module (a compiled function), the recording starts there (``_before``)."""
-        if self._step_hooks is None:
-            self._depth = 0
-            self._step_hooks = _compat.ModuleCallHooks(self._module_enters, self._module_leaves)
+        at budget 1.0 measured 40.96 MB against a budget of 38.73 MB.
 
-    def _module_enters(self, module: torch.nn.Module) -> None:
+        Global module hooks (``_compat.ModuleCallHooks``, holding the recorder weakly) start the
+        recording at each outermost module call with gradients on and drop it when that call
+        returns without having called a piece (another model run between the steps, an
+        embedding called on its own: its activation inputs are counted as ``_before``, as a
+        piece call's). The hooks go at the first piece call, or after
+        :data:`MODULE_CALLS_WAITED` outermost calls without one (the recorded step then starts at
+        the first piece call, as where that call is outside any module: a compiled function)."""
+        if self._step_hooks is not None:
+            return
+        self._depth, self._misses = 0, 0
+        me = weakref.ref(self)
+
+        def enters(module: torch.nn.Module, args: tuple) -> None:
+            recorder = me()
+            if recorder is None:  # the backend is gone
+                hooks.remove()
+            elif not _skipped():
+                recorder._module_enters(args)
+
+        def leaves(module: torch.nn.Module) -> None:
+            recorder = me()
+            if recorder is not None and not _skipped():
+                recorder._module_leaves()
+
+        hooks = self._step_hooks = _compat.ModuleCallHooks(enters, leaves)
+
+    def _module_enters(self, args: tuple) -> None:
         depth, self._depth = self._depth, self._depth + 1
         if depth or self.calls or not torch.is_grad_enabled():  # (evaluation under no_grad: not the step)
             return
-        if self.state == "recording":  # an outermost call before held no piece (another model): from here
-            self._cancel_recording()
         self.before_forward(module_call=True)
-        self._from_start = self.state == "recording"
+        if self.state == "recording":
+            self._from_start = True
+            self._before = _activation_bytes(args)
+
+    def _module_leaves(self) -> None:
+        self._depth = max(0, self._depth - 1)
+        if self._depth == 0 and not self.calls and self.state == "recording":
+            self._cancel_recording()  # the outermost call returned without calling a piece: not the step
+            self._misses += 1
+            if self._misses >= MODULE_CALLS_WAITED:
+                self._unhook()
 
     def outside_recording(self, compile_again: Callable[[], None]) -> None:
         """A piece compiles again before the step's first piece call (``Piece._accumulate_in_graph``):
@@ -244,9 +281,6 @@ class StepRecorder:
         if self.state == "recording" and not self.calls:
             self._cancel_recording()
         compile_again()
-
-    def _module_leaves(self, module: torch.nn.Module) -> None:
-        self._depth = max(0, self._depth - 1)
 
     def _unhook(self) -> None:
         if self._step_hooks is not None:
