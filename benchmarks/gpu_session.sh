@@ -23,10 +23,14 @@
 #           Writes $OUT/compile.log, compile_cuda.md (first_step_s cold / warm, ratios to
 #           inductor's, lynx's plan-cache log lines), after tests/test_plan_cache.py's CUDA test
 #           (AOTAutograd's cache serves a plan that replays SDPA's dropout). About 4-5 minutes.
-#   titan   torchtitan 0.3.0's own trainer, `torchrun --nproc-per-node 1 -m torchtitan.train`, on
-#           its llama3 debugmodel config with SDPA attention in place of FlexAttention (apply_compile
-#           refuses lynx on Flex; --module torchtitan_trainer_assets --config llama3_debugmodel_sdpa,
-#           benchmarks/torchtitan_trainer_assets.py), torchtitan's shape (8 x 2048, fp32), 10 steps,
+#   titan   torchtitan 0.3.0's own trainer, `torchrun --nproc-per-node 1 -m torchtitan.train`
+#           (through the helper's `train`, the same main(), where torch lacks two names torchtitan
+#           0.3.0 takes from torch >= 2.12: torch 2.11 does), on its llama3 debugmodel_ce_loss config
+#           (plain CrossEntropyLoss: the default ChunkedLossWrapper fails its backward on torch 2.11)
+#           with SDPA attention in place of FlexAttention (apply_compile refuses lynx on Flex;
+#           --module torchtitan_trainer_assets --config llama3_debugmodel_ce_loss_sdpa, in
+#           benchmarks/torchtitan_trainer_assets.py), torchtitan's shape (8 x 2048, fp32 parameters,
+#           bf16 compute: FSDP2's mixed precision, which torchtitan installs on one rank too), 10 steps,
 #           no torchtitan activation checkpointing (activation_checkpoint:none), CUDA graphs off
 #           (--training.disable_cuda_graphs: lynx plans the step over steps 1-3), --compile.enable
 #           with --compile.backend inductor, then lynx with LYNX_OPTIONS='{"memory_budget": 0.7}'
@@ -99,7 +103,7 @@ set -euo pipefail
 PART=${1:-step}
 case "$PART" in
     step | checks | compile | titan | all) ;;
-    -h | --help) sed -n '2,40p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,50p' "$0"; exit 0 ;;
     *) echo "usage: bash benchmarks/gpu_session.sh [step|checks|compile|titan|all]" >&2; exit 2 ;;
 esac
 
@@ -667,7 +671,7 @@ TITAN_HELPER=benchmarks/torchtitan_trainer_assets.py
 titan_run() {  # label backend limit_s: one torchrun, log $WORK/titan/<label>/train.log, "rc wall_s" in rc
     local label=$1 backend=$2 limit=$3 d="$WORK/titan/$1" t=$SECONDS rc=0
     mkdir -p "$d"
-    local args=(--module torchtitan_trainer_assets --config llama3_debugmodel_sdpa
+    local args=(--module torchtitan_trainer_assets --config llama3_debugmodel_ce_loss_sdpa
         --hf_assets_path "$WORK/titan/assets/tokenizer" --dataloader.dataset_path "$WORK/titan/assets/c4_local"
         "${TITAN_SHAPE[@]}" --training.steps "$TITAN_STEPS" --training.disable_cuda_graphs
         --compile.enable --compile.backend "$backend"
@@ -717,7 +721,7 @@ if added:
     print(f"torch {torch.__version__} lacks what torchtitan imports: the helper adds {added}")
 import torchtitan.train, tensorboard
 from torchtitan.config import ConfigManager
-c = ConfigManager().parse_args(["--module", "torchtitan_trainer_assets", "--config", "llama3_debugmodel_sdpa",
+c = ConfigManager().parse_args(["--module", "torchtitan_trainer_assets", "--config", "llama3_debugmodel_ce_loss_sdpa",
                                 "--compile.enable", "--compile.backend", "lynx", "activation_checkpoint:none"])
 att = {type(l.attention.inner_attention).__name__ for l in c.model_spec.model.layers}
 print(f"torchtitan {torchtitan.__version__}: config parsed, {len(c.model_spec.model.layers)} layers, attention {att}")' 2>&1); then
@@ -766,7 +770,7 @@ print("lynx device profile (" + _cuda_key(torch.cuda.current_device()) + "): " +
     "$PY" "$TITAN_HELPER" report --md "$OUT/titan_$DEVICE.md" --json "$OUT/titan_$DEVICE.json" \
         --tokens-per-step "$tokens" --from-step 4 \
         --title "torchtitan's trainer ($DEVICE): --compile.backend lynx against inductor, written by \`benchmarks/gpu_session.sh titan\`" \
-        --note "\`torchrun --standalone --nproc-per-node 1 ${TITAN_ENTRY[*]} --module torchtitan_trainer_assets --config llama3_debugmodel_sdpa ...\` (torchtitan's llama3_debugmodel, SDPA in every layer; the full command heads each run in titan.log), $([ "$DEVICE" = cpu ] && echo "batch 2 x 256 (CPU smoke: the helper's cpu-train)" || echo "torchtitan's 8 x 2048"), torchtitan's dtypes (float32 parameters; FSDP2's mixed precision, bfloat16 compute, installed on the one rank as torchtitan always does), ${TITAN_STEPS} steps, --training.disable_cuda_graphs, activation_checkpoint:none, --compile.enable (model and loss: ChunkedLossWrapper's inner CrossEntropyLoss), each run on a cold Inductor/Triton cache, one after the other. lynx: LYNX_OPTIONS='$TITAN_LYNX_OPTIONS'. Tokenizer and data set made at run time (benchmarks/torchtitan_trainer_assets.py assets: $summary)." \
+        --note "\`torchrun --standalone --nproc-per-node 1 ${TITAN_ENTRY[*]} --module torchtitan_trainer_assets --config llama3_debugmodel_ce_loss_sdpa ...\` (torchtitan's llama3_debugmodel_ce_loss: the debugmodel with a plain CrossEntropyLoss, SDPA in every layer; the full command heads each run in titan.log), $([ "$DEVICE" = cpu ] && echo "batch 2 x 256 (CPU smoke: the helper's cpu-train)" || echo "torchtitan's 8 x 2048"), torchtitan's dtypes (float32 parameters; FSDP2's mixed precision, bfloat16 compute, installed on the one rank as torchtitan always does), ${TITAN_STEPS} steps, --training.disable_cuda_graphs, activation_checkpoint:none, --compile.enable (torchtitan compiles each TransformerBlock and the loss), each run on a cold Inductor/Triton cache, one after the other. lynx: LYNX_OPTIONS='$TITAN_LYNX_OPTIONS'. Tokenizer and data set made at run time (benchmarks/torchtitan_trainer_assets.py assets: $summary)." \
         inductor="$WORK/titan/inductor" lynx="$WORK/titan/lynx" || true
     {
         for label in inductor lynx; do

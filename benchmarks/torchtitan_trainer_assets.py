@@ -43,9 +43,10 @@ Subcommands (``python benchmarks/torchtitan_trainer_assets.py ...``):
   stand-in for ``torch.cuda``'s memory and device queries), then calls ``torchtitan.train.main()``
   with ARGS. Never used on a GPU.
 
-Config function, for torchtitan's ``--module torchtitan_trainer_assets --config
-llama3_debugmodel_sdpa`` (torchtitan imports a fully qualified module: this folder on
-``PYTHONPATH``): :func:`llama3_debugmodel_sdpa`.
+Config functions, for torchtitan's ``--module torchtitan_trainer_assets --config NAME``
+(torchtitan imports a fully qualified module: this folder on ``PYTHONPATH``):
+:func:`llama3_debugmodel_ce_loss_sdpa` (what ``gpu_session.sh titan`` runs) and
+:func:`llama3_debugmodel_sdpa`.
 """
 from __future__ import annotations
 
@@ -67,6 +68,23 @@ SEED = 0
 
 
 # ----------------------------------------------------------------------------- the config
+def llama3_debugmodel_ce_loss_sdpa():
+    """torchtitan's ``llama3_debugmodel_ce_loss()`` (its registry's "Debug model with standard
+    (non-chunked) CrossEntropyLoss") with SDPA in every layer (:func:`llama3_debugmodel_sdpa`
+    says why): what ``gpu_session.sh titan`` runs. Not the debugmodel's ``ChunkedLossWrapper``:
+    on torch 2.11 (the GPU machines') its backward fails in eager mode already, at step 1
+    (``RuntimeError: The tensor has a non-zero number of elements, but its data is not allocated
+    yet``, from the engine, after the per-chunk backwards with FSDP2's ``lm_head`` unsharded by
+    hand; seen on the CPU with torch 2.11.0, torchtitan 0.3.0; the same config runs on torch
+    2.13). The loss is then one compiled graph on the logits, as in ``tests/test_torchtitan.py``."""
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.models.common.config_utils import decoder_vocab_size
+
+    config = llama3_debugmodel_sdpa()
+    config.loss = CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(config.model_spec))
+    return config
+
+
 def llama3_debugmodel_sdpa():
     """torchtitan's ``llama3_debugmodel()`` (its config registry's, unchanged: 6 layers, dim 256,
     vocabulary 2,048, ChunkedLossWrapper, AdamW 8e-4, 8 x 2048 tokens a step, ...) with SDPA in
@@ -331,7 +349,7 @@ def _run(label: str, run_dir: str, tokens_per_step: int) -> dict[str, Any]:
     if os.path.exists(log_path):
         # lynx's own lines (its stderr handler; torchtitan's root logger repeats them, "[titan] ...")
         lines = [ln.rstrip() for ln in open(log_path, errors="replace")
-                 if re.search(r"lynx", ln, re.I) and not ln.startswith(("$ ", "[titan]"))]
+                 if re.match(r"\s*lynx[ :]", ln) or "lynx_compile." in ln and not ln.startswith("[titan]")]
         key = [ln for ln in lines if re.search(r"step \d+ recorded|planned together|out of reach|BudgetError", ln)]
         lynx_lines = key[-6:] + [ln for ln in lines[-20:] if ln not in key]
         for ln in key:
