@@ -7,9 +7,9 @@ first step, so when a piece is planned nothing is known of the others: each gets
 plan (``decide.decide_piece``: its saved bytes within the budget's fraction of its own). Then:
 
 1. **step 1** runs on the provisional plans (and compiles every piece);
-2. **step 2 is recorded** from its first module call (``step.memory_marks``: the profiler's
-   allocator events on CPU, the allocator's peaks on CUDA), cut at the start and end of every
-   piece call's forward and backward, giving each segment's measured peak; lynx knows what the plans that ran
+2. **step 2 is recorded** (``step.memory_marks``: the profiler's allocator events on CPU,
+   the allocator's peaks on CUDA), cut at the start and end of every piece call's forward and
+   backward, giving each segment's measured peak; lynx knows what the plans that ran
    contribute, the rest is ``outside`` (measured, not modelled: embedding, LM head, loss,
    gradient accumulation);
 3. at the end of step 2's backward, one choice per call (``step.model.choose``: a graph called
@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
-import weakref
 from typing import Any, Callable
 
 import torch
@@ -53,9 +52,6 @@ from lynx_compile.step.piece import Piece
 log = logging.getLogger("lynx_compile")
 RECORDED_STEP = 2
 """Which step is recorded (see the module docstring for why not the first)."""
-MODULE_CALLS_WAITED = 8
-"""Outermost module calls without a piece call the recorder waits through for the recorded
-step's start (``StepRecorder._wait_for_start``)."""
 NOISE = 1000
 """A plan predicted above the budget by at most 1/NOISE of the step's reference is accepted: the
 recorded step's measure moves by that little between runs, and a refusal names its budget to the
@@ -86,12 +82,6 @@ def _activation_bytes(args: tuple) -> int:
             storage = local.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
-
-
-def _skipped() -> bool:
-    """A module call the step recorder's hooks let pass: one dynamo traces (a no-op in its
-    graph: the hooks are lynx's, not the model's) or one recomputed inside a backward."""
-    return torch.compiler.is_compiling() or _compat.in_backward()
 
 
 def _with_choices(steps) -> bool:
@@ -128,14 +118,8 @@ class StepRecorder:
         """The transients of the candidates that ran, where the recording measured them other
         than lynx's memory model (``StepModel.measured``), for the step's log line."""
         self._before = 0
-        """Bytes the step allocated before the recording started, added to every segment: the
-        activation inputs (the embedding's output) of the call it started at, the step's
-        outermost module call or its first piece call."""
-        self._step_hooks: _compat.ModuleCallHooks | None = None
-        """Global module hooks waiting for the recorded step's start (``_wait_for_start``)."""
-        self._depth = 0  # module calls running, while they wait
-        self._misses = 0  # outermost module calls that called no piece, while they wait
-        self._from_start = False  # the recording started at the step's outermost module call
+        """Bytes the recorded step allocated before its first piece call and the recording: that
+        call's activation inputs (the embedding's output), added to every segment."""
         self._queued = False
         self._recording: ProfilerRecording | AllocatorRecording | None = None
         self._device_type = "cpu"
@@ -204,11 +188,7 @@ class StepRecorder:
                  ", ".join(str(i) for i in dict.fromkeys(p.record.graph_id for p in deferred)), RECORDED_STEP)
 
     # -- the step's calls --------------------------------------------------------------------
-    def before_forward(self, module_call: bool = False) -> None:
-        """Before a piece call (``module_call``: before the outermost module call that may be the
-        step's start, ``_wait_for_start``)."""
-        if not module_call and not self.calls:
-            self._unhook()
+    def before_forward(self) -> None:
         if self.state == "ending":  # the recording could not be stopped as the backward returned
             self._finish_recording()
         if self._step1 is not None and not self.calls and torch.is_grad_enabled():
@@ -222,74 +202,9 @@ class StepRecorder:
               and torch.is_grad_enabled()):
             self._start_recording()
 
-    def _wait_for_start(self) -> None:
-        """At the end of the step before the recorded one: record from the recorded step's start,
-        the outermost module call running when its first piece is called, not from that call.
-        What the step allocates before the first piece and holds past it is the step's as the
-        user measures it: under torchtitan's TP on 2 ranks (qwen3, 2 blocks) the root module's
-        all-gathered embedding, norm and LM head (2 MiB) and block 0's input (a reduce-scatter's
-        result), recorded from the first piece call, were outside the step, and a step planned
-        at budget 1.0 measured 40.96 MB against a budget of 38.73 MB.
-
-        Global module hooks (``_compat.ModuleCallHooks``, holding the recorder weakly) start the
-        recording at each outermost module call with gradients on and drop it when that call
-        returns without having called a piece (another model run between the steps, an
-        embedding called on its own: its activation inputs are counted as ``_before``, as a
-        piece call's). The hooks go at the first piece call, or after
-        :data:`MODULE_CALLS_WAITED` outermost calls without one (the recorded step then starts at
-        the first piece call, as where that call is outside any module: a compiled function)."""
-        if self._step_hooks is not None:
-            return
-        self._depth, self._misses = 0, 0
-        me = weakref.ref(self)
-
-        def enters(module: torch.nn.Module, args: tuple) -> None:
-            recorder = me()
-            if recorder is None:  # the backend is gone
-                hooks.remove()
-            elif not _skipped():
-                recorder._module_enters(args)
-
-        def leaves(module: torch.nn.Module) -> None:
-            recorder = me()
-            if recorder is not None and not _skipped():
-                recorder._module_leaves()
-
-        hooks = self._step_hooks = _compat.ModuleCallHooks(enters, leaves)
-
-    def _module_enters(self, args: tuple) -> None:
-        depth, self._depth = self._depth, self._depth + 1
-        if depth or self.calls or not torch.is_grad_enabled():  # (evaluation under no_grad: not the step)
-            return
-        self.before_forward(module_call=True)
-        if self.state == "recording":
-            self._from_start = True
-            self._before = _activation_bytes(args)
-
-    def _module_leaves(self) -> None:
-        self._depth = max(0, self._depth - 1)
-        if self._depth == 0 and not self.calls and self.state == "recording":
-            self._cancel_recording()  # the outermost call returned without calling a piece: not the step
-            self._misses += 1
-            if self._misses >= MODULE_CALLS_WAITED:
-                self._unhook()
-
-    def outside_recording(self, compile_again: Callable[[], None]) -> None:
-        """A piece compiles again before the step's first piece call (``Piece._accumulate_in_graph``):
-        a recording started at the step's module call would count the compile, so it is dropped
-        and starts at the piece call instead (``_before``)."""
-        if self.state == "recording" and not self.calls:
-            self._cancel_recording()
-        compile_again()
-
-    def _unhook(self) -> None:
-        if self._step_hooks is not None:
-            self._step_hooks.remove()
-            self._step_hooks = None
-
     def begin_forward(self, piece: Piece, args: tuple = ()) -> int:
         call = len(self.calls)
-        if call == 0 and self.state == "recording" and not self._from_start:
+        if call == 0 and self.state == "recording":
             self._before = _activation_bytes(args)
         self.calls.append(piece)
         self.open.add(call)
@@ -349,13 +264,10 @@ class StepRecorder:
                 # plan kept for this step names the candidates of those plans
                 self._step1 = self.calls
                 self.calls, self.marks, self.mark_grads = [], [], []
-                self._wait_for_start()
                 return
             if self._cached_step(self.calls):
                 self.calls, self.marks, self.mark_grads = [], [], []
                 return
-        if self.state == "warming" and self.steps_seen + 1 == RECORDED_STEP:
-            self._wait_for_start()
         if self.state == "recording":
             self._mark(-1, "end")
             self.state = "ending"
@@ -433,15 +345,6 @@ class StepRecorder:
             self._grads = None
         self.state = "recording"
 
-    def _cancel_recording(self) -> None:
-        """Drop a recording that started at a module call that was not the step's (nothing marked)."""
-        self._recording.cancel()
-        self._recording = None
-        if self._grads is not None:
-            self._grads.stop()
-            self._grads = None
-        self.state, self._from_start = "warming", False
-
     def _finish_recording(self) -> None:
         if self.state != "ending":
             return
@@ -475,7 +378,7 @@ class StepRecorder:
         other than lynx's memory model are said in ``self.measured_note``."""
         calls, marks, self.calls, self.marks = self.calls, self.marks, [], []
         grads, self.mark_grads = self.mark_grads, []
-        before, self._before, self._from_start = self._before, 0, False
+        before, self._before = self._before, 0
         peaks, levels, grads, before = self._every_ranks(marks, peaks, levels, grads, before)
         model, as_ran, changes = recorded({p.key: p.record.step for p in calls}, tuple(p.key for p in calls),
                                           marks, peaks, levels, grads, before)
