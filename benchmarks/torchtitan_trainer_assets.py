@@ -29,8 +29,8 @@ Subcommands (``python benchmarks/torchtitan_trainer_assets.py ...``):
   ``-m torchtitan.train`` runs), after :func:`torch_compat`, which adds two names torchtitan 0.3.0
   takes from a newer torch than the GPU machines' 2.11 (and, for the second, than 2.13):
   ``torch.distributed.fsdp.DataParallelMeshDims`` (imported by ``distributed/fsdp.py:13`` and
-  ``distributed/full_dtensor.py:23``: without it ``-m torchtitan.train``, and even ``import
-  torchtitan.distributed.compile``, stop at their imports on torch 2.11) and
+  ``distributed/full_dtensor.py:23``: without it ``-m torchtitan.train`` and the model
+  packages, ``torchtitan.models.llama3`` among them, stop at their imports on torch 2.11) and
   ``torch.distributed.set_timeout`` (``distributed/utils.py:595``, ``set_pg_timeouts``, called
   after step 1: torch 2.11 and 2.13 have only the private ``distributed_c10d._set_pg_timeout``
   of the same signature). ``gpu_session.sh titan`` runs ``-m torchtitan.train`` itself where torch
