@@ -415,6 +415,17 @@ for i, c in enumerate(configs):
 PYEOF
 )
 
+measure_device_profile() {  # part timeout_s: lynx's hardware="auto" profile of this GPU, measured
+    # once, alone, into $WORK/device_profiles.json (LYNX_CPU_PROFILE, read by every later lynx
+    # process of the part); its numbers go to env.txt
+    export LYNX_CPU_PROFILE="$WORK/device_profiles.json"
+    timeout "$2" "$PY" -c 'import dataclasses, json, torch
+from lynx_compile.costs.hardware import calibrate_cuda_profile, _cuda_key
+p = calibrate_cuda_profile()
+print("lynx device profile (" + _cuda_key(torch.cuda.current_device()) + "): " + json.dumps(dataclasses.asdict(p)))' \
+        >>"$OUT/env.txt" 2>&1 || say "$1: measuring the device profile failed (env.txt): lynx plans on the datasheet"
+}
+
 part_step() {
     local t0=$SECONDS
     export LYNX_BENCH_PLANS_DIR="$WORK/plans"  # bench_step: each lynx variant's plans, into step_raw.tgz
@@ -424,13 +435,8 @@ part_step() {
     if [ "$DEVICE" != cpu ]; then
         # lynx's hardware="auto" measures the GPU (issue R item 2): once, alone, before the variant
         # processes (which run 4 at a time and read it from this file); its numbers go to env.txt
-        export LYNX_CPU_PROFILE="$WORK/device_profiles.json"
         say "step: measuring the device profile lynx plans with (hardware=\"auto\")"
-        timeout 120 "$PY" -c 'import dataclasses, json, torch
-from lynx_compile.costs.hardware import calibrate_cuda_profile, _cuda_key
-p = calibrate_cuda_profile()
-print("lynx device profile (" + _cuda_key(torch.cuda.current_device()) + "): " + json.dumps(dataclasses.asdict(p)))' \
-            >>"$OUT/env.txt" 2>&1 || say "step: measuring the device profile failed (env.txt): lynx plans on the datasheet"
+        measure_device_profile step 120
     fi
     local specs=()
     local attn=${LYNX_GPU_SESSION_ATTN:-manual,sdpa}
@@ -744,12 +750,7 @@ print(f"torchtitan {torchtitan.__version__}: config parsed, {len(c.model_spec.mo
         say "titan: $(head -n 1 <<<"$imp" | cut -c1-200): runs through the helper's \`train\`"
     fi
     if [ "$DEVICE" = cuda ]; then  # lynx's hardware="auto": the GPU measured once, alone, before the runs
-        export LYNX_CPU_PROFILE="$WORK/device_profiles.json"
-        timeout 90 "$PY" -c 'import dataclasses, json, torch
-from lynx_compile.costs.hardware import calibrate_cuda_profile, _cuda_key
-p = calibrate_cuda_profile()
-print("lynx device profile (" + _cuda_key(torch.cuda.current_device()) + "): " + json.dumps(dataclasses.asdict(p)))' \
-            >>"$OUT/env.txt" 2>&1 || say "titan: measuring the device profile failed (env.txt): lynx plans on the datasheet"
+        measure_device_profile titan 90
     fi
     local left
     left=$((deadline - $(date +%s)))
