@@ -311,25 +311,26 @@ def _from_tensorboard(run_dir: str) -> tuple[dict[int, dict[str, float]], str]:
     return rows, f"TensorBoard scalars ({len(dirs)} event folder(s))" if dirs else "no TensorBoard events"
 
 
-def _from_log(log_path: str, tokens_per_step: int) -> dict[int, dict[str, float]]:
+def _from_log(log_lines: list[str], tokens_per_step: int) -> dict[int, dict[str, float]]:
     rows: dict[int, dict[str, float]] = {}
-    if not os.path.exists(log_path):
-        return rows
-    with open(log_path, errors="replace") as f:
-        for line in f:
-            m = _LINE.search(line)
-            if m:
-                step, loss, gn, mem, tps = m.groups()
-                tps_f = float(tps.replace(",", ""))
-                rows[int(step)] = {"loss": float(loss), "grad_norm": float(gn), "reserved_gib": float(mem),
-                                   "tps": tps_f, "step_s": tokens_per_step / tps_f if tps_f > 0 else math.nan}
+    for line in log_lines:
+        m = _LINE.search(line)
+        if m:
+            step, loss, gn, mem, tps = m.groups()
+            tps_f = float(tps.replace(",", ""))
+            rows[int(step)] = {"loss": float(loss), "grad_norm": float(gn), "reserved_gib": float(mem),
+                               "tps": tps_f, "step_s": tokens_per_step / tps_f if tps_f > 0 else math.nan}
     return rows
 
 
 def _run(label: str, run_dir: str, tokens_per_step: int) -> dict[str, Any]:
     log_path = os.path.join(run_dir, "train.log")
+    log_lines: list[str] = []  # the run's console log, read once
+    if os.path.exists(log_path):
+        with open(log_path, errors="replace") as f:
+            log_lines = f.readlines()
     tb, source = _from_tensorboard(run_dir)
-    log = _from_log(log_path, tokens_per_step)
+    log = _from_log(log_lines, tokens_per_step)
     steps = sorted(set(tb) | set(log))
     per_step = {s: {**log.get(s, {}), **tb.get(s, {})} for s in steps}
     status = "?"
@@ -341,14 +342,14 @@ def _run(label: str, run_dir: str, tokens_per_step: int) -> dict[str, Any]:
     else:
         wall = math.nan
     err = ""
-    if status != "ok" and os.path.exists(log_path):
-        lines = [ln.strip() for ln in open(log_path, errors="replace") if ln.strip()]
+    if status != "ok" and log_lines:
+        lines = [ln.strip() for ln in log_lines if ln.strip()]
         errs = [ln for ln in lines if re.search(r"(Error|Exception|error:)", ln) and "Warning" not in ln]
         err = (errs[-1] if errs else (lines[-1] if lines else ""))[:300]
     lynx_lines, plan = [], None
-    if os.path.exists(log_path):
+    if log_lines:
         # lynx's own lines (its stderr handler; torchtitan's root logger repeats them, "[titan] ...")
-        lines = [ln.rstrip() for ln in open(log_path, errors="replace")
+        lines = [ln.rstrip() for ln in log_lines
                  if re.match(r"\s*lynx[ :]", ln) or "lynx_compile." in ln and not ln.startswith("[titan]")]
         key = [ln for ln in lines if re.search(r"step \d+ recorded|planned together|out of reach|BudgetError", ln)]
         lynx_lines = key[-6:] + [ln for ln in lines[-20:] if ln not in key]
