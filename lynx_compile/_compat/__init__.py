@@ -23,6 +23,8 @@ Modules, each re-exported here (import from the package, not from a module of it
   cache keys as their uuid.
 - ``inductor_schedule``: from inside Inductor's compile: ordering edges, graph inputs, its
   schedule's memory, its atomic-add fallback.
+- ``module_hooks``: where a training step starts (the outermost module call running) and hooks
+  on that module.
 - ``introspection``: what torch records: profiler events, Inductor's metrics and output code,
   dynamo's counters, the cache directory.
 - ``tracing``: tracing contexts of lynx's own, unbacked symbols, fake modes, eager dispatch.
@@ -115,6 +117,7 @@ from lynx_compile._compat.introspection import (
     profiler_running,
     record_function_ops,
 )
+from lynx_compile._compat.module_hooks import ModuleCallHooks, call_is_compiled, outermost_module_call
 from lynx_compile._compat.partitioner import (
     SameSavedValues,
     aot_autograd,
@@ -163,6 +166,8 @@ __all__ = [
     # inductor_schedule
     "inductor_atomic_add_falls_back", "inductor_graph_input_names", "inductor_preserve_node_ordering", "inductor_realize_thresholds",
     "inductor_schedule_memory",
+    # module_hooks
+    "ModuleCallHooks", "call_is_compiled", "outermost_module_call",
     # introspection
     "cpu_allocation_events", "cpu_allocator_counts_every_thread", "dynamo_counters", "inductor_cache_dir", "inductor_metrics", "inductor_output_code",
     "profiler_marks", "profiler_running", "record_function_ops",

@@ -5,7 +5,7 @@ after it starts, ``step.model.Segment.start``).
 
 ``ProfilerRecording`` (CPU: the allocator has no counters) reads a memory-profiling profiler's
 allocator events; ``AllocatorRecording`` (CUDA) the caching allocator's peak statistics. Both:
-``start()`` (False when it cannot start), ``mark(i)``, ``stop_after_backward(then)`` (called from
+``start()`` (False when it cannot start), ``cancel()`` (stop without reading), ``mark(i)``, ``stop_after_backward(then)`` (called from
 inside the backward that ends the step: ``then()`` once it can be read), ``finish(n_marks)`` (per
 mark: its segment's peak and its level, None for a mark not seen).
 """
@@ -55,6 +55,17 @@ class ProfilerRecording:
     def mark(self, i: int) -> None:
         with torch.profiler.record_function(f"{MARK}{i}"):
             pass
+
+    def cancel(self) -> None:
+        """Stop without reading (the step did not start where the recording did)."""
+        from lynx_compile.memory.measure import without_kineto_log
+
+        try:
+            with without_kineto_log():
+                self._profiler.stop()
+        finally:
+            self._counting.close()
+            self._profiler = None
 
     def stop_after_backward(self, then: Callable[[], None]) -> None:
         _compat.watch_frame(_compat.engine_run_backward_code(), "return", lambda frame: then())
@@ -115,6 +126,9 @@ class AllocatorRecording:
         self._peaks.append(torch.cuda.max_memory_allocated() - self._base)
         self._levels.append(torch.cuda.memory_allocated() - self._base)
         torch.cuda.reset_peak_memory_stats()
+
+    def cancel(self) -> None:
+        pass
 
     def stop_after_backward(self, then: Callable[[], None]) -> None:
         then()

@@ -102,7 +102,7 @@ class Piece:
             return self.compiled(*args)
         if self._returned and torch.is_grad_enabled() and any(
                 p is not None and p.grad is not None for p in (r() for r in self._returned)):
-            self._accumulate_in_graph()
+            rec.outside_recording(self._accumulate_in_graph)
         rec.before_forward()
         if not rec.tracking or not torch.is_grad_enabled():
             out = self._current()(*args)

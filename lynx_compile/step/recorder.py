@@ -7,8 +7,9 @@ first step, so when a piece is planned nothing is known of the others: each gets
 plan (``decide.decide_piece``: its saved bytes within the budget's fraction of its own). Then:
 
 1. **step 1** runs on the provisional plans (and compiles every piece);
-2. **step 2 is recorded** (``step.memory_marks``: the profiler's allocator events on CPU,
-   the allocator's peaks on CUDA), cut at the start and end of every piece call's forward and
+2. **step 2 is recorded** from its start, the call of the module that was outermost when step 1
+   called its first piece (``step.memory_marks``: the profiler's allocator events on CPU, the
+   allocator's peaks on CUDA), cut at the start and end of every piece call's forward and
    backward, giving each segment's measured peak; lynx knows what the plans that ran
    contribute, the rest is ``outside`` (measured, not modelled: embedding, LM head, loss,
    gradient accumulation);
@@ -36,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -84,6 +86,12 @@ def _activation_bytes(args: tuple) -> int:
     return sum(seen.values())
 
 
+def _skipped() -> bool:
+    """A call of the step's module its hooks let pass: one dynamo traces (the hooks are lynx's,
+    not the model's) or one recomputed inside a backward."""
+    return torch.compiler.is_compiling() or _compat.in_backward()
+
+
 def _with_choices(steps) -> bool:
     """Some graph's ``GraphChoices`` (None for a graph with none) offers more than one candidate:
     there is something to plan together."""
@@ -118,8 +126,16 @@ class StepRecorder:
         """The transients of the candidates that ran, where the recording measured them other
         than lynx's memory model (``StepModel.measured``), for the step's log line."""
         self._before = 0
-        """Bytes the recorded step allocated before its first piece call and the recording: that
-        call's activation inputs (the embedding's output), added to every segment."""
+        """Bytes the step allocated before the recording started, added to every segment: the
+        activation inputs (the embedding's output) of the call it started at, the step's module
+        call or its first piece call."""
+        self._root: weakref.ref | None = None
+        """The module whose call was outermost when step 1 called its first piece: where the
+        recorded step starts (``_wait_for_start``)."""
+        self._root_hooks: _compat.ModuleCallHooks | None = None
+        self._depth = 0  # calls of the root running, while its hooks wait
+        self._entered = False  # the outermost of them was one with gradients on: the step's start
+        self._from_start = False  # the recording started at the root's call
         self._queued = False
         self._recording: ProfilerRecording | AllocatorRecording | None = None
         self._device_type = "cpu"
@@ -188,7 +204,11 @@ class StepRecorder:
                  ", ".join(str(i) for i in dict.fromkeys(p.record.graph_id for p in deferred)), RECORDED_STEP)
 
     # -- the step's calls --------------------------------------------------------------------
-    def before_forward(self) -> None:
+    def before_forward(self, module_call: bool = False) -> None:
+        """Before a piece call (``module_call``: before a call of the step's module,
+        ``_wait_for_start``)."""
+        if not module_call and not self.calls and torch.is_grad_enabled():  # the step's first piece call
+            self._unhook()
         if self.state == "ending":  # the recording could not be stopped as the backward returned
             self._finish_recording()
         if self._step1 is not None and not self.calls and torch.is_grad_enabled():
@@ -202,10 +222,79 @@ class StepRecorder:
               and torch.is_grad_enabled()):
             self._start_recording()
 
+    def _wait_for_start(self) -> None:
+        """At the end of the step before the recorded one: record from the recorded step's start,
+        the call of the module that was outermost when step 1 called its first piece, not from
+        that piece call. What the step allocates before its first piece and holds past it is the
+        step's as the user measures it: under torchtitan's TP on 2 ranks (qwen3, 2 blocks) the
+        root module's all-gathered embedding, norm and LM head (2 MiB) and block 0's input (a
+        reduce-scatter's result), recorded from the first piece call, were outside the step,
+        and a step planned at budget 1.0 measured 40.96 MB against a budget of 38.73 MB.
+
+        Hooks on that module alone (before its own pre-hooks: FSDP2's all-gather) start the
+        recording at its next call with gradients on; that call returning without a piece call
+        drops the recording and the hooks (the recorded step then starts at its first piece
+        call, as it does where step 1 called its first piece outside any module, or from a
+        module whose call ``module.compile()`` compiled: hooks on it would be traced). The
+        hooks go at the first piece call, and hold the recorder weakly."""
+        root = self._root() if self._root is not None else None
+        if root is None or self._root_hooks is not None or _compat.call_is_compiled(root):
+            return
+        self._depth, self._entered = 0, False
+        me = weakref.ref(self)
+
+        def enters(args: tuple) -> None:
+            recorder = me()
+            if recorder is None:  # the backend is gone
+                hooks.remove()
+            elif not _skipped():
+                recorder._root_enters(args)
+
+        def leaves() -> None:
+            recorder = me()
+            if recorder is not None and not _skipped():
+                recorder._root_leaves()
+
+        hooks = self._root_hooks = _compat.ModuleCallHooks(root, enters, leaves)
+
+    def _root_enters(self, args: tuple) -> None:
+        depth, self._depth = self._depth, self._depth + 1
+        if depth or self.calls or not torch.is_grad_enabled():  # (evaluation under no_grad: not the step)
+            return
+        self._entered = True
+        self.before_forward(module_call=True)
+        if self.state == "recording":
+            self._from_start = True
+            self._before = _activation_bytes(args)
+
+    def _root_leaves(self) -> None:
+        self._depth = max(0, self._depth - 1)
+        if self._depth == 0 and self._entered and not self.calls:
+            self._entered = False
+            if self.state == "recording":  # the call returned without calling a piece: not the step
+                self._cancel_recording()
+            self._unhook()
+
+    def outside_recording(self, compile_again: Callable[[], None]) -> None:
+        """A piece compiles again before the step's first piece call (``Piece._accumulate_in_graph``):
+        a recording started at the step's module call would count the compile, so it is dropped
+        and starts at the piece call instead (``_before``)."""
+        if self.state == "recording" and not self.calls:
+            self._cancel_recording()
+        compile_again()
+
+    def _unhook(self) -> None:
+        if self._root_hooks is not None:
+            self._root_hooks.remove()
+            self._root_hooks = None
+
     def begin_forward(self, piece: Piece, args: tuple = ()) -> int:
         call = len(self.calls)
-        if call == 0 and self.state == "recording":
+        if call == 0 and self.state == "recording" and not self._from_start:
             self._before = _activation_bytes(args)
+        if call == 0 and self.state == "warming" and self.steps_seen == 0:
+            root = _compat.outermost_module_call()
+            self._root = weakref.ref(root) if root is not None else None
         self.calls.append(piece)
         self.open.add(call)
         self._mark(call, "fw0")
@@ -264,10 +353,13 @@ class StepRecorder:
                 # plan kept for this step names the candidates of those plans
                 self._step1 = self.calls
                 self.calls, self.marks, self.mark_grads = [], [], []
+                self._wait_for_start()
                 return
             if self._cached_step(self.calls):
                 self.calls, self.marks, self.mark_grads = [], [], []
                 return
+        if self.state == "warming" and self.steps_seen + 1 == RECORDED_STEP:
+            self._wait_for_start()
         if self.state == "recording":
             self._mark(-1, "end")
             self.state = "ending"
@@ -345,6 +437,15 @@ class StepRecorder:
             self._grads = None
         self.state = "recording"
 
+    def _cancel_recording(self) -> None:
+        """Drop a recording that started at a module call that was not the step's (nothing marked)."""
+        self._recording.cancel()
+        self._recording = None
+        if self._grads is not None:
+            self._grads.stop()
+            self._grads = None
+        self.state, self._from_start = "warming", False
+
     def _finish_recording(self) -> None:
         if self.state != "ending":
             return
@@ -378,7 +479,7 @@ class StepRecorder:
         other than lynx's memory model are said in ``self.measured_note``."""
         calls, marks, self.calls, self.marks = self.calls, self.marks, [], []
         grads, self.mark_grads = self.mark_grads, []
-        before, self._before = self._before, 0
+        before, self._before, self._from_start = self._before, 0, False
         peaks, levels, grads, before = self._every_ranks(marks, peaks, levels, grads, before)
         model, as_ran, changes = recorded({p.key: p.record.step for p in calls}, tuple(p.key for p in calls),
                                           marks, peaks, levels, grads, before)
