@@ -101,6 +101,8 @@ def row_of(model: str, parallel: str, asked: float, lynx: dict, inductor: dict, 
     row.update(status="ok", steps=len(lynx["losses"]), loss_diff=worst, loss_tol=tol, losses_ok=worst <= tol,
                budget_MB=budget / 1e6 if budget else None,
                peak_MB_by_rank=" / ".join(f"{p / 1e6:.2f}" for p in peaks),
+               steps_MB_by_rank=" / ".join(",".join("-" if b is None else f"{b / 1e6:.2f}" for b in steps[2:])
+                                           for steps in lynx["step_peak_bytes_by_rank"]),
                inductor_MB_by_rank=" / ".join(f"{p / 1e6:.2f}" for p in theirs),
                worst_over_budget=max(peaks) / budget if budget else None,
                last_loss=lynx["losses"][-1], inductor_last_loss=inductor["losses"][-1],
@@ -138,7 +140,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 KEYS = ["model", "parallel", "asked", "refused", "budget", "status", "steps", "losses_ok", "loss_diff", "loss_tol",
-        "budget_MB", "peak_MB_by_rank", "inductor_MB_by_rank", "worst_over_budget", "last_loss",
+        "budget_MB", "peak_MB_by_rank", "steps_MB_by_rank", "inductor_MB_by_rank", "worst_over_budget", "last_loss",
         "inductor_last_loss", "wall_s"]
 
 
@@ -160,7 +162,8 @@ def write(rows: list[dict], args: argparse.Namespace, argv: Sequence[str]) -> st
           f"Command: `python benchmarks/bench_torchtitan_launcher.py {' '.join(argv)}`", "",
           f"debugmodel cut to {args.layers or 'all'} layers, batch 2 x 128 per data-parallel rank, float32, "
           f"{args.steps} steps; peaks: each rank's measured forward + backward step peak (bytes above the step's "
-          "start, CPU allocator events) over steps 3+, the worst step; worst_over_budget: the larger rank's peak "
+          "start, CPU allocator events) over steps 3+, the worst step (steps_MB_by_rank: each of those steps, "
+          "by rank); worst_over_budget: the larger rank's peak "
           "over lynx's step budget; losses_ok: every step's loss within "
           f"{ERR_MULTIPLE:g}x Inductor's own largest difference from eager.", "",
           "| " + " | ".join(KEYS) + " |", "|" + "---|" * len(KEYS)]
