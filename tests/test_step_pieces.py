@@ -146,6 +146,68 @@ def test_a_free_on_a_thread_the_profiler_does_not_follow_is_counted():
     assert segment_memory(UNSEEN, marks) == ([100, 80, 30], [50, 30, 0])  # before t=20 only
 
 
+
+# A collective's own copy of its input (address 1000, 100 B: gloo's reduce-scatter clones it),
+# held by the work until whichever thread drops the work last frees it. EARLY: the step's thread,
+# after its wait, at t=25 (recorded). LATE: gloo's worker, between t=30 and t=35 (not recorded;
+# the allocator's total shows it), after the next block's all-gather (address 3000, 60 B) has
+# started. Marks at 40, 70, 90; the address is allocated again at t=45 (30 B).
+HELD = {(10, 1000)}
+EARLY = [(10, 1000, 100, 100), (20, 2000, 50, 150), (25, 1000, -100, 50), (30, 3000, 60, 110),
+         (35, 3000, -60, 50), (45, 1000, 30, 80), (50, 2000, -50, 30), (55, 1000, -30, 0)]
+LATE = [(10, 1000, 100, 100), (20, 2000, 50, 150), (30, 3000, 60, 210), (35, 3000, -60, 50),
+        (45, 1000, 30, 80), (50, 2000, -50, 30), (55, 1000, -30, 0)]
+
+
+def test_a_collectives_held_buffer_reads_alike_whichever_thread_frees_it():
+    """Issue S items 1 and 4: held to the next mark, the copy reads live through the all-gather
+    in both runs (the later free's step: 210 B), and gone at the mark (level 50). Read as freed,
+    the early run's first segment peaks at 150 and the late one's at 210: two plans for one
+    command. Hand-computed."""
+    from lynx_compile.step.memory_marks import segment_memory
+
+    marks = [40, 70, 90]
+    assert segment_memory(EARLY, marks, every_thread=True) == ([150, 80, 0], [50, 0, 0])
+    assert segment_memory(LATE, marks, every_thread=True) == ([210, 80, 0], [50, 0, 0])
+    for events in (EARLY, LATE):
+        assert segment_memory(events, marks, every_thread=True, held=HELD) == ([210, 80, 0], [50, 0, 0])
+    # freed after a mark: held to the next one (live through the all-gather, gone at 70)
+    assert segment_memory(EARLY, [22, 70, 90], every_thread=True, held=HELD) == ([150, 210, 0], [150, 0, 0])
+    # not held, or freed after the last mark: as read
+    assert segment_memory(EARLY, marks, every_thread=True, held={(20, 2000)}) == ([150, 80, 0], [50, 0, 0])
+    assert segment_memory(EARLY, [5, 8, 22], every_thread=True, held=HELD) == ([0, 0, 150], [0, 0, 150])
+
+
+def test_gloos_reduce_scatter_copy_is_the_buffer_its_work_holds(tmp_path):
+    """One gloo process: ``reduce_scatter_tensor`` clones its input inside ``c10d::_reduce_scatter_base_``
+    and the work holds the clone past the call (found); ``all_gather_into_tensor`` frees its
+    temporary before returning, and the caller's tensors are allocated outside (not found)."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from lynx_compile import _compat
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        gathered, mine, scattered = torch.empty(256, 64), torch.randn(256, 64), torch.empty(256, 64)
+        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        with _compat.cpu_allocator_counts_every_thread():
+            prof.start()
+            grads = torch.randn(256, 64)
+            work = dist.reduce_scatter_tensor(scattered, grads, async_op=True)
+            work.wait()
+            del work, grads
+            dist.all_gather_into_tensor(gathered, mine, async_op=True).wait()
+            prof.stop()
+    finally:
+        dist.destroy_process_group()
+    events = _compat.cpu_allocation_events(prof, totals=True)
+    held = _compat.collective_held_allocations(prof)
+    sizes = {(t, ptr): size for t, ptr, size, _ in events if size > 0}
+    assert len(held) == 1 and [sizes[k] for k in held] == [256 * 64 * 4], (held, events)
+    grads_made = min(t for t, _, size, _ in events if size > 0)
+    assert min(held)[0] > grads_made  # the clone, not the caller's tensor
+
 def test_the_allocator_counts_a_free_on_another_thread_while_lynx_records():
     """torch's own CPU allocator: a tensor made while profiling and freed on a thread the profiler
     does not follow. The profiler records no free; with lynx's counting on, the next event's total

@@ -38,6 +38,45 @@ def cpu_allocation_events(prof: Any, device_type: str = "cpu",
     return sorted(out)
 
 
+
+COLLECTIVE_OP_PREFIX = "c10d::"
+"""Names of a process group's own collective calls in a profile (``c10d::_reduce_scatter_base_``,
+``c10d::allreduce_``); functional collectives (``_c10d_functional::``) allocate their outputs
+outside them."""
+
+
+def collective_held_allocations(prof: Any, device_type: str = "cpu") -> set[tuple[int, int]]:
+    """(time ns, address) of the allocations a process group's collective call (an op named
+    ``c10d::...``) made and did not free before it returned, in a finished profile with
+    ``profile_memory=True``: buffers the collective's work object holds (gloo's
+    ``_reduce_scatter_base_`` copies its input there). Which thread frees one, and when, is up
+    to whichever drops the work last: the step's thread after its wait, or the process group's
+    worker as it finishes."""
+    from torch._C._profiler import _EventType
+
+    out: set[tuple[int, int]] = set()
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.typed[0] == _EventType.TorchOp and node.name.startswith(COLLECTIVE_OP_PREFIX):
+            inside, below = [], list(node.children)
+            while below:
+                n = below.pop()
+                if n.typed[0] == _EventType.Allocation and n.typed[1].device.type == device_type:
+                    inside.append((n.start_time_ns, n.typed[1].ptr, n.typed[1].alloc_size))
+                below.extend(n.children)
+            live: dict[int, int] = {}
+            for t, ptr, size in sorted(inside):
+                if size > 0:
+                    live[ptr] = t
+                else:
+                    live.pop(ptr, None)
+            out.update((t, ptr) for ptr, t in live.items())
+            continue  # a collective inside another is the outer one's
+        stack.extend(node.children)
+    return out
+
+
 _REPORT_FLAG = "FLAGS_caffe2_report_cpu_memory_usage"
 
 

@@ -11,9 +11,10 @@ mark: its segment's peak and its level, None for a mark not seen).
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
-from typing import Callable
+from typing import Callable, Collection, Sequence
 
 import torch
 
@@ -81,19 +82,24 @@ class ProfilerRecording:
         prof, self._profiler = self._profiler, None
         events = _compat.cpu_allocation_events(prof, "cpu", totals=True)
         times = _compat.profiler_marks(prof, MARK)
-        return segment_memory(events, [times.get(f"{MARK}{i}") for i in range(n_marks)], self._every_thread)
+        return segment_memory(events, [times.get(f"{MARK}{i}") for i in range(n_marks)], self._every_thread,
+                              held=_compat.collective_held_allocations(prof))
 
 
 def segment_memory(events: list[tuple[int, ...]], mark_times: list[int | None],
-                   every_thread: bool = False) -> tuple[list[int | None], list[int | None]]:
+                   every_thread: bool = False,
+                   held: Collection[tuple[int, int]] = ()) -> tuple[list[int | None], list[int | None]]:
     """Per mark, the highest live bytes between the previous mark and it, and the live bytes at
     the mark, from allocator ``events`` (time, address, signed bytes[, allocator's total])
     relative to the first event's start; None for a mark with no time. How the live bytes are
     read (frees of tensors from before the window, frees on threads the profiler does not
-    follow, ``every_thread``): ``memory.measure.live_series``."""
+    follow, ``every_thread``): ``memory.measure.live_series``. The allocations ``held`` (time,
+    address) are counted live to the first mark after their free: :func:`held_to_next_mark`."""
     from lynx_compile.memory.measure import live_series
 
     start, series = live_series(events, every_thread)
+    marks = sorted(t for t in mark_times if t is not None)
+    series = held_to_next_mark(events, series, held, marks)
     order = sorted((t, i) for i, t in enumerate(mark_times) if t is not None)
     out: list[int | None] = [None] * len(mark_times)
     levels: list[int | None] = [None] * len(mark_times)
@@ -107,6 +113,64 @@ def segment_memory(events: list[tuple[int, ...]], mark_times: list[int | None],
         out[i], levels[i] = peak, live
         peak = live
     return out, levels
+
+
+
+def held_to_next_mark(events: Sequence[tuple[int, ...]], series: list[tuple[int, int, int]],
+                      held: Collection[tuple[int, int]], marks: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``series`` (``memory.measure.live_series``: per event of ``events``, time, bytes live at it,
+    bytes live after it) with each allocation in ``held`` (time, address: buffers a collective's
+    work holds, ``_compat.collective_held_allocations``) counted live from its free up to the first
+    of the sorted ``marks`` after it (not at the mark itself: the next segment starts without it).
+
+    Such a buffer is freed by whichever thread drops the work last: the step's thread after it
+    waits, or the process group's worker when it gets the CPU after finishing (a free the
+    profiler does not record; the allocator's total, the events' fourth field, shows it gone at
+    the first event after it). Which one, and when, changes from run to run: gloo's copy of
+    FSDP2's reduce-scatter input (22 MB, deepseek_v3's MoE block) was freed before the next
+    block's parameters were all-gathered in one run and after them in another, and that step
+    read 16.85 MB higher (issue S items 1 and 4). Held to the next piece boundary, the step
+    reads the same in both and counts the later of the two. A buffer whose free the events do
+    not show (no total, or no drop of its size) is left as ``series`` has it."""
+    marks = sorted(marks)
+    held = set(held)
+    sizes = {k: e[2] for k, e in enumerate(events) if e[2] > 0 and (e[0], e[1]) in held}
+    if not sizes or not marks:
+        return series
+    from lynx_compile.memory.measure import freed_unseen
+
+    unseen = freed_unseen(events) & sizes.keys()
+    freed_at: dict[int, int] = {}  # held allocation -> index of the first event after its free
+    open_: dict[int, int] = {}  # address -> held allocation whose free may be recorded
+    for k, (_, ptr, size, *_rest) in enumerate(events):
+        if size > 0:
+            open_.pop(ptr, None)
+            if k in sizes and k not in unseen:
+                open_[ptr] = k
+        elif ptr in open_:
+            freed_at[open_.pop(ptr)] = k
+    waiting = sorted(set(open_.values()) | unseen)  # frees not recorded: from the total's unexplained drops
+    if waiting and len(events[0]) > 3:
+        queue: list[int] = []
+        for k in range(1, len(events)):
+            while waiting and waiting[0] < k:
+                queue.append(waiting.pop(0))
+            drop = events[k - 1][3] - (events[k][3] - events[k][2])  # freed between the two events
+            while queue and 0 < sizes[queue[0]] <= drop:
+                drop -= sizes[queue[0]]
+                freed_at[queue.pop(0)] = k
+    out = list(series)
+    for i, k in freed_at.items():
+        at = bisect.bisect_right(marks, events[k][0])
+        until = marks[at] if at < len(marks) else None
+        j = k
+        while j < len(out) and (until is None or out[j][0] < until):
+            t, level, after = out[j]
+            last = until is not None and (j + 1 == len(out) or out[j + 1][0] >= until)
+            # live at every event up to the mark; gone at the mark (the next segment starts without it)
+            out[j] = (t, level + sizes[i], after + (0 if last else sizes[i]))
+            j += 1
+    return out
 
 
 class AllocatorRecording:
