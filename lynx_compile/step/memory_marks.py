@@ -45,7 +45,7 @@ class ProfilerRecording:
 
         from lynx_compile.memory.measure import without_kineto_log
 
-        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
+        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True)
         # frees on threads the profiler does not follow are counted in the events' totals
         self._counting = contextlib.ExitStack()
         self._every_thread = self._counting.enter_context(_compat.cpu_allocator_counts_every_thread())
