@@ -47,64 +47,33 @@ outside them."""
 
 def collective_held_allocations(prof: Any, device_type: str = "cpu") -> set[tuple[int, int]]:
     """(time ns, address) of the allocations a process group's collective call (an op named
-    ``c10d::...``) hands to its work object, in a finished profile with ``profile_memory=True``:
-    those it made and did not free before it returned (gloo's ``_reduce_scatter_base_`` copies its
-    input there) and, where the profile recorded the ops' inputs (``record_shapes=True``), the
-    live allocations its tensor arguments' storages are in (an all-gather's output, a
-    reduce-scatter's input). The work holds them until whichever thread drops it last: the step's
-    thread after its wait, or the process group's worker as it finishes."""
+    ``c10d::...``) made and did not free before it returned, in a finished profile with
+    ``profile_memory=True``: buffers the collective's work object holds (gloo's
+    ``_reduce_scatter_base_`` copies its input there). Which thread frees one, and when, is up
+    to whichever drops the work last: the step's thread after its wait, or the process group's
+    worker as it finishes."""
     from torch._C._profiler import _EventType
 
-    calls: list[tuple[int, list[Any], set[int]]] = []  # (start, allocation events inside, argument storages)
-    allocations: list[tuple[int, int, int]] = []
+    out: set[tuple[int, int]] = set()
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
-        if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == device_type:
-            allocations.append((node.start_time_ns, node.typed[1].ptr, node.typed[1].alloc_size))
-        elif node.typed[0] == _EventType.TorchOp and node.name.startswith(COLLECTIVE_OP_PREFIX):
+        if node.typed[0] == _EventType.TorchOp and node.name.startswith(COLLECTIVE_OP_PREFIX):
             inside, below = [], list(node.children)
             while below:
                 n = below.pop()
                 if n.typed[0] == _EventType.Allocation and n.typed[1].device.type == device_type:
                     inside.append((n.start_time_ns, n.typed[1].ptr, n.typed[1].alloc_size))
                 below.extend(n.children)
-            calls.append((node.start_time_ns, inside, _storages(getattr(node.typed[1], "inputs", ()))))
+            live: dict[int, int] = {}
+            for t, ptr, size in sorted(inside):
+                if size > 0:
+                    live[ptr] = t
+                else:
+                    live.pop(ptr, None)
+            out.update((t, ptr) for ptr, t in live.items())
+            continue  # a collective inside another is the outer one's
         stack.extend(node.children)
-    out: set[tuple[int, int]] = set()
-    for _, inside, _ in calls:
-        live: dict[int, int] = {}
-        for t, ptr, size in sorted(inside):
-            if size > 0:
-                live[ptr] = t
-            else:
-                live.pop(ptr, None)
-        out.update((t, ptr) for ptr, t in live.items())
-    # one sweep over the allocations in time order: at each call, the allocation live at each
-    # of its arguments' storages
-    allocations.sort()
-    made: dict[int, int] = {}  # address -> time of the allocation live there
-    i = 0
-    for start, _, storages in sorted(calls, key=lambda c: c[0]):
-        while i < len(allocations) and allocations[i][0] < start:
-            t, ptr, size = allocations[i]
-            if size > 0:
-                made[ptr] = t
-            else:
-                made.pop(ptr, None)
-            i += 1
-        out.update((made[p], p) for p in storages if p in made)
-    return out
-
-
-def _storages(inputs: Any) -> set[int]:
-    """Storage addresses of the tensors among a profiled op's recorded inputs (nested lists)."""
-    out: set[int] = set()
-    for x in inputs or ():
-        if isinstance(x, (list, tuple)):
-            out |= _storages(x)
-        elif (ptr := getattr(x, "storage_data_ptr", None)) is not None:
-            out.add(int(ptr))
     return out
 
 

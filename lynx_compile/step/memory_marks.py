@@ -45,7 +45,7 @@ class ProfilerRecording:
 
         from lynx_compile.memory.measure import without_kineto_log
 
-        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True)
+        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
         # frees on threads the profiler does not follow are counted in the events' totals
         self._counting = contextlib.ExitStack()
         self._every_thread = self._counting.enter_context(_compat.cpu_allocator_counts_every_thread())
@@ -131,7 +131,10 @@ def held_to_next_mark(events: Sequence[tuple[int, ...]], series: list[tuple[int,
     block's parameters were all-gathered in one run and after them in another, and that step
     read 16.85 MB higher (issue S items 1 and 4). Held to the next piece boundary, the step
     reads the same in both and counts the later of the two. A buffer whose free the events do
-    not show (no total, or no drop of its size) is left as ``series`` has it."""
+    not show (no total, or no drop of its size) is left as ``series`` has it; one freed after
+    the next boundary in some runs and before it in others still reads apart, and so do the
+    tensors a caller hands to a collective (under TP an all-gather's output, freed by the
+    compiled block in some runs and by gloo's worker in others: ``docs/budget_pieces.md``)."""
     marks = sorted(marks)
     held = set(held)
     sizes = {k: e[2] for k, e in enumerate(events) if e[2] > 0 and (e[0], e[1]) in held}
