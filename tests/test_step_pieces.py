@@ -146,7 +146,6 @@ def test_a_free_on_a_thread_the_profiler_does_not_follow_is_counted():
     assert segment_memory(UNSEEN, marks) == ([100, 80, 30], [50, 30, 0])  # before t=20 only
 
 
-
 # A collective's own copy of its input (address 1000, 100 B: gloo's reduce-scatter clones it),
 # held by the work until whichever thread drops the work last frees it. EARLY: the step's thread,
 # after its wait, at t=25 (recorded). LATE: gloo's worker, between t=30 and t=35 (not recorded;
@@ -207,6 +206,7 @@ def test_gloos_reduce_scatter_copy_is_the_buffer_its_work_holds(tmp_path):
     assert len(held) == 1 and [sizes[k] for k in held] == [256 * 64 * 4], (held, events)
     grads_made = min(t for t, _, size, _ in events if size > 0)
     assert min(held)[0] > grads_made  # the clone, not the caller's tensor
+
 
 def test_the_allocator_counts_a_free_on_another_thread_while_lynx_records():
     """torch's own CPU allocator: a tensor made while profiling and freed on a thread the profiler

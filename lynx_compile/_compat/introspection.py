@@ -24,19 +24,28 @@ def cpu_allocation_events(prof: Any, device_type: str = "cpu",
     ends with the allocator's own count of the bytes allocated at that event (its
     ``total_allocated``: on CPU it sees frees on other threads while
     :func:`cpu_allocator_counts_every_thread` is on)."""
-    from torch._C._profiler import _EventType
+    roots = prof.profiler.kineto_results.experimental_event_tree()
+    return sorted(event if totals else event[:3] for event in _allocations(roots, device_type))
 
-    out: list[tuple[int, ...]] = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+
+def _walk(nodes: Any) -> Any:
+    """Every node of a kineto event tree below and including ``nodes``."""
+    stack = list(nodes)
     while stack:
         node = stack.pop()
+        yield node
+        stack.extend(node.children)
+
+
+def _allocations(nodes: Any, device_type: str) -> Any:
+    """(time ns, address, signed bytes, allocator's total) of the allocator events on
+    ``device_type`` among ``nodes`` and below them, in no order."""
+    from torch._C._profiler import _EventType
+
+    for node in _walk(nodes):
         if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == device_type:
             f = node.typed[1]
-            out.append((node.start_time_ns, f.ptr, f.alloc_size, f.total_allocated) if totals
-                       else (node.start_time_ns, f.ptr, f.alloc_size))
-        stack.extend(node.children)
-    return sorted(out)
-
+            yield node.start_time_ns, f.ptr, f.alloc_size, f.total_allocated
 
 
 COLLECTIVE_OP_PREFIX = "c10d::"
@@ -59,14 +68,8 @@ def collective_held_allocations(prof: Any, device_type: str = "cpu") -> set[tupl
     while stack:
         node = stack.pop()
         if node.typed[0] == _EventType.TorchOp and node.name.startswith(COLLECTIVE_OP_PREFIX):
-            inside, below = [], list(node.children)
-            while below:
-                n = below.pop()
-                if n.typed[0] == _EventType.Allocation and n.typed[1].device.type == device_type:
-                    inside.append((n.start_time_ns, n.typed[1].ptr, n.typed[1].alloc_size))
-                below.extend(n.children)
             live: dict[int, int] = {}
-            for t, ptr, size in sorted(inside):
+            for t, ptr, size, _ in sorted(_allocations(node.children, device_type)):
                 if size > 0:
                     live[ptr] = t
                 else:
@@ -119,14 +122,8 @@ def profiler_marks(prof: Any, prefix: str) -> dict[str, int]:
     range whose name starts with ``prefix`` in a finished profile, by name."""
     from torch._C._profiler import _EventType
 
-    out: dict[str, int] = {}
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        if node.typed[0] == _EventType.TorchOp and node.name.startswith(prefix):
-            out[node.name] = node.start_time_ns
-        stack.extend(node.children)
-    return out
+    return {node.name: node.start_time_ns for node in _walk(prof.profiler.kineto_results.experimental_event_tree())
+            if node.typed[0] == _EventType.TorchOp and node.name.startswith(prefix)}
 
 
 def profiler_running() -> bool:

@@ -98,9 +98,8 @@ def segment_memory(events: list[tuple[int, ...]], mark_times: list[int | None],
     from lynx_compile.memory.measure import live_series
 
     start, series = live_series(events, every_thread)
-    marks = sorted(t for t in mark_times if t is not None)
-    series = held_to_next_mark(events, series, held, marks)
     order = sorted((t, i) for i, t in enumerate(mark_times) if t is not None)
+    series = held_to_next_mark(events, series, held, [t for t, _ in order])
     out: list[int | None] = [None] * len(mark_times)
     levels: list[int | None] = [None] * len(mark_times)
     live = peak = start
@@ -113,7 +112,6 @@ def segment_memory(events: list[tuple[int, ...]], mark_times: list[int | None],
         out[i], levels[i] = peak, live
         peak = live
     return out, levels
-
 
 
 def held_to_next_mark(events: Sequence[tuple[int, ...]], series: list[tuple[int, int, int]],
@@ -135,10 +133,11 @@ def held_to_next_mark(events: Sequence[tuple[int, ...]], series: list[tuple[int,
     the next boundary in some runs and before it in others still reads apart, and so do the
     tensors a caller hands to a collective (under TP an all-gather's output, freed by the
     compiled block in some runs and by gloo's worker in others: ``docs/budget_pieces.md``)."""
-    marks = sorted(marks)
+    if not held or not marks:
+        return series
     held = set(held)
     sizes = {k: e[2] for k, e in enumerate(events) if e[2] > 0 and (e[0], e[1]) in held}
-    if not sizes or not marks:
+    if not sizes:
         return series
     from lynx_compile.memory.measure import freed_unseen
 
