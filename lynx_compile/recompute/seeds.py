@@ -258,14 +258,17 @@ def seed_with_baselines(joint, ctx: PassContext, kw: dict, budget: int, referenc
     floor = {*map(CandidateKey, policies), *(CandidateKey("torch", setting=s) for s in settings)} if failed_somewhere else set()
     # where lynx's plan fits, a baseline that exposes at least as much cannot win: not realized
     beat = weighed.best[1] if weighed.best is not None and not failed_somewhere else None
+    tried: dict[CandidateKey, Applied] = {}
     for name, applied in baseline_candidates(joint, ctx, kw, policies, frac, settings, beat=beat,
                                              budget=budget if beat is not None else None):
         weighed.add(name, applied, name in floor)
+        if isinstance(applied, Applied):
+            tried[name] = applied
     if failed_somewhere:
         with _compat.eager_dispatch():
             nothing_fits = any(gather_values(weighed.best is None))
         if nothing_fits:  # on every rank: the optimizer's solve is agreed on by a collective
-            for name, applied in _last_candidates(joint, ctx, kw):
+            for name, applied in _last_candidates(joint, ctx, kw, tried):
                 weighed.add(name, applied, True)
     ctx.record.stats["candidates"] = {
         str(k): {"exposed_s": e, "peak_bytes": b} if b is not None else e.stats() for k, (e, b) in weighed.scores.items()}
@@ -320,12 +323,16 @@ class _Weighing:
                 plan_time_s=outcome.plan_time_s if outcome else 0.0, solve_s=outcome.solve_s if outcome else 0.0))
 
 
-def _last_candidates(joint, ctx: PassContext, kw: dict):
+def _last_candidates(joint, ctx: PassContext, kw: dict, tried: dict[CandidateKey, Applied]):
     """(name, Applied) of torch's min-cut at ``LAST_SETTINGS``, then of lynx's optimizer at its
-    own smallest peak (``optimize.plan_smallest``)."""
+    own smallest peak (``optimize.plan_smallest``). A setting the budget's fraction already
+    tried (``tried``: a refusal at 0.05 tries 0.05 and 0.025 first) is that candidate again, not
+    partitioned twice (every rank tried the same settings: they skip alike)."""
     from lynx_compile.recompute.optimize import SMALLEST, plan_smallest
 
-    yield from baseline_candidates(joint, ctx, kw, (), None, LAST_SETTINGS)
+    keys = [CandidateKey("torch", setting=s) for s in LAST_SETTINGS]
+    new = dict(baseline_candidates(joint, ctx, kw, (), None, tuple(k.setting for k in keys if k not in tried)))
+    yield from ((k, tried.get(k) or new[k]) for k in keys if k in tried or k in new)  # in LAST_SETTINGS' order
     applied = plan_smallest(joint, ctx, kw)
     if applied is not None:
         yield SMALLEST, applied
