@@ -77,18 +77,37 @@ def _measured(**options):
     return backend.plans[-1], m.peak_bytes
 
 
+_SETTINGS: list[float] = []
+"""The min-cut setting of each partition torch made while 0.05 was refused (``refusals``)."""
+
+
 @pytest.fixture(scope="module")
 def refusals():
     """Refusals of 0.05 and of the budget just below the one 0.05's names."""
-    first = _refusal(0.05)
+    from lynx_compile import _compat
+
+    partition = _compat.min_cut_partition
+
+    def counted(*args, memory_budget: float = 1.0, **kw):
+        _SETTINGS.append(memory_budget)
+        return partition(*args, memory_budget=memory_budget, **kw)
+
+    _compat.min_cut_partition = counted
+    try:
+        first = _refusal(0.05)
+    finally:
+        _compat.min_cut_partition = partition
     return first, _refusal(round(first[1] - 0.001, 3))
 
 
 def test_every_refusal_names_the_same_smallest_budget(refusals):
     """0.05 and the budget just below the one it names name the same peak and fraction, and no
     candidate the refusal of 0.05 realized peaks below it (0.05's own min-cut settings, 0.05
-    and 0.025, are among those every refusal tries)."""
+    and 0.025, are among those every refusal tries: partitioned once each, at the budget's
+    fraction, and taken again as last settings; before session 38, twice)."""
     (err, named, record), (err_below, named_below, _) = refusals
+    # each of the refusal's decisions (step 1's, the step's) partitions at each setting once
+    assert _SETTINGS.count(0.05) == _SETTINGS.count(0.025) == _SETTINGS.count(0.9) >= 1, repr(_SETTINGS)
     assert (err.smallest_bytes, named) == (err_below.smallest_bytes, named_below), (str(err), str(err_below))
     peaks = {k: c["peak_bytes"] for k, c in record.stats["candidates"].items() if "peak_bytes" in c}
     assert min(peaks.values()) == err.smallest_bytes, peaks
