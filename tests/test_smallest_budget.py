@@ -92,11 +92,9 @@ def refusals():
         _SETTINGS.append(memory_budget)
         return partition(*args, memory_budget=memory_budget, **kw)
 
-    _compat.min_cut_partition = counted
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_compat, "min_cut_partition", counted)
         first = _refusal(0.05)
-    finally:
-        _compat.min_cut_partition = partition
     return first, _refusal(round(first[1] - 0.001, 3))
 
 
