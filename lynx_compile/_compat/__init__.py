@@ -123,6 +123,7 @@ from lynx_compile._compat.partitioner import (
     SameSavedValues,
     aot_autograd,
     canonicalize_joint,
+    clear_min_cut_memos,
     compute_intensive_ops,
     default_partition,
     forward_node_names,
@@ -153,7 +154,7 @@ __all__ = [
     "SUPPORTED_TORCH", "TORCH_VERSION", "check_torch_version",
     # partitioner
     "SameSavedValues", "aot_autograd", "canonicalize_joint", "compute_intensive_ops", "default_partition",
-    "forward_node_names", "is_recompute_tagged", "min_cut_checks_choice", "min_cut_counts_script_objects_as_zero",
+    "clear_min_cut_memos", "forward_node_names", "is_recompute_tagged", "min_cut_checks_choice", "min_cut_counts_script_objects_as_zero",
     "min_cut_partition", "min_cut_stops_on_repeat", "shared_min_cut_solves", "tag_recompute",
     # inductor
     "INDUCTOR_KEEP_PLACEMENT", "inductor_at_activation_budget", "inductor_compile_graph", "load_inductor_compiler",

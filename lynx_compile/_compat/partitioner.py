@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
+import itertools
+from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
@@ -120,11 +122,14 @@ def min_cut_partition(joint_gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_ou
     (``functorch.config.cse``, a rebuild of the whole graph on every call) is skipped: it would
     give the same graph (lynx partitions one joint up to ~15 times while planning).
 
+    Its choice of saved values is remembered in this process (:func:`_remembered_choices`): the
+    same graph, tags and setting partitioned again is not solved again.
+
     Its knapsack runs off torch's allocator (:func:`knapsack_off_the_allocator`): a graph planned
     inside a step would otherwise allocate torch's DP table beside the step's activations."""
     cse = _functorch_config.cse and not _merged_already(joint_gm.graph)
     with _functorch_config.patch(activation_memory_budget=float(memory_budget), cse=cse), \
-            knapsack_off_the_allocator(), _no_fresh_unbacked_symbols(joint_gm):
+            knapsack_off_the_allocator(), _no_fresh_unbacked_symbols(joint_gm), _remembered_choices():
         fw, bw = _call_by_keyword(
             _partitioners.min_cut_rematerialization_partition, joint_gm, joint_inputs,
             num_fwd_outputs=num_fwd_outputs, compiler=compiler,
@@ -248,11 +253,14 @@ def _min_cut_key(graph: fx.Graph, node_info: Any, options: Any, dont_ban: Any) -
 
 
 _STRUCTURE = "_lynx_min_cut_structure"
+_GRAPHS = itertools.count()
 
 
 def _structure_digest(graph: fx.Graph) -> str:
     """The graph's nodes (their code, shapes and dtypes) hashed; kept on the graph with its node
-    count and hashed again when the count changes. One joint is partitioned up to ~15 times
+    count and hashed again when the count changes. A graph with symbolic sizes also hashes a
+    number of its own (its sizes' hints are not in the digest: nothing is shared with another
+    graph). One joint is partitioned up to ~15 times
     while planning and torch's partitioner only removes nodes from it (dead code); lynx's passes
     on the joint only tag it, and the tags are hashed on every call (:func:`_min_cut_key`)."""
     count = len(graph.nodes)
@@ -260,39 +268,74 @@ def _structure_digest(graph: fx.Graph) -> str:
     if cached is not None and cached[0] == count:
         return cached[1]
     h = hashlib.sha256()
+    symbolic = False
     for n in graph.nodes:
         h.update(n.format_node().encode())
         val = n.meta.get("val")
-        h.update(repr((tuple(getattr(val, "shape", ())), getattr(val, "dtype", None))).encode())
+        shape = tuple(getattr(val, "shape", ()))
+        symbolic = symbolic or isinstance(val, torch.SymInt) or any(not isinstance(d, int) for d in shape)
+        h.update(repr((shape, getattr(val, "dtype", None))).encode())
+    if symbolic:  # sizes named by symbols whose hints this digest does not see: this graph's own
+        h.update(f"graph {next(_GRAPHS)}".encode())
     digest = h.hexdigest()
     setattr(graph, _STRUCTURE, (count, digest))
     return digest
 
 
+_MEMO_SIZE = 4096
+"""Entries each of the memos below keeps (least recently used dropped first): names only."""
+_SOLVES: "OrderedDict[str, tuple[list[str], list[str]]]" = OrderedDict()
+"""``solve_min_cut``'s answers (saved, banned node names) by :func:`_min_cut_key`, this process."""
+_CHOICES: "OrderedDict[str, list[str]]" = OrderedDict()
+"""``choose_saved_values_set``'s answers (saved node names, in its order) by :func:`_choice_key`."""
+
+
+def _remembered(memo: OrderedDict, key: str) -> Any:
+    value = memo.get(key)
+    if value is not None:
+        memo.move_to_end(key)
+    return value
+
+
+def _remember(memo: OrderedDict, key: str, value: Any) -> None:
+    memo[key] = value
+    while len(memo) > _MEMO_SIZE:
+        memo.popitem(last=False)
+
+
+def clear_min_cut_memos() -> None:
+    """Forget every min-cut solve and choice remembered in this process (tests: a reference
+    partition computed afresh)."""
+    _SOLVES.clear()
+    _CHOICES.clear()
+
+
 @contextlib.contextmanager
 def shared_min_cut_solves():
-    """A context in which torch's min-cut solves are shared between partitions of one joint.
+    """A context in which torch's min-cut solves are shared between partitions.
 
     ``choose_saved_values_set`` solves the min-cut up to three times per partition (runtime-
     optimized, more aggressive, aggressive; then a knapsack picks between them for the
     ``activation_memory_budget``) and the first three solves do not depend on the budget. lynx
     partitions one joint many times (the no-recompute reference, torch's min-cut at several
-    settings, the baselines): each distinct solve (same graph, tags, options, unbanned nodes)
-    runs once and is replayed by node name. Nested uses share the outer memo."""
+    settings, the baselines), and the same graph again at each decision of it (step 1, the
+    step's plan, a piece compiled again): each distinct solve (same graph, tags, options,
+    unbanned nodes: :func:`_min_cut_key`) runs once in this process and is replayed by node name.
+    Nested uses share the memo; torch's own partitions outside the context are not served."""
     original = _partitioners.solve_min_cut
     if getattr(original, "_lynx_shared", False):
         yield
         return
-    memo: dict[str, tuple[list[str], list[str]]] = {}
 
     def solve(joint_graph, node_info, min_cut_options, dont_ban=None):
         key = _min_cut_key(joint_graph, node_info, min_cut_options, dont_ban)
-        if key not in memo:
+        names = _remembered(_SOLVES, key)
+        if names is None:
             saved, banned = original(joint_graph, node_info, min_cut_options, dont_ban)
-            memo[key] = ([n.name for n in saved], [n.name for n in banned])
+            _remember(_SOLVES, key, ([n.name for n in saved], [n.name for n in banned]))
             return saved, banned
         by_name = {n.name: n for n in joint_graph.nodes}
-        saved, banned = memo[key]
+        saved, banned = names
         return [by_name[n] for n in saved], _partitioners.OrderedSet(by_name[n] for n in banned)
 
     solve._lynx_shared = True
@@ -329,18 +372,66 @@ def min_cut_stops_on_repeat(seen: dict, label: Any):
     return min_cut_checks_choice(repeated)
 
 
+_CHECKS: list[Callable[[frozenset], None]] = []
+"""The checks of the open :func:`min_cut_checks_choice` contexts, outermost first."""
+
+
 @contextlib.contextmanager
 def min_cut_checks_choice(check: Callable[[frozenset], None]):
     """A context in which ``check(saved)`` (``saved``: the names of the values torch's min-cut
     chose to save, ``choose_saved_values_set``'s answer) is called right after the choice, before
-    the forward and backward are extracted from the joint; an exception it raises leaves the
-    partition there, uncompleted. Inside :func:`min_cut_stops_on_repeat` a repeated choice stops
-    before ``check`` is called."""
+    the forward and backward are extracted from the joint, in each :func:`min_cut_partition`; an
+    exception it raises leaves the partition there, uncompleted. Nested: the outer context's
+    check first (inside :func:`min_cut_stops_on_repeat` a repeated choice stops before ``check``
+    is called)."""
+    _CHECKS.append(check)
+    try:
+        yield
+    finally:
+        _CHECKS.remove(check)
+
+
+def _choice_key(graph: fx.Graph, node_info: Any, memory_budget: float) -> str:
+    """What ``choose_saved_values_set`` answers depends on: the graph (structure, shapes and the
+    recompute tags it honours), the node classification, the budget and functorch's config (the
+    min-cut's bans, the knapsack's solver and runtime estimator)."""
+    h = hashlib.sha256(_structure_digest(graph).encode())
+    h.update(repr([tuple(str(n.meta.get(k)) for k in _MIN_CUT_META) for n in graph.nodes]).encode())
+    names = lambda nodes: sorted(n.name for n in nodes)  # noqa: E731
+    h.update(repr(([i.name for i in node_info.inputs], names(node_info.required_fw_nodes),
+                   names(node_info.required_bw_nodes), names(getattr(node_info, "unclaimed_nodes", ())),
+                   names(getattr(node_info, "static_lifetime_input_nodes", ())), float(memory_budget))).encode())
+    h.update(repr(sorted(_functorch_config.get_config_copy().items(), key=lambda kv: kv[0])).encode())
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def _remembered_choices():
+    """torch's ``choose_saved_values_set`` answered from :data:`_CHOICES` where this process
+    chose for the same graph, tags, classification, budget and config before (by node name, in
+    the order torch returned them), then the :data:`_CHECKS` called. lynx decides one graph
+    several times (step 1, the step's plan, a piece compiled again), each at ~10-16 min-cut
+    settings: the choice (its solves, its knapsack, torch's runtime estimates) is made once;
+    extracting the forward and backward from the joint still runs on every partition."""
     original = _partitioners.choose_saved_values_set
+    signature = inspect.signature(original)
+    first, second = list(signature.parameters)[:2]  # (joint_graph, node_info) in 2.11-2.13
 
     def choose(*args: Any, **kwargs: Any):
-        saved = original(*args, **kwargs)
-        check(frozenset(n.name for n in saved))
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        graph, node_info = bound.arguments[first], bound.arguments[second]
+        key = _choice_key(graph, node_info, bound.arguments.get("memory_budget", 1.0))
+        names = _remembered(_CHOICES, key)
+        if names is None:
+            saved = original(*args, **kwargs)
+            _remember(_CHOICES, key, [n.name for n in saved])
+        else:
+            by_name = {n.name: n for n in graph.nodes}
+            saved = [by_name[n] for n in names]
+        chosen = frozenset(n.name for n in saved)
+        for check in list(_CHECKS):
+            check(chosen)
         return saved
 
     _partitioners.choose_saved_values_set = choose
