@@ -35,6 +35,7 @@ BUDGET = 0.9
 def cache_dir(tmp_path, monkeypatch):
     path = tmp_path / "inductor_cache"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(path))
+    monkeypatch.delenv(plan_cache.PLANS_DIR_ENV, raising=False)
     return path
 
 
@@ -291,6 +292,20 @@ def test_cli_cache_path_and_clear(cache_dir, capsys):
     assert "removed 1 plan" in capsys.readouterr().out
     assert not _entries(cache_dir)
     assert main(["cache", "clear"]) == 0  # nothing there: fine
+
+
+def test_plans_in_a_directory_of_their_own(cache_dir, tmp_path, monkeypatch, capsys):
+    """``LYNX_PLAN_CACHE_DIR``: the plans kept there, not under torch.compile's cache directory;
+    a later compile is served from there; ``lynx cache path`` names it."""
+    own = tmp_path / "plans_elsewhere"
+    monkeypatch.setenv(plan_cache.PLANS_DIR_ENV, str(own))
+    first = _plan([{"memory_budget": BUDGET}])[0]
+    assert first.stats["plan_cache"] == "miss"
+    assert len(list(own.glob("*.json"))) == 1 and not _entries(cache_dir)
+    assert main(["cache", "path"]) == 0
+    assert capsys.readouterr().out.strip() == str(own)
+    again = _plan([{"memory_budget": BUDGET}])[0]
+    assert again.stats["plan_cache"] == "hit" and again.plan.decisions == first.plan.decisions
 
 
 def _write_many(key: str, marker: int, times: int) -> None:

@@ -25,7 +25,7 @@ calibrated CPU profile's contents on a CPU). Rank indices are left out on purpos
 the same on every rank (issue M), so ranks share entries.
 
 Under ``TORCHINDUCTOR_CACHE_DIR`` like torch's own caches (``torch._inductor.utils.fresh_cache()``
-gives a fresh one). Writes are atomic (a temporary file, then ``os.replace``): a process
+gives a fresh one), or in ``$LYNX_PLAN_CACHE_DIR`` where that is set (:func:`plans_dir`). Writes are atomic (a temporary file, then ``os.replace``): a process
 reading meanwhile sees the old entry or the new one, never a part; ranks writing the same
 entry at once leave one whole. An entry that cannot be read, is not JSON, has another
 ``SCHEMA`` or does not parse is ignored with a warning and replaced by the next plan. Cleared
@@ -111,11 +111,17 @@ class CachedPlan:
         return cls(**data)
 
 
+PLANS_DIR_ENV = "LYNX_PLAN_CACHE_DIR"
+
+
 def plans_dir() -> Path:
-    """``lynx/plans`` under torch.compile's cache directory (``TORCHINDUCTOR_CACHE_DIR``)."""
+    """``$LYNX_PLAN_CACHE_DIR`` where set (plans kept apart from torch's compiled code: a shared
+    directory for many jobs, or a fresh one beside a warm Inductor cache), else ``lynx/plans``
+    under torch.compile's cache directory (``TORCHINDUCTOR_CACHE_DIR``)."""
     from lynx_compile import _compat
 
-    return Path(_compat.inductor_cache_dir()) / "lynx" / "plans"
+    env = os.environ.get(PLANS_DIR_ENV)
+    return Path(env).expanduser() if env else Path(_compat.inductor_cache_dir()) / "lynx" / "plans"
 
 
 def key_fields(config: Any, *, graph_hash: str, graph_digest: str, reference_peak: int, budget: int,
