@@ -240,6 +240,13 @@ def test_the_allocator_counts_a_free_on_another_thread_while_lynx_records():
     assert again[-1][3] - again[0][3] == 300  # off again after the block
 
 
+def _step_from_none(model, x) -> None:
+    """One training step's forward and backward from ``.grad`` None (``zero_grad()``'s default)."""
+    for p in model.parameters():
+        p.grad = None
+    model(x).loss.backward()
+
+
 def _inductor_per_block(model):
     for block in model.blocks:
         block.compile(backend="inductor", fullgraph=True)
@@ -288,9 +295,15 @@ def test_per_block_budget_holds_on_the_measured_whole_step(monkeypatch):
     chosen = {str(r.step_choice) for r in backend.records if r.step_choice is not None}
     assert [w for w in said if "tracing, planning and compiling" in w] and chosen, said  # first compile; a choice
     assert {w.split("chose ('")[1].rstrip("')") for w in again} == chosen, (again, chosen)
-    lynx = measure_step(lambda: model(x).loss.backward(), repeats=1, warmup=1, params=list(model.parameters()))
-    none = measure_step(lambda: plain(x).loss.backward(), repeats=1, warmup=1, params=list(plain.parameters()))
+    # measured as the steps above ran and lynx recorded them: .grad None as each step starts (a
+    # step that starts with .grad allocated is another regime, planned for only where it is the
+    # one recorded: step.recorder's _choose; measured so, this plan's 'torch@0.3' / 'torch@0.4'
+    # mix peaked at 1,405,192 B against 1,303,304 with .grad None, as predicted, on a machine
+    # whose calibrated profile chose it)
+    lynx = measure_step(lambda: _step_from_none(model, x), repeats=1, warmup=1)
+    none = measure_step(lambda: _step_from_none(plain, x), repeats=1, warmup=1)
     assert lynx.peak_bytes <= 0.5 * 1.02 * none.peak_bytes, (lynx.peak_bytes, none.peak_bytes)
+    assert lynx.peak_bytes <= plan.step_peak_bytes * 1.01, (lynx.peak_bytes, plan.step_peak_bytes)
     # lynx's model of torch.compile's per-block step is the measured one (2,634,504 B against
     # 2,633,992 B in session 35): the recording starts at the model's call (and ``ref``, an eager
     # model run between lynx's steps, is not recorded)
