@@ -18,6 +18,14 @@ rank's measured forward + backward peak per step from step 3 (the launcher's
 ``step_peak_bytes_by_rank``: CPU allocator events once lynx's own record of the step is done)
 against lynx's step budget (``budget_bytes`` of its plans) and against Inductor's peak on the
 same rank and step. Writes ``<out>/<stem>.md`` and ``.csv``.
+
+``--peers`` (issue S): beside each lynx row, what a torchtitan user runs today on the same
+launcher, model and parallelism: Inductor with torchtitan's own activation checkpointing
+(``--ac full``, ``--ac selective``) and with torch.compile's ``activation_memory_budget`` at the
+budget asked (``--ac memory_budget``: a fraction of each compiled block's saved activations,
+not of the step's peak); each run's measured step peak per rank against Inductor's and rank 0's
+median step time (steps 3+, under the CPU profiler that measures the peak: for comparison
+between rows of one run of this script only). Written as a second table.
 """
 from __future__ import annotations
 
@@ -46,9 +54,10 @@ ERR_MULTIPLE = 4.0
 
 
 def launch(model: str, parallel: str, backend: str, args: argparse.Namespace, work: str,
-           options: dict | None = None) -> dict:
+           options: dict | None = None, extra: Sequence[str] = ()) -> dict:
     """One launcher run; its rank-0 JSON, or {"error": text, "named": F or None}."""
-    tag = f"{model}-{parallel}-{backend}" + ("" if options is None else f"-{options['memory_budget']}")
+    tag = (f"{model}-{parallel}-{backend}" + ("" if options is None else f"-{options['memory_budget']}")
+           + "".join(f"-{a.strip('-')}" for a in extra))
     out = os.path.join(work, tag + ".json")
     env = {k: v for k, v in os.environ.items() if k != "LYNX_OPTIONS"}
     env["OMP_NUM_THREADS"] = "1"
@@ -56,7 +65,8 @@ def launch(model: str, parallel: str, backend: str, args: argparse.Namespace, wo
         env["LYNX_OPTIONS"] = json.dumps(options)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "lynx_compile.torchtitan_train", "--model", model, *PARALLEL[parallel],
-           "--compile-backend", backend, "--steps", str(args.steps), "--timeout", str(args.timeout), "--out", out]
+           "--compile-backend", backend, "--steps", str(args.steps), "--timeout", str(args.timeout), "--out", out,
+           *extra]
     if args.layers:
         cmd += ["--layers", str(args.layers)]
     t0 = time.perf_counter()
@@ -96,8 +106,7 @@ def row_of(model: str, parallel: str, asked: float, lynx: dict, inductor: dict, 
     budget = max((p["budget_bytes"] or 0 for p in plans), default=0) or None
     worst = max(abs(x - y) for x, y in zip(lynx["losses"], inductor["losses"]))
     tol = tolerance(inductor["losses"], eager["losses"])
-    peaks = [max(b for b in steps[2:] if b is not None) for steps in lynx["step_peak_bytes_by_rank"]]
-    theirs = [max(b for b in steps[2:] if b is not None) for steps in inductor["step_peak_bytes_by_rank"]]
+    peaks, theirs = _worst_peaks(lynx), _worst_peaks(inductor)
     row.update(status="ok", steps=len(lynx["losses"]), loss_diff=worst, loss_tol=tol, losses_ok=worst <= tol,
                budget_MB=budget / 1e6 if budget else None,
                peak_MB_by_rank=" / ".join(f"{p / 1e6:.2f}" for p in peaks),
@@ -110,8 +119,51 @@ def row_of(model: str, parallel: str, asked: float, lynx: dict, inductor: dict, 
     return row
 
 
-def run(args: argparse.Namespace) -> list[dict]:
-    rows = []
+PEERS = (("inductor + torchtitan full AC", "inductor", ("--ac", "full")),
+         ("inductor + torchtitan selective AC", "inductor", ("--ac", "selective")))
+"""(name, backend, launcher arguments) of the peers ``--peers`` runs; torch.compile's budget at
+the budget asked is added by :func:`peer_runs`."""
+
+
+def _worst_peaks(result: dict) -> list[int]:
+    """Each rank's largest measured step peak over the steps measured (3+ on CPU)."""
+    return [max(b for b in steps[2:] if b is not None) for steps in result["step_peak_bytes_by_rank"]]
+
+
+def peer_row(model: str, parallel: str, name: str, result: dict, inductor: dict, eager: dict) -> dict:
+    """One row of the peers table: ``result``'s measured peaks against Inductor's, its median
+    step time (rank 0, steps 3+), its losses against Inductor's tolerance."""
+    row = {"model": model, "parallel": parallel, "run": name}
+    if "error" in result:
+        row["status"] = result["error"]
+        return row
+    peaks, theirs = _worst_peaks(result), _worst_peaks(inductor)
+    later = sorted(result["step_s"][2:])
+    worst = max(abs(x - y) for x, y in zip(result["losses"], inductor["losses"]))
+    row.update(status="ok", peak_MB_by_rank=" / ".join(f"{p / 1e6:.2f}" for p in peaks),
+               of_inductor=max(p / t for p, t in zip(peaks, theirs)),
+               step_ms=1e3 * later[len(later) // 2] if later else None,
+               losses_ok=worst <= tolerance(inductor["losses"], eager["losses"]), loss_diff=worst)
+    return row
+
+
+def peer_runs(model: str, parallel: str, args: argparse.Namespace, work: str, ref: dict, lynx: dict) -> list[dict]:
+    """The peers table's rows for one model and parallelism: Inductor, its peers, lynx."""
+    rows = [peer_row(model, parallel, "inductor", ref["inductor"], ref["inductor"], ref["eager"])]
+    peers = (*PEERS, (f"inductor + torch budget {args.budget:g}", "inductor",
+                      ("--ac", "memory_budget", "--ac-memory-budget", str(args.budget))))
+    for name, backend, extra in peers:
+        result = launch(model, parallel, backend, args, work, extra=extra)
+        rows.append(peer_row(model, parallel, name, result, ref["inductor"], ref["eager"]))
+        print(rows[-1], flush=True)
+    at = lynx.get("lynx", {}).get("options", {}).get("memory_budget") if "error" not in lynx else None
+    rows.append(peer_row(model, parallel, f"lynx {at if at is not None else args.budget:g}", lynx,
+                         ref["inductor"], ref["eager"]))
+    return rows
+
+
+def run(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
+    rows, peers = [], []
     with tempfile.TemporaryDirectory(prefix="bench_tt_launcher_") as work:
         for model in args.models:
             for parallel in args.parallel:
@@ -136,7 +188,9 @@ def run(args: argparse.Namespace) -> list[dict]:
                     refused = (refused + ", then " if refused else "") + f"named {lynx['named']:g}"
                 rows.append(row_of(model, parallel, args.budget, lynx, ref["inductor"], ref["eager"], refused))
                 print(rows[-1], flush=True)
-    return rows
+                if args.peers:
+                    peers += peer_runs(model, parallel, args, work, ref, lynx)
+    return rows, peers
 
 
 KEYS = ["model", "parallel", "asked", "refused", "budget", "status", "steps", "losses_ok", "loss_diff", "loss_tol",
@@ -144,7 +198,10 @@ KEYS = ["model", "parallel", "asked", "refused", "budget", "status", "steps", "l
         "inductor_last_loss", "wall_s"]
 
 
-def write(rows: list[dict], args: argparse.Namespace, argv: Sequence[str]) -> str:
+PEER_KEYS = ["model", "parallel", "run", "status", "peak_MB_by_rank", "of_inductor", "step_ms", "losses_ok", "loss_diff"]
+
+
+def write(rows: list[dict], args: argparse.Namespace, argv: Sequence[str], peers: Sequence[dict] = ()) -> str:
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, args.stem)
     with open(stem + ".csv", "w", newline="") as f:
@@ -168,6 +225,19 @@ def write(rows: list[dict], args: argparse.Namespace, argv: Sequence[str]) -> st
           f"{ERR_MULTIPLE:g}x Inductor's own largest difference from eager.", "",
           "| " + " | ".join(KEYS) + " |", "|" + "---|" * len(KEYS)]
     md += ["| " + " | ".join(cell(r.get(k)) for k in KEYS) + " |" for r in rows]
+    if peers:
+        md += ["", "## Beside the peers", "",
+               "Each run's worst measured step peak per rank (steps 3+) and, of_inductor, the larger rank's "
+               "over Inductor's on that rank; step_ms: rank 0's median step time over steps 3+ (CPU, under "
+               "the profiler that measures the peak; 2 shared cores); losses_ok as above. torch's budget is "
+               "torchtitan's `MemoryBudgetAC` (`activation_memory_budget` of each compiled block's saved "
+               "activations); lynx's is a fraction of the step's peak.", "",
+               "| " + " | ".join(PEER_KEYS) + " |", "|" + "---|" * len(PEER_KEYS)]
+        md += ["| " + " | ".join(cell(r.get(k)) for k in PEER_KEYS) + " |" for r in peers]
+        with open(stem + "_peers.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, PEER_KEYS, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(peers)
     with open(stem + ".md", "w") as f:
         f.write("\n".join(md) + "\n")
     return stem + ".md"
@@ -184,13 +254,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--retries", type=int, default=2, help="reruns at the budget a refusal names (default 2)")
     p.add_argument("--out", default=RESULTS)
     p.add_argument("--stem", default="torchtitan_launcher")
+    p.add_argument("--peers", action="store_true",
+                   help="also run Inductor with torchtitan's full and selective AC and torch's budget (a second table)")
     args = p.parse_args(argv)
     from lynx_compile.tools.torchtitan_models import available
 
     if available() is not None:
         p.error(available())
-    rows = run(args)
-    print(write(rows, args, sys.argv[1:] if argv is None else argv))
+    rows, peers = run(args)
+    print(write(rows, args, sys.argv[1:] if argv is None else argv, peers))
     return 0
 
 

@@ -284,3 +284,32 @@ def test_deepseek_v3_under_tp_at_a_budget_gives_inductors_gradients(tmp_path):
     assert any(p["recomputed"] > 1 for p in lynx["lynx"]["plans"]), lynx["lynx"]["plans"]
     assert len(lynx["losses"]) == 2 and lynx["losses"] == inductor["losses"], (lynx["losses"], inductor["losses"])
     assert lynx["grad_norms"] == inductor["grad_norms"], (lynx["grad_norms"], inductor["grad_norms"])
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--compile-backend", "lynx", "--ac", "memory_budget"], "torch's budget and lynx's would plan one partition"),
+    (["--compile-backend", "eager", "--ac", "memory_budget"], "use --compile-backend inductor"),
+    (["--compile-backend", "inductor", "--ac", "memory_budget", "--ac-memory-budget", "1.5"], "a fraction, 0 to 1"),
+])
+def test_launcher_refuses_torchs_budget_where_it_cannot_apply(capsys, argv, says):
+    """``--ac memory_budget`` is torch.compile's ``activation_memory_budget``: Inductor's
+    partitioner applies it; beside lynx's budget it would be a second planner of one partition."""
+    from lynx_compile.tools.torchtitan_train import main
+
+    assert main([*argv, "--dp-shard", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and "\n" not in err
+
+
+def test_launcher_ac_is_torchtitans_own():
+    """``--ac``: torchtitan's activation checkpointing configs, as its trainer's
+    ``activation_checkpoint`` builds them."""
+    from torchtitan.distributed import activation_checkpoint as ac
+
+    from lynx_compile.tools.torchtitan_train import ac_config
+
+    assert ac_config("none", 0.5) is None
+    assert type(ac_config("full", 0.5)) is ac.FullAC.Config
+    assert type(ac_config("selective", 0.5)) is ac.SelectiveAC.Config
+    budget = ac_config("memory_budget", 0.3)
+    assert type(budget) is ac.MemoryBudgetAC.Config and budget.memory_budget == 0.3

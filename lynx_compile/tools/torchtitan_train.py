@@ -55,8 +55,15 @@ Workarounds, each applied here and only here:
   bfloat16: ``--mixed-precision-param bfloat16``). ``--spmd-backend partial_dtensor`` by
   default: torchtitan's default, ``spmd_types``, annotates plain local tensors that torch
   2.13's ``fully_shard(dp_mesh_dims=...)`` refuses (``_fsdp_param.py:345``: "all parameters
-  must be DTensors"). No activation checkpointing: lynx decides the recompute (the debugmodel
-  sets SelectiveAC; the two together are not tested).
+  must be DTensors"). No activation checkpointing unless ``--ac`` asks for torchtitan's own
+  (``--ac full``: ``FullAC``, every block; ``--ac selective``: ``SelectiveAC``, per-op, every
+  second matmul recomputed; ``--ac memory_budget --ac-memory-budget F``: ``MemoryBudgetAC``,
+  torch.compile's ``activation_memory_budget`` F under Inductor), applied by
+  ``parallelize_fn`` before compiling, as the trainer does: the peers lynx is measured against
+  (``benchmarks/bench_torchtitan_launcher.py --peers``). With ``--compile-backend lynx`` the
+  blocks' checkpoint regions are kept as the user's (``docs/options.md``: the model's own
+  checkpointing); torch's budget and lynx's are two planners of one partition, so
+  ``memory_budget`` with lynx is refused.
 
 The backend is a name, as ``--compile.backend`` gives it: ``lynx`` reads its options from
 ``$LYNX_OPTIONS`` (``lynx_compile.config.options_from_env``); ``eager`` compiles nothing.
@@ -71,6 +78,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 import types
 from typing import Any, Callable
 
@@ -220,7 +228,7 @@ def build_run(args: argparse.Namespace, device: torch.device, world: int) -> Run
     with tempfile.TemporaryDirectory() as dump_folder:
         model = model_spec(args.model).parallelize_fn(
             model, parallel_dims=dims, training=training, parallelism=parallelism, compile_config=compile_cfg,
-            ac_config=None, dump_folder=dump_folder)
+            ac_config=ac_config(args.ac, args.ac_memory_budget), dump_folder=dump_folder)
     if device.type == "cpu":
         _sum_reductions_for_gloo(model)
     model = materialize(model, device)
@@ -230,6 +238,21 @@ def build_run(args: argparse.Namespace, device: torch.device, world: int) -> Run
                                                                        training_steps=args.steps)
     train_context = dist_utils.get_spmd_context(parallel_dims=dims, spmd_typechecking=False)
     return Run(dims, model, loss_fn, optimizers, schedulers, training, train_context, gc_handler)
+
+
+AC_MODES = ("none", "full", "selective", "memory_budget")
+
+
+def ac_config(mode: str, memory_budget: float) -> Any:
+    """torchtitan's activation checkpointing config for ``--ac`` (its trainer's
+    ``activation_checkpoint`` choices): None for ``none``."""
+    from torchtitan.distributed import activation_checkpoint as ac
+
+    if mode == "none":
+        return None
+    if mode == "memory_budget":
+        return ac.MemoryBudgetAC.Config(memory_budget=memory_budget)
+    return {"full": ac.FullAC, "selective": ac.SelectiveAC}[mode].Config()
 
 
 def train_step(run: Run, step: int, tokens: torch.Tensor, labels: torch.Tensor, spmd_backend: str,
@@ -315,10 +338,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     tokens, labels = batch(args.batch_size * batch_degree, args.seq, seed=args.seed + 1)
     rows = slice(batch_rank * args.batch_size, (batch_rank + 1) * args.batch_size)
     tokens, labels = tokens[rows].to(device), labels[rows].to(device)  # (local batch, seq) each
-    losses, grad_norms, peaks = [], [], []
+    losses, grad_norms, peaks, seconds = [], [], [], []
     for step in range(1, args.steps + 1):
+        start = time.perf_counter()
         loss, grad_norm, peak = train_step(run, step, tokens, labels, args.spmd_backend,
                                            measure=step_peak_measure(device, step))
+        seconds.append(time.perf_counter() - start)
         losses.append(loss)
         grad_norms.append(grad_norm)
         peaks.append(peak)
@@ -329,7 +354,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     by_rank = [None] * world
     dist.all_gather_object(by_rank, peaks)
     return {"losses": losses, "grad_norms": grad_norms, "rank": rank, "world_size": world,
-            "device": str(device), "backend": args.compile_backend,
+            "device": str(device), "backend": args.compile_backend, "ac": args.ac,
+            # rank 0's wall seconds per step (the loss read back ends each step: the ranks' last
+            # collective); steps 1-2 compile, and on CPU steps 3+ run under the profiler's
+            # allocator events that measure the peak
+            "step_s": seconds,
             # each rank's forward + backward peak per step, bytes above the step's start (None:
             # not measured; CPU measures from step MEASURED_FROM_STEP)
             "step_peak_bytes_by_rank": by_rank}
@@ -387,6 +416,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile-backend", default="inductor",
                    help="torch.compile backend name, as --compile.backend (inductor, lynx, aot_eager), "
                         "or eager (no compile); lynx reads its options from $LYNX_OPTIONS")
+    p.add_argument("--ac", default="none", choices=AC_MODES,
+                   help="torchtitan's own activation checkpointing (activation_checkpoint.mode): full, "
+                        "selective (per-op), memory_budget (torch.compile's activation_memory_budget, "
+                        "--ac-memory-budget; Inductor only); none (default)")
+    p.add_argument("--ac-memory-budget", type=float, default=0.5,
+                   help="--ac memory_budget's activation_memory_budget, 0-1 (torchtitan's default 0.5)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=2, help="local batch size (per data-parallel rank)")
     p.add_argument("--seq", type=int, default=128, help="sequence length")
@@ -398,6 +433,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="rank 0 writes losses, grad norms, each rank's measured step "
                                                 "peaks and lynx's plans here (JSON)")
     return p.parse_args(argv)
+
+
+def _ac_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--ac`` cannot apply as asked; None where it can."""
+    if args.ac != "memory_budget":
+        return None
+    if not 0.0 <= args.ac_memory_budget <= 1.0:
+        return f"--ac-memory-budget {args.ac_memory_budget:g}: torch's activation_memory_budget is a fraction, 0 to 1"
+    if args.compile_backend == "lynx":
+        return ("--ac memory_budget with --compile-backend lynx: torch's budget and lynx's would plan one partition; "
+                "give lynx the budget instead (LYNX_OPTIONS='{\"memory_budget\": F}') or compile with inductor")
+    if args.compile_backend != "inductor":
+        return (f"--ac memory_budget with --compile-backend {args.compile_backend}: torch's activation_memory_budget "
+                "is applied by Inductor's partitioner; use --compile-backend inductor")
+    return None
 
 
 def _expert_problem(args: argparse.Namespace) -> str | None:
@@ -415,7 +465,8 @@ def _expert_problem(args: argparse.Namespace) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if (why := available() or _options_problem(args.compile_backend) or _expert_problem(args)) is not None:
+    if (why := available() or _options_problem(args.compile_backend) or _ac_problem(args)
+            or _expert_problem(args)) is not None:
         print(f"lynx_compile.torchtitan_train: {why}", file=sys.stderr)
         return 2
     result = train(args)
