@@ -308,6 +308,25 @@ def test_per_block_budget_holds_on_the_measured_whole_step(monkeypatch):
     # 2,633,992 B in session 35): the recording starts at the model's call (and ``ref``, an eager
     # model run between lynx's steps, is not recorded)
     assert abs(plan.step_reference_bytes - none.peak_bytes) <= 0.01 * none.peak_bytes
+    # gradient accumulation after the step's plan (two backwards into kept .grad): the graph is
+    # compiled again with its gradients added into .grad, each call keeping the candidate the
+    # step's plan gave it (a call whose compile the plan kept was planned afresh before: its
+    # step_choice is None), gradients still eager's, and the step from None is still the one
+    # planned (1,405,704 B against 1,303,304 before the fix, on a machine that kept a call)
+    piece = recorder.pieces[0]
+    in_use = [r.step_choice or r.step.current for r in piece._call_records]
+    for m in (model, ref):
+        for p in m.parameters():
+            p.grad = None
+    for _ in range(2):
+        model(x).loss.backward()
+        ref(x).loss.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), ("accumulated", name)
+    assert [r.step_choice for r in piece._call_records] == in_use
+    assert all(r.grads_in_graph.applies for r in piece._call_records)
+    accumulating = measure_step(lambda: _step_from_none(model, x), repeats=1, warmup=1)
+    assert accumulating.peak_bytes <= plan.step_peak_bytes * 1.01, (accumulating.peak_bytes, plan.step_peak_bytes)
 
 
 class _Block(torch.nn.Module):
