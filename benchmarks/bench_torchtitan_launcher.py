@@ -23,9 +23,10 @@ same rank and step. Writes ``<out>/<stem>.md`` and ``.csv``.
 launcher, model and parallelism: Inductor with torchtitan's own activation checkpointing
 (``--ac full``, ``--ac selective``) and with torch.compile's ``activation_memory_budget`` at the
 budget asked (``--ac memory_budget``: a fraction of each compiled block's saved activations,
-not of the step's peak); each run's measured step peak per rank against Inductor's and rank 0's
-median step time (steps 3+, under the CPU profiler that measures the peak: for comparison
-between rows of one run of this script only). Written as a second table.
+not of the step's peak), and lynx with no budget beside torchtitan's full AC; each run's
+measured step peak per rank against Inductor's and rank 0's median step time (steps 5+, under
+the CPU profiler that measures the peak: for comparison between rows of one run of this script
+only; use ``--steps 6`` or more). Written as a second table.
 """
 from __future__ import annotations
 
@@ -120,9 +121,15 @@ def row_of(model: str, parallel: str, asked: float, lynx: dict, inductor: dict, 
 
 
 PEERS = (("inductor + torchtitan full AC", "inductor", ("--ac", "full")),
-         ("inductor + torchtitan selective AC", "inductor", ("--ac", "selective")))
+         ("inductor + torchtitan selective AC", "inductor", ("--ac", "selective")),
+         ("lynx (no budget) + torchtitan full AC", "lynx", ("--ac", "full")))
 """(name, backend, launcher arguments) of the peers ``--peers`` runs; torch.compile's budget at
-the budget asked is added by :func:`peer_runs`."""
+the budget asked is added by :func:`peer_runs`. lynx with no budget keeps torchtitan's checkpoint
+regions as torch.compile partitions them (the model's own checkpointing)."""
+
+TIMED_FROM_STEP = 5
+"""Step times are the median of the steps from this one: lynx compiles its pieces again for the
+step's plan at step 3 (and on CPU the peak is measured from step 3 on, under the profiler)."""
 
 
 def _worst_peaks(result: dict) -> list[int]:
@@ -132,13 +139,14 @@ def _worst_peaks(result: dict) -> list[int]:
 
 def peer_row(model: str, parallel: str, name: str, result: dict, inductor: dict, eager: dict) -> dict:
     """One row of the peers table: ``result``'s measured peaks against Inductor's, its median
-    step time (rank 0, steps 3+), its losses against Inductor's tolerance."""
+    step time (rank 0, steps ``TIMED_FROM_STEP``+; none with fewer steps), its losses against
+    Inductor's tolerance."""
     row = {"model": model, "parallel": parallel, "run": name}
     if "error" in result:
         row["status"] = result["error"]
         return row
     peaks, theirs = _worst_peaks(result), _worst_peaks(inductor)
-    later = sorted(result["step_s"][2:])
+    later = sorted(result["step_s"][TIMED_FROM_STEP - 1:])
     worst = max(abs(x - y) for x, y in zip(result["losses"], inductor["losses"]))
     row.update(status="ok", peak_MB_by_rank=" / ".join(f"{p / 1e6:.2f}" for p in peaks),
                of_inductor=max(p / t for p, t in zip(peaks, theirs)),
@@ -228,7 +236,7 @@ def write(rows: list[dict], args: argparse.Namespace, argv: Sequence[str], peers
     if peers:
         md += ["", "## Beside the peers", "",
                "Each run's worst measured step peak per rank (steps 3+) and, of_inductor, the larger rank's "
-               "over Inductor's on that rank; step_ms: rank 0's median step time over steps 3+ (CPU, under "
+               f"over Inductor's on that rank; step_ms: rank 0's median step time over steps {TIMED_FROM_STEP}+ (CPU, under "
                "the profiler that measures the peak; 2 shared cores); losses_ok as above. torch's budget is "
                "torchtitan's `MemoryBudgetAC` (`activation_memory_budget` of each compiled block's saved "
                "activations); lynx's is a fraction of the step's peak.", "",
