@@ -243,13 +243,23 @@ _MIN_CUT_META = ("recompute", "ac_graph_id", "partitioner_tag")
 
 def _min_cut_key(graph: fx.Graph, node_info: Any, options: Any, dont_ban: Any) -> str:
     """What ``solve_min_cut`` answers depends on: the graph (structure and the recompute tags
-    it honours), the node classification, the options, the nodes not to ban."""
+    it honours), the node classification, the options, the nodes not to ban, functorch's config."""
     h = hashlib.sha256(_structure_digest(graph).encode())
     h.update(repr([tuple(str(n.meta.get(k)) for k in _MIN_CUT_META) for n in graph.nodes]).encode())
     h.update(repr(([i.name for i in node_info.inputs], sorted(x.name for x in node_info.required_fw_nodes),
                    sorted(x.name for x in node_info.required_bw_nodes), repr(options),
                    sorted(x.name for x in dont_ban or ()))).encode())
+    # remembered for the process: functorch's settings it reads (not the budget: a solve does
+    # not depend on it, and every setting shares it)
+    h.update(_config_digest(but=("activation_memory_budget",)).encode())
     return h.hexdigest()
+
+
+def _config_digest(but: tuple[str, ...] = ()) -> str:
+    """functorch's config as it stands (the min-cut's bans, ``recompute_views``,
+    ``max_dist_from_bw``, the knapsack's solver and runtime estimator, ...) but the settings
+    ``but``, for the keys of answers remembered across partitions."""
+    return repr(sorted((k, v) for k, v in _functorch_config.get_config_copy().items() if k not in but))
 
 
 _STRUCTURE = "_lynx_min_cut_structure"
@@ -401,7 +411,7 @@ def _choice_key(graph: fx.Graph, node_info: Any, memory_budget: float) -> str:
     h.update(repr(([i.name for i in node_info.inputs], names(node_info.required_fw_nodes),
                    names(node_info.required_bw_nodes), names(getattr(node_info, "unclaimed_nodes", ())),
                    names(getattr(node_info, "static_lifetime_input_nodes", ())), float(memory_budget))).encode())
-    h.update(repr(sorted(_functorch_config.get_config_copy().items(), key=lambda kv: kv[0])).encode())
+    h.update(_config_digest().encode())
     return h.hexdigest()
 
 
