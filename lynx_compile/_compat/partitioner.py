@@ -242,16 +242,26 @@ _MIN_CUT_META = ("recompute", "ac_graph_id", "partitioner_tag")
 
 
 def _min_cut_key(graph: fx.Graph, node_info: Any, options: Any, dont_ban: Any) -> str:
-    """What ``solve_min_cut`` answers depends on: the graph (structure and the recompute tags
-    it honours), the node classification, the options, the nodes not to ban, functorch's config."""
+    """What ``solve_min_cut`` answers depends on: the graph and its classification
+    (:func:`_answer_key`), the options, the nodes not to ban; of functorch's config, all but the
+    budget (a solve does not read it, and every setting shares the solve)."""
+    return _answer_key(graph, node_info, (repr(options), sorted(x.name for x in dont_ban or ())),
+                       config_but=("activation_memory_budget",))
+
+
+def _answer_key(graph: fx.Graph, node_info: Any, asked: Any, config_but: tuple[str, ...] = ()) -> str:
+    """The key of an answer of torch's min-cut remembered for the process: the graph (structure,
+    shapes and the recompute tags it honours), the node classification, what was ``asked``
+    (its ``repr``), functorch's config but ``config_but``."""
+    def names(nodes: Any) -> list[str]:
+        return sorted(n.name for n in nodes)
+
     h = hashlib.sha256(_structure_digest(graph).encode())
     h.update(repr([tuple(str(n.meta.get(k)) for k in _MIN_CUT_META) for n in graph.nodes]).encode())
-    h.update(repr(([i.name for i in node_info.inputs], sorted(x.name for x in node_info.required_fw_nodes),
-                   sorted(x.name for x in node_info.required_bw_nodes), repr(options),
-                   sorted(x.name for x in dont_ban or ()))).encode())
-    # remembered for the process: functorch's settings it reads (not the budget: a solve does
-    # not depend on it, and every setting shares it)
-    h.update(_config_digest(but=("activation_memory_budget",)).encode())
+    h.update(repr(([i.name for i in node_info.inputs], names(node_info.required_fw_nodes),
+                   names(node_info.required_bw_nodes), names(getattr(node_info, "unclaimed_nodes", ())),
+                   names(getattr(node_info, "static_lifetime_input_nodes", ())), asked)).encode())
+    h.update(_config_digest(but=config_but).encode())
     return h.hexdigest()
 
 
@@ -402,17 +412,10 @@ def min_cut_checks_choice(check: Callable[[frozenset], None]):
 
 
 def _choice_key(graph: fx.Graph, node_info: Any, memory_budget: float) -> str:
-    """What ``choose_saved_values_set`` answers depends on: the graph (structure, shapes and the
-    recompute tags it honours), the node classification, the budget and functorch's config (the
-    min-cut's bans, the knapsack's solver and runtime estimator)."""
-    h = hashlib.sha256(_structure_digest(graph).encode())
-    h.update(repr([tuple(str(n.meta.get(k)) for k in _MIN_CUT_META) for n in graph.nodes]).encode())
-    names = lambda nodes: sorted(n.name for n in nodes)  # noqa: E731
-    h.update(repr(([i.name for i in node_info.inputs], names(node_info.required_fw_nodes),
-                   names(node_info.required_bw_nodes), names(getattr(node_info, "unclaimed_nodes", ())),
-                   names(getattr(node_info, "static_lifetime_input_nodes", ())), float(memory_budget))).encode())
-    h.update(_config_digest().encode())
-    return h.hexdigest()
+    """What ``choose_saved_values_set`` answers depends on: the graph and its classification
+    (:func:`_answer_key`), the budget and all of functorch's config (the min-cut's bans, the
+    knapsack's solver and runtime estimator)."""
+    return _answer_key(graph, node_info, float(memory_budget))
 
 
 @contextlib.contextmanager
