@@ -5,7 +5,10 @@ PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 # test files spread over this many processes (pytest-xdist; a file's tests stay in one process, so
-# its module fixtures are built once); 0 runs them all in this process
+# its module fixtures are built once); 0 runs them all in this process. A crashed process is not
+# replaced (--max-worker-restart 0): pytest-xdist 3.8's --dist loadfile can hang for good on a
+# replacement (pytest-xdist#784, #1323), and it did for 90 min in CI (stop 67); the run ends at
+# once, naming the test the process died in
 PYTEST_WORKERS ?= 2
 
 .PHONY: install install-test install-torchtitan demo test bench plan clean gpu-wheels
@@ -40,7 +43,7 @@ plan: install
 	lynx plan --model gpt-small --policy selective
 
 test: install-test
-	$(PYTHON) -m pytest -q $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -q $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart 0) $(PYTEST_ARGS)
 
 bench: install
 	$(PYTHON) benchmarks/bench_policies.py

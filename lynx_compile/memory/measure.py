@@ -99,13 +99,19 @@ def freed_unseen(events: Sequence[tuple[int, ...]]) -> set[int]:
     return unseen
 
 
-def live_series(events: Sequence[tuple[int, ...]], every_thread: bool) -> tuple[int, list[tuple[int, int, int]]]:
-    """The bytes live at the window's start and, per allocator event of ``events`` (time,
-    address, signed bytes[, allocator's total]; time order), (time, bytes live at it, bytes live
-    just after it).
+def live_series(events: Sequence[tuple[int, ...]], every_thread: bool) -> list[tuple[int, int, int]]:
+    """Per allocator event of ``events`` (time, address, signed bytes[, allocator's total]; time
+    order): (time, bytes live at it, bytes live just after it), counting what the window
+    allocated (0 before its first event).
 
-    The start counts the tensors live before the window that it frees (CUDA's allocator reports
-    their sizes; the CPU allocator knows none and reports no such free), so no level is below 0.
+    A free of memory allocated before the window is not counted: the CPU allocator reports such
+    a free with the size it last recorded at that address, which is stale where the address was
+    freed and allocated again while nothing counted (between two measurements). gpt-tiny per
+    block, the same step measured ten times in one process: read with those frees, 2,238,984 to
+    2,634,504 B (the previous step's ``.grad`` set to None inside the window, at stale sizes);
+    without them 2,634,504 B each time. A step that frees memory from before the window reads as
+    if that memory had been freed before it started (CUDA's allocator knows the sizes, and
+    ``cuda_peak_bytes`` counts such frees).
 
     A memory-profiling profiler records events only on the threads it follows. Under gloo a
     collective's buffers are held by the work object as well as by the step; when the worker
@@ -115,30 +121,38 @@ def live_series(events: Sequence[tuple[int, ...]], every_thread: bool) -> tuple[
     FSDP2 (a reduce-scatter's input), and named other smallest budgets (issue S item 1). With
     ``every_thread`` (the events carry the allocator's total, counted on every thread:
     ``_compat.cpu_allocator_counts_every_thread``) the live bytes are that total, so such a free
-    counts from the next recorded event on. Without it an allocation whose memory is allocated
-    again while it is live (:func:`freed_unseen`) counts only at the moment it is made."""
-    seen: set[int] = set()
-    start = 0
+    counts from the next recorded event on (a free there of memory from before the window still
+    counts, at the size the allocator has for it). Without it an allocation whose memory is
+    allocated again while it is live (:func:`freed_unseen`) counts only at the moment it is
+    made."""
+    made: set[int] = set()
+    from_before: list[int] = []  # per event, the bytes it frees of memory from before the window
     for _, ptr, size, *_rest in events:
         if size > 0:
-            seen.add(ptr)
-        elif ptr in seen:
-            seen.discard(ptr)
+            made.add(ptr)
+        elif ptr in made:
+            made.discard(ptr)
         else:
-            start -= size
+            from_before.append(-size)
+            continue
+        from_before.append(0)
     if every_thread and events and len(events[0]) > 3:
         base = events[0][3] - events[0][2]  # the allocator's total before the first event
-        return start, [(t, start + total - base, start + total - base) for t, _, _, total in events]
+        series, uncounted = [], 0
+        for (t, _, _, total), b in zip(events, from_before):
+            uncounted += b
+            series.append((t, total - base + uncounted, total - base + uncounted))
+        return series
     unseen = freed_unseen(events)
-    series: list[tuple[int, int, int]] = []
-    live = start
-    for i, (t, _, size, *_rest) in enumerate(events):
-        live += size
+    series = []
+    live = 0
+    for i, ((t, _, size, *_rest), b) in enumerate(zip(events, from_before)):
+        live += size + b
         at = live
         if i in unseen:  # its free was not recorded: counted only as it is made
             live -= size
         series.append((t, at, live))
-    return start, series
+    return series
 
 
 #: Line prefixes of kineto's informational log (its ``STAGE`` and ``USDT`` levels), which it
@@ -217,10 +231,9 @@ def cpu_peak_bytes(fn: Callable[[], Any], exclude: Callable[[], set[int]] | None
             skipped[i] = events[i][2]
         for i in range(1, len(skipped)):
             skipped[i] += skipped[i - 1]
-    start, series = live_series(events, every_thread)
-    peak = 0  # above the bytes live at the start (a free of a tensor from before reads below it)
-    for (_, at, _), skip in zip(series, skipped):
-        peak = max(peak, at - start - skip)
+    peak = 0
+    for (_, at, _), skip in zip(live_series(events, every_thread), skipped):
+        peak = max(peak, at - skip)
     return peak
 
 

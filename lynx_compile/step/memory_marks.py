@@ -97,12 +97,11 @@ def segment_memory(events: list[tuple[int, ...]], mark_times: list[int | None],
     address) are counted live to the first mark after their free: :func:`held_to_next_mark`."""
     from lynx_compile.memory.measure import live_series
 
-    start, series = live_series(events, every_thread)
     order = sorted((t, i) for i, t in enumerate(mark_times) if t is not None)
-    series = held_to_next_mark(events, series, held, [t for t, _ in order])
+    series = held_to_next_mark(events, live_series(events, every_thread), held, [t for t, _ in order])
     out: list[int | None] = [None] * len(mark_times)
     levels: list[int | None] = [None] * len(mark_times)
-    live = peak = start
+    live = peak = 0
     e = 0
     for t, i in order:
         while e < len(series) and series[e][0] < t:
