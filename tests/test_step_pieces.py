@@ -208,6 +208,37 @@ def test_gloos_reduce_scatter_copy_is_the_buffer_its_work_holds(tmp_path):
     assert min(held)[0] > grads_made  # the clone, not the caller's tensor
 
 
+def test_a_functional_collectives_output_is_a_buffer_its_work_holds(tmp_path):
+    """One gloo process: a functional all-gather (what a compiled TP block calls) allocates its
+    output inside ``_c10d_functional::all_gather_into_tensor`` and returns it while the work
+    holds it too (found: which thread frees it last moved a TP step's backward segment by that
+    buffer, 256 KiB, between identical runs); the input, made outside, is not."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.profiler import ProfilerActivity, profile
+
+    from lynx_compile import _compat
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mine = torch.randn(128, 64)
+        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        with _compat.cpu_allocator_counts_every_thread():
+            prof.start()
+            gathered = funcol.wait_tensor(funcol.all_gather_tensor(mine, 0, dist.group.WORLD))
+            total = float(gathered.sum())
+            del gathered
+            prof.stop()
+    finally:
+        dist.destroy_process_group()
+    assert total == float(mine.sum())
+    events = _compat.cpu_allocation_events(prof, totals=True)
+    held = _compat.collective_held_allocations(prof)
+    sizes = {(t, ptr): size for t, ptr, size, _ in events if size > 0}
+    assert [sizes[k] for k in held] == [128 * 64 * 4], (held, events)
+    assert all(ptr != mine.data_ptr() for _, ptr in held)
+
+
 def test_the_allocator_counts_a_free_on_another_thread_while_lynx_records():
     """torch's own CPU allocator: a tensor made while profiling and freed on a thread the profiler
     does not follow. The profiler records no free; with lynx's counting on, the next event's total

@@ -48,26 +48,27 @@ def _allocations(nodes: Any, device_type: str) -> Any:
             yield node.start_time_ns, f.ptr, f.alloc_size, f.total_allocated
 
 
-COLLECTIVE_OP_PREFIX = "c10d::"
-"""Names of a process group's own collective calls in a profile (``c10d::_reduce_scatter_base_``,
-``c10d::allreduce_``); functional collectives (``_c10d_functional::``) allocate their outputs
-outside them."""
+COLLECTIVE_OP_PREFIXES = ("c10d::", "_c10d_functional::")
+"""Names of collective calls in a profile: a process group's own (``c10d::_reduce_scatter_base_``,
+``c10d::allreduce_``) and the functional collectives compiled graphs call
+(``_c10d_functional::all_gather_into_tensor``), which allocate their outputs before calling the
+process group's and return them while its work still holds them."""
 
 
 def collective_held_allocations(prof: Any, device_type: str = "cpu") -> set[tuple[int, int]]:
-    """(time ns, address) of the allocations a process group's collective call (an op named
-    ``c10d::...``) made and did not free before it returned, in a finished profile with
+    """(time ns, address) of the allocations a collective call (:data:`COLLECTIVE_OP_PREFIXES`)
+    made and did not free before it returned, in a finished profile with
     ``profile_memory=True``: buffers the collective's work object holds (gloo's
-    ``_reduce_scatter_base_`` copies its input there). Which thread frees one, and when, is up
-    to whichever drops the work last: the step's thread after its wait, or the process group's
-    worker as it finishes."""
+    ``_reduce_scatter_base_`` copies its input there; a functional collective's output, which
+    the caller gets while the work holds it too). Which thread frees one, and when, is up to
+    whichever drops it last: the step's thread, or the process group's worker as it finishes."""
     from torch._C._profiler import _EventType
 
     out: set[tuple[int, int]] = set()
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
-        if node.typed[0] == _EventType.TorchOp and node.name.startswith(COLLECTIVE_OP_PREFIX):
+        if node.typed[0] == _EventType.TorchOp and node.name.startswith(COLLECTIVE_OP_PREFIXES):
             live: dict[int, int] = {}
             for t, ptr, size, _ in sorted(_allocations(node.children, device_type)):
                 if size > 0:

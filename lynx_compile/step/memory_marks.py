@@ -129,9 +129,11 @@ def held_to_next_mark(events: Sequence[tuple[int, ...]], series: list[tuple[int,
     read 16.85 MB higher (issue S items 1 and 4). Held to the next piece boundary, the step
     reads the same in both and counts the later of the two. A buffer whose free the events do
     not show (no total, or no drop of its size) is left as ``series`` has it; one freed after
-    the next boundary in some runs and before it in others still reads apart, and so do the
-    tensors a caller hands to a collective (under TP an all-gather's output, freed by the
-    compiled block in some runs and by gloo's worker in others: ``docs/budget_pieces.md``)."""
+    the next boundary in some runs and before it in others still reads apart. A functional
+    collective's output (a compiled TP block's all-gather: the work holds it too, and gloo's
+    worker freed it in some runs, the block in others, moving llama3's backward segment by 256
+    KiB) is held like the process group's own buffers since session 40; the tensors a caller
+    makes and hands to a collective are not (``docs/budget_pieces.md``)."""
     if not held or not marks:
         return series
     held = set(held)
