@@ -177,10 +177,11 @@ def test_a_collectives_held_buffer_reads_alike_whichever_thread_frees_it():
     assert segment_memory(EARLY, [5, 8, 22], every_thread=True, held=HELD) == ([0, 0, 150], [0, 0, 150])
 
 
-def test_gloos_reduce_scatter_copy_is_the_buffer_its_work_holds(tmp_path):
-    """One gloo process: ``reduce_scatter_tensor`` clones its input inside ``c10d::_reduce_scatter_base_``
-    and the work holds the clone past the call (found); ``all_gather_into_tensor`` frees its
-    temporary before returning, and the caller's tensors are allocated outside (not found)."""
+def _held_in_one_gloo_process(tmp_path, work) -> tuple[list, set, dict]:
+    """``work()`` run in a one-rank gloo process group under a memory profile, lynx's counting of
+    every thread on (as the step record runs it): the allocator events, the buffers
+    ``_compat.collective_held_allocations`` finds, and the size of each allocation by (time,
+    address)."""
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
@@ -188,21 +189,33 @@ def test_gloos_reduce_scatter_copy_is_the_buffer_its_work_holds(tmp_path):
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        gathered, mine, scattered = torch.empty(256, 64), torch.randn(256, 64), torch.empty(256, 64)
         prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         with _compat.cpu_allocator_counts_every_thread():
             prof.start()
-            grads = torch.randn(256, 64)
-            work = dist.reduce_scatter_tensor(scattered, grads, async_op=True)
-            work.wait()
-            del work, grads
-            dist.all_gather_into_tensor(gathered, mine, async_op=True).wait()
+            work()
             prof.stop()
     finally:
         dist.destroy_process_group()
     events = _compat.cpu_allocation_events(prof, totals=True)
-    held = _compat.collective_held_allocations(prof)
     sizes = {(t, ptr): size for t, ptr, size, _ in events if size > 0}
+    return events, _compat.collective_held_allocations(prof), sizes
+
+
+def test_gloos_reduce_scatter_copy_is_the_buffer_its_work_holds(tmp_path):
+    """One gloo process: ``reduce_scatter_tensor`` clones its input inside ``c10d::_reduce_scatter_base_``
+    and the work holds the clone past the call (found); ``all_gather_into_tensor`` frees its
+    temporary before returning, and the caller's tensors are allocated outside (not found)."""
+    import torch.distributed as dist
+
+    gathered, mine, scattered = torch.empty(256, 64), torch.randn(256, 64), torch.empty(256, 64)
+
+    def work():
+        grads = torch.randn(256, 64)
+        dist.reduce_scatter_tensor(scattered, grads, async_op=True).wait()
+        del grads
+        dist.all_gather_into_tensor(gathered, mine, async_op=True).wait()
+
+    events, held, sizes = _held_in_one_gloo_process(tmp_path, work)
     assert len(held) == 1 and [sizes[k] for k in held] == [256 * 64 * 4], (held, events)
     grads_made = min(t for t, _, size, _ in events if size > 0)
     assert min(held)[0] > grads_made  # the clone, not the caller's tensor
@@ -215,26 +228,16 @@ def test_a_functional_collectives_output_is_a_buffer_its_work_holds(tmp_path):
     buffer, 256 KiB, between identical runs); the input, made outside, is not."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
-    from torch.profiler import ProfilerActivity, profile
 
-    from lynx_compile import _compat
+    mine = torch.randn(128, 64)
+    total = []
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        mine = torch.randn(128, 64)
-        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        with _compat.cpu_allocator_counts_every_thread():
-            prof.start()
-            gathered = funcol.wait_tensor(funcol.all_gather_tensor(mine, 0, dist.group.WORLD))
-            total = float(gathered.sum())
-            del gathered
-            prof.stop()
-    finally:
-        dist.destroy_process_group()
-    assert total == float(mine.sum())
-    events = _compat.cpu_allocation_events(prof, totals=True)
-    held = _compat.collective_held_allocations(prof)
-    sizes = {(t, ptr): size for t, ptr, size, _ in events if size > 0}
+    def work():
+        gathered = funcol.wait_tensor(funcol.all_gather_tensor(mine, 0, dist.group.WORLD))
+        total.append(float(gathered.sum()))
+
+    events, held, sizes = _held_in_one_gloo_process(tmp_path, work)
+    assert total == [float(mine.sum())]
     assert [sizes[k] for k in held] == [128 * 64 * 4], (held, events)
     assert all(ptr != mine.data_ptr() for _, ptr in held)
 

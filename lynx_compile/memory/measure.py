@@ -128,14 +128,14 @@ def live_series(events: Sequence[tuple[int, ...]], every_thread: bool) -> list[t
     made: set[int] = set()
     from_before: list[int] = []  # per event, the bytes it frees of memory from before the window
     for _, ptr, size, *_rest in events:
+        freed = 0
         if size > 0:
             made.add(ptr)
         elif ptr in made:
             made.discard(ptr)
         else:
-            from_before.append(-size)
-            continue
-        from_before.append(0)
+            freed = -size
+        from_before.append(freed)
     if every_thread and events and len(events[0]) > 3:
         base = events[0][3] - events[0][2]  # the allocator's total before the first event
         series, uncounted = [], 0
