@@ -12,11 +12,11 @@ class PlanningDone(Exception):
 
 class LynxOptionError(ValueError, _compat.dynamo_passthrough_error()):
     """A bad lynx option. A ``ValueError``; raised from the backend, dynamo passes it on as is
-    (not wrapped in ``BackendCompilerFailed``), so lynx's message is the one the user reads."""
+    (not wrapped in ``BackendCompilerFailed``) under a traceback of the user's frames and the line
+    that raised it, so lynx's message is the one the user reads."""
 
     def __init__(self, message: str):
         ValueError.__init__(self, message)
-        self.first_useful_frame = None  # dynamo strips its own frames from the traceback
 
 
 _SHOWN: dict[type, type] = {}
@@ -37,13 +37,9 @@ def shown_as_raised(error: BaseException) -> BaseException:
     if sub is None:
         sub = _SHOWN[cls] = type(cls.__name__, (cls, base), {"__module__": cls.__module__,
                                                              "__qualname__": cls.__qualname__})
-    error.__class__ = sub
-    tb = error.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
     # the traceback starts where lynx raised it (torch's frames between the backend and that
     # point, AOTAutograd's and Inductor's, are dynamo's to strip: TORCHDYNAMO_VERBOSE=1 keeps them)
-    error.first_useful_frame = tb.tb_frame if tb is not None else None
+    error.__class__ = sub
     return error
 
 

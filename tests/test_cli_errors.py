@@ -117,29 +117,55 @@ def test_bad_option_at_first_call_is_lynxs_error_not_dynamos():
         compiled(example_batch(model, 2))
     assert isinstance(info.value, ValueError)
     assert str(info.value).startswith("unknown lynx option(s) ['budget']")
+    _assert_traceback_is_the_callers_then_lynxs(info.value)
+
+
+def _assert_traceback_is_the_callers_then_lynxs(error: BaseException) -> str:
+    """``error``'s printed traceback: the caller's frames down to torch.compile's entry, then the
+    frame where lynx raised it, none of dynamo's tracing, AOTAutograd's or Inductor's in
+    between, and no chained cause; its text."""
+    import traceback
+
+    text = "".join(traceback.format_exception(error))
+    assert "BackendCompilerFailed" not in text and "The above exception" not in text, text
+    frames = [line for line in text.splitlines() if line.lstrip().startswith("File ")]
+    assert "lynx_compile" in frames[-1] and "eval_frame.py" in frames[-2], text
+    assert not any(part in text for part in ("_functorch", "_inductor", "convert_frame.py")), text
+    assert len(frames) <= 8, text
+    return text
 
 
 def test_a_refused_budget_at_first_call_is_lynxs_error_with_the_fix_first():
     """A budget no plan reaches, refused while dynamo compiles: lynx's BudgetError as raised
     (not torch's BackendCompilerFailed, whose text asks the user to report a bug to PyTorch),
     its first line naming the fix, dynamo's frames stripped from the traceback."""
-    import traceback
-
     from lynx_compile.decisions import BudgetError
 
     model = build_model("gpt-tiny")
     compiled = torch.compile(model, backend=lynx_compile.backend(policy="full", memory_budget=0.05))
     with pytest.raises(BudgetError) as info:
         compiled(example_batch(model, 2))
-    text = "".join(traceback.format_exception(info.value))
-    assert "BackendCompilerFailed" not in text
+    _assert_traceback_is_the_callers_then_lynxs(info.value)
     assert str(info.value).startswith("memory_budget=0.05") and "Use memory_budget >=" in str(info.value).split(". ")[1]
     assert info.value.smallest_bytes > 0
-    # the caller's frames down to torch.compile's entry, then the frame where lynx raised it:
-    # none of dynamo's tracing, AOTAutograd's or Inductor's in between
-    frames = [line for line in text.splitlines() if line.lstrip().startswith("File ")]
-    assert "lynx_compile" in frames[-1] and "eval_frame.py" in frames[-2], text
-    assert not any(part in text for part in ("_functorch", "_inductor", "convert_frame.py")), text
+
+
+def test_policy_lynxs_refusal_names_one_budget():
+    """Policy lynx at a budget below every candidate, the model compiled whole: one refusal at
+    the end of step 1, naming one smallest budget, the lowest peak of every candidate tried.
+    Before session 41 it was chained to the optimizer's own refusal, which named a higher one
+    (gpt-tiny: 0.832 printed first, then 0.728, which is accepted)."""
+    import traceback
+
+    from lynx_compile.decisions import BudgetError
+
+    model = build_model("gpt-tiny")
+    compiled = torch.compile(model, backend=lynx_compile.backend(memory_budget=0.05))
+    with pytest.raises(BudgetError) as info:
+        compiled(example_batch(model, 2)).loss.backward()
+    text = "".join(traceback.format_exception(info.value))
+    assert "The above exception" not in text and text.count("Use memory_budget >=") == 1, text
+    assert "the lowest of lynx's candidates" in str(info.value), text
 
 
 def test_make_config_keeps_plain_types():

@@ -140,14 +140,27 @@ def dispatch_mode_base() -> type:
 def dynamo_passthrough_error() -> type:
     """A subclass of ``torch._dynamo.exc.ShortenTraceback``: an exception a backend raises that
     dynamo re-raises as is (any other is wrapped in ``BackendCompilerFailed``, whose message starts
-    with dynamo's text); a subclass must set ``first_useful_frame`` (None: keep the whole
-    traceback). It never holds a ``real_stack`` (reads raise AttributeError, writes are dropped):
+    with dynamo's text). Its ``first_useful_frame``, where dynamo cuts its own frames off the
+    traceback, is the frame that raised it (the last of its traceback; writes are dropped): the
+    user reads their own frames, then the line that raised it (``TORCHDYNAMO_VERBOSE=1`` keeps
+    every frame). It never holds a ``real_stack`` (reads raise AttributeError, writes are dropped):
     dynamo attaches one to an exception leaving a traced frame (``TracingContext.current_frame``)
     and ``exc.augment_exc_message`` then appends ``from user code`` and a ``TORCHDYNAMO_VERBOSE``
     hint to its message, which is lynx's one line (same on 2.11 and 2.13). One class per process."""
     from torch._dynamo.exc import ShortenTraceback
 
     class LynxPassthrough(ShortenTraceback):
+        @property
+        def first_useful_frame(self):
+            tb = self.__traceback__
+            while tb is not None and tb.tb_next is not None:
+                tb = tb.tb_next
+            return tb.tb_frame if tb is not None else None
+
+        @first_useful_frame.setter
+        def first_useful_frame(self, value) -> None:
+            pass
+
         @property
         def real_stack(self):
             raise AttributeError("real_stack")

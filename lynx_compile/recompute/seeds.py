@@ -274,7 +274,9 @@ def seed_with_baselines(joint, ctx: PassContext, kw: dict, budget: int, referenc
         str(k): {"exposed_s": e, "peak_bytes": b} if b is not None else e.stats() for k, (e, b) in weighed.scores.items()}
     best = weighed.best
     if best is None:
-        raise _refusal(ctx, reference_peak, weighed.floor, failure) from failure
+        if failure is not None:  # the refusal names the lowest of every candidate: the optimizer's own under -v
+            log.debug("lynx: graph %d: lynx's optimizer on its own: %s", ctx.record.graph_id, failure)
+        raise _refusal(ctx, reference_peak, weighed.floor, failure) from None
     if best[0] != CandidateKey("lynx"):
         why = (f"lynx's optimizer found no plan under this budget ({getattr(failure, 'why', failure)})"
                if outcome is None else

@@ -29,7 +29,7 @@ import numpy as np
 import pyomo.environ as pyo
 
 from .evaluate import DEMAND, KEEP, NONE, OFFLOAD, WINDOW, ProblemArrays, evaluate_state, problem_arrays
-from .milp_solvers import Outcome, pick_solver, require_solver, run_solver
+from .milp_solvers import SOLVER_LOG, Outcome, pick_solver, require_solver, run_solver
 from .problem import InfeasibleBudget, RematProblem, RematSolution, check_region_caps
 
 TIE_BREAK = 1e-6
@@ -235,7 +235,7 @@ def solve_milp(problem: RematProblem, budget_bytes: int, *, solver: str = "highs
 
     ``solver``: "highs" (Pyomo's HiGHS interface, needs highspy), "glpk" (glpsol) or "auto".
     ``time_limit_s``/``mip_gap`` go to the solver (glpsol takes whole seconds); ``progress``
-    gets a start line (model size), the solver's log lines and an end line.
+    gets the solver's log lines and an end line (the model's size: the solver's log at DEBUG).
     ``units``: only these unit ids are decided; the others are kept (intermediates nothing reads:
     none). ``max_windows_per_unit``: window variables per unit (latest eligible first; None: all). Returns status "optimal", or "feasible" with a note when the time limit stopped the
     solver with an incumbent. Raises ``InfeasibleBudget`` (with ``smallest_peak``) when no
@@ -251,8 +251,8 @@ def solve_milp(problem: RematProblem, budget_bytes: int, *, solver: str = "highs
     check_region_caps(problem)
     arr = problem_arrays(problem)
     M = build_model(problem, budget_bytes, units=units, max_windows_per_unit=max_windows_per_unit)
-    if progress:
-        progress(f"lynx-opt[{name}]: {M.info}; built in {time.perf_counter() - t0:.2f} s")
+    # the model's size is the solver's detail (``verbose``); ``progress`` gets its log and result
+    SOLVER_LOG.debug("lynx-opt[%s]: %s; built in %.2f s", name, M.info, time.perf_counter() - t0)
     if M.constant_over:
         outcome = Outcome("infeasible")
     elif not len(M.s):            # nothing to decide: the fixed plan is the answer
