@@ -15,7 +15,8 @@ PYTEST_WORKERS ?= 2
 
 install:
 	@$(PYTHON) -c "import torch, sys; v = tuple(map(int, torch.__version__.split('+')[0].split('.')[:2])); sys.exit(0 if (2, 11) <= v <= (2, 13) else 1)" 2>/dev/null \
-		|| $(PYTHON) -m pip install "torch==$(TORCH_VERSION)"
+		|| { echo "make: no torch 2.11-2.13 found; installing torch==$(TORCH_VERSION), pinned so pip never picks a build on its own (~1 min)"; \
+		     $(PYTHON) -m pip install -q "torch==$(TORCH_VERSION)"; }
 	@command -v glpsol >/dev/null 2>&1 || { \
 		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq glpk-utils; \
 		elif command -v sudo >/dev/null 2>&1; then sudo apt-get update -qq && sudo apt-get install -y -qq glpk-utils; \

@@ -91,7 +91,8 @@ def test_budget_in_bytes_accepted_when_reachable(caplog):
         torch.compile(model, backend=backend)(x).loss.backward()
     assert backend.plans[-1].budget_bytes == 10**9
     assert caplog.text.count("constrains nothing") == 1, caplog.text
-    assert "memory_budget='953.68MiB' is at or above this graph's no-recompute peak" in caplog.text
+    # the bytes as typed beside the rounded size ('1GB' is 10**9 B, 953.68 MiB)
+    assert "memory_budget='953.68MiB' (1000000000 B) is at or above this graph's no-recompute peak" in caplog.text
     # a device budget is meant to hold a step that fits: no such warning
     caplog.clear()
     torch._dynamo.reset()

@@ -190,6 +190,19 @@ def test_cli_argparse_errors_are_one_line(capsys):
     assert "invalid choice: 'fastest'" in line and "lynx plan --help" in line
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["plan", "--model", "gpt-tiny", "--memory-budjet", "0.5"],
+     "unrecognized arguments: --memory-budjet 0.5; did you mean '--memory-budget' for '--memory-budjet'?"),
+    (["plan", "--solver", "higs"], "invalid choice: 'higs' (choose from 'auto', 'glpk', 'highs', 'heu'); did you mean 'highs'?"),
+    (["plan", "--model", "gpt-tiny", "--zzz"], "unrecognized arguments: --zzz (see"),  # nothing close: no guess
+])
+def test_cli_guesses_a_misspelled_option_or_choice(capsys, argv, says):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert says in _one_error_line(capsys.readouterr().err)
+
+
 def test_cli_debug_shows_the_traceback(corrupt_plan, monkeypatch):
     with pytest.raises(ValueError, match="corrupt_plan.json"):
         main(["--debug", "plan", "--model", "gpt-tiny", "--plan", corrupt_plan])

@@ -99,11 +99,43 @@ def cpu_allocator_counts_every_thread() -> Any:
     of ``libc10``, set here through ctypes (no Python API); False where it is not found."""
     import ctypes
 
+    with _c10_flag_set(ctypes.c_bool, _REPORT_FLAG, True) as found:
+        yield found
+
+
+_LOG_LEVEL_FLAG = "FLAGS_caffe2_log_level"
+_LOG_LEVEL_ERROR = 2  # c10's levels: INFO 0, WARNING 1, ERROR 2
+
+
+@contextlib.contextmanager
+def cpu_allocator_warning_off() -> Any:
+    """While the block runs, c10's own log (not Python's warnings) writes ERROR lines only.
+
+    The CPU allocator's reporter writes one WARNING per process, "Memory block of unknown size
+    was allocated before the profiling started, profiler results will not include the
+    deallocation event", when memory allocated before a memory-profiling profiler started is
+    freed while it runs: true of about every step lynx measures (the previous step's tensors),
+    and lynx's reading already leaves such frees out (``memory.measure.live_series``), so the
+    line tells the user nothing. c10's log level is a C global of ``libc10``
+    (``caffe2_log_level``), set through ctypes (no Python API); c10's other WARNING lines in the
+    block are dropped too (``TORCH_WARN`` goes through Python's warnings, untouched)."""
+    import ctypes
+
+    with _c10_flag_set(ctypes.c_int, _LOG_LEVEL_FLAG, _LOG_LEVEL_ERROR, only_raise=True):
+        yield
+
+
+@contextlib.contextmanager
+def _c10_flag_set(ctype: Any, name: str, value: Any, only_raise: bool = False) -> Any:
+    """``libc10``'s C global ``name`` (of ctypes type ``ctype``) set to ``value`` in the block and
+    restored after it (``only_raise``: left as it is where it is already higher); yields whether
+    the global was found."""
+    import ctypes
+
     flag = None
-    for name in ("libc10.so", "libc10.dylib"):
+    for lib in ("libc10.so", "libc10.dylib"):
         try:
-            flag = ctypes.c_bool.in_dll(ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", name)),
-                                        _REPORT_FLAG)
+            flag = ctype.in_dll(ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", lib)), name)
             break
         except (OSError, ValueError):
             continue
@@ -111,7 +143,8 @@ def cpu_allocator_counts_every_thread() -> Any:
         yield False
         return
     before = flag.value
-    flag.value = True
+    if not (only_raise and before >= value):
+        flag.value = value
     try:
         yield True
     finally:

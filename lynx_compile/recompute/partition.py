@@ -56,9 +56,9 @@ def _warn_loose_budget(config: LynxConfig, reference_peak: int) -> None:
     if given in _warned_loose:
         return
     _warned_loose.add(given)
-    log.warning("lynx: %s is at or above this graph's no-recompute peak (%s): it constrains nothing "
-                "(a fraction such as memory_budget=0.7 is relative to that peak)",
-                given, format_bytes(reference_peak))
+    log.warning("lynx: %s (%d B) is at or above this graph's no-recompute peak (%s, %d B): it constrains "
+                "nothing (a fraction such as memory_budget=0.7 is relative to that peak)",
+                given, config.budget.nbytes, format_bytes(reference_peak), reference_peak)
 
 
 def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,

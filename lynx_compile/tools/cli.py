@@ -24,10 +24,46 @@ the traceback."""
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, with its errors as one line (not the usage block) and exit code 2."""
+    """argparse, with its errors as one line (not the usage block) and exit code 2, and a guess
+    for a misspelled option or choice (``did you mean '--memory-budget'?``)."""
 
     def error(self, message: str):  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+        guess = _guess(message, self._option_strings())
+        self.exit(2, f"{self.prog}: error: {message}{guess} (see `{self.prog} --help`)\n")
+
+    def _option_strings(self) -> set[str]:
+        """Every option string of this parser and of its subcommands' parsers (an unknown
+        option after a subcommand is reported by the top parser)."""
+        out, stack = set(), [self]
+        while stack:
+            parser = stack.pop()
+            out.update(parser._option_string_actions)
+            for action in parser._actions:
+                if isinstance(action, argparse._SubParsersAction):
+                    stack.extend(action.choices.values())
+        return out
+
+
+def _guess(message: str, options: set[str]) -> str:
+    """``; did you mean ...?`` for argparse's ``unrecognized arguments: --memory-budjet 0.5``
+    (the closest option strings) and ``invalid choice: 'higs' (choose from ...)`` (the closest
+    choice); empty when nothing is close."""
+    import difflib
+    import re
+
+    guesses = []
+    if message.startswith("unrecognized arguments:"):
+        for token in message.split(":", 1)[1].split():
+            name = token.split("=", 1)[0]
+            if name.startswith("-"):
+                close = difflib.get_close_matches(name, sorted(options), n=1, cutoff=0.6)
+                guesses += [f"{close[0]!r} for {name!r}"] if close else []
+    found = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+    if found:
+        choices = re.findall(r"'([^']*)'", found.group(2))
+        close = difflib.get_close_matches(found.group(1), choices, n=1, cutoff=0.6)
+        guesses += [repr(close[0])] if close else []
+    return f"; did you mean {', '.join(guesses)}?" if guesses else ""
 
 
 _BUDGET_HELP = f"peak activation memory allowed: {BUDGET_FORMS}"
