@@ -263,7 +263,7 @@ def with_plan_cache(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: i
             ctx.record.stats["cached_compiled_peak_bytes"] = entry.compiled_peak_bytes
         return LynxOutcome(applied=hit, problem=None, solver=entry.solver, status=entry.status,
                            exposed_s=entry.exposed_s, plan_time_s=time.perf_counter() - start)
-    log.debug("lynx plan cache: miss %s", key[:12])
+    log.info("lynx plan cache: miss %s", key[:12])
     notes_before = len(ctx.record.notes)
     outcome = plan()
     ctx.record.stats["plan_cache"] = "miss"
@@ -341,7 +341,7 @@ def with_piece_cache(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: 
         ctx.record.step = choices
         return applied, LynxOutcome(applied=applied, problem=None, solver=entry.solver, status=entry.status,
                                     exposed_s=entry.exposed_s, plan_time_s=time.perf_counter() - start)
-    log.debug("lynx plan cache: miss %s", key[:12])
+    log.info("lynx plan cache: miss %s", key[:12])
     notes_before = len(ctx.record.notes)
     applied, outcome = plan()
     ctx.record.stats["plan_cache"] = "miss"
