@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from lynx_compile import _compat
-from lynx_compile.compiler.dynamo_backend import LynxBackend, _graph_ids, find_backend_error
+from lynx_compile.compiler.dynamo_backend import LynxBackend, _graph_ids, find_backend_error, runs_as_pieces
 from lynx_compile.config import LynxConfig, make_config
 from lynx_compile.errors import PlanningDone
 from lynx_compile.recompute.partition import lynx_partition
@@ -90,7 +90,8 @@ class _VariantsBackend:
 
         # where each config puts the parameter gradients, as its own LynxBackend decides
         records = [GraphRecord(graph_id=next(_graph_ids), policy=c.policy,
-                               grads_in_graph=grad_in_graph.decide(c, example_inputs)) for c in self.configs]
+                               grads_in_graph=grad_in_graph.decide(c, example_inputs, switchable=runs_as_pieces(c)))
+                   for c in self.configs]
         for mine, record in zip(self.records, records):
             mine.append(record)
         partition = _VariantsPartitioner(self.configs, records)

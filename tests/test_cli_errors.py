@@ -150,13 +150,17 @@ def test_a_refused_budget_at_first_call_is_lynxs_error_with_the_fix_first():
     assert info.value.smallest_bytes > 0
 
 
-def test_policy_lynxs_refusal_names_one_budget():
+def test_policy_lynxs_refusal_names_one_budget_and_lynx_plan_names_it_too(capsys):
     """Policy lynx at a budget below every candidate, the model compiled whole: one refusal at
     the end of step 1, naming one smallest budget, the lowest peak of every candidate tried.
     Before session 41 it was chained to the optimizer's own refusal, which named a higher one
-    (gpt-tiny: 0.832 printed first, then 0.728, which is accepted)."""
+    (gpt-tiny: 0.832 printed first, then 0.728, which is accepted). ``lynx plan`` with the same
+    model, batch and budget names the same budget: it plans the graph the compile makes, the
+    gradients returned where ``.grad`` is None (before: added into ``.grad`` in the graph, and
+    it named 0.704, which the compile refused)."""
     import traceback
 
+    from lynx_compile.budget import named_fraction
     from lynx_compile.decisions import BudgetError
 
     model = build_model("gpt-tiny")
@@ -166,6 +170,10 @@ def test_policy_lynxs_refusal_names_one_budget():
     text = "".join(traceback.format_exception(info.value))
     assert "The above exception" not in text and text.count("Use memory_budget >=") == 1, text
     assert "the lowest of lynx's candidates" in str(info.value), text
+    torch._dynamo.reset()
+    assert main(["plan", "--model", "gpt-tiny", "--batch-size", "2", "--memory-budget", "0.05"]) == 2
+    said = _one_error_line(capsys.readouterr().err)
+    assert named_fraction(said) == named_fraction(str(info.value)), (said, str(info.value))
 
 
 def test_make_config_keeps_plain_types():

@@ -97,7 +97,20 @@ def test_plan_file_is_reused_without_solving(tmp_path):
     assert main(["plan", "--model", "gpt-tiny", "--batch-size", "4", "--policy", "lynx", "--solver", "heu",
                  "--memory-budget", "0.7", "--compiler", "eager", "--out", str(out)]) == 0
     torch._dynamo.reset()
-    plan, _ = _run("gpt-tiny", {"policy": "lynx", "memory_budget": 0.7, "plan": str(out)})
+    # the step lynx plan plans: .grad None as it starts (zero_grad()'s default), the gradients
+    # returned by the backward, as a compile under a budget makes the graph at its first step
+    torch.manual_seed(0)
+    eager = build_model("gpt-tiny", dropout=0.1)
+    twin = copy.deepcopy(eager)
+    x = example_batch(eager, 4, generator=torch.Generator().manual_seed(7))
+    torch.manual_seed(7)
+    eager(x).loss.backward()
+    backend = lynx_compile.backend(policy="lynx", memory_budget=0.7, plan=str(out), compiler="eager")
+    torch.manual_seed(7)
+    torch.compile(twin, backend=backend)(x).loss.backward()
+    for name, g in _grads(eager).items():
+        assert _rel(_grads(twin)[name], g) <= 1e-5, name
+    plan = backend.plans[-1]
     assert plan.solver == "file" and plan.plan_time_s == 0.0
     import json
     saved = json.loads(out.read_text())[0]

@@ -55,6 +55,12 @@ def find_backend_error(e: BaseException | None, kind: type[BaseException]) -> Ba
     return None
 
 
+def runs_as_pieces(config: LynxConfig) -> bool:
+    """Whether a compile under ``config`` runs each graph as a ``step.piece.Piece``, the step's
+    pieces planned together (``step.recorder``): policy lynx under a budget."""
+    return config.policy == "lynx" and config.budget is not None
+
+
 class LynxBackend:
     """A dynamo backend with a bound :class:`LynxConfig`.
 
@@ -81,7 +87,11 @@ class LynxBackend:
         self.step_recorder = None
         """Plans the compiled pieces of one step together (``lynx_compile.step.recorder``): with
         policy lynx under a budget, when the model runs as several compiled graphs."""
-        if plan_pieces and config.policy == "lynx" and config.budget is not None and not plan_only:
+        self.runs_pieces = plan_pieces and runs_as_pieces(config)
+        """Each graph runs as a ``step.piece.Piece`` (under the step recorder); a plan-only backend
+        plans the graphs such a compile would make (their gradients returned where ``.grad`` is
+        None: ``memory.grad_in_graph.decide``), so ``lynx plan`` names what ``torch.compile`` does."""
+        if self.runs_pieces and not plan_only:
             from lynx_compile.step.recorder import StepRecorder
 
             self.step_recorder = StepRecorder(self)
@@ -111,8 +121,7 @@ class LynxBackend:
 
         # (a graph run as a Piece may return its gradients while .grad is None: compiled again with
         # them in the graph at the first call that finds .grad kept)
-        record.grads_in_graph = grad_in_graph.decide(self.config, example_inputs,
-                                                     switchable=self.step_recorder is not None)
+        record.grads_in_graph = grad_in_graph.decide(self.config, example_inputs, switchable=self.runs_pieces)
         if self.step_recorder is not None:
             # an activation with gradients comes in: the graph is a piece of a model compiled in
             # pieces (per block, after a graph break), whatever modules it holds

@@ -43,7 +43,7 @@ import torch
 
 from lynx_compile.tools.report import environment, human_bytes, markdown_table
 from lynx_compile.tools.demo_plot import plot_demo
-from lynx_compile.tools.demo_table import TABLE_COLUMNS, conclusion, short_result, table_rows
+from lynx_compile.tools.demo_table import TABLE_COLUMNS, conclusion, short_result, table_rows, what
 from lynx_compile.tools.variants import GRAD_RTOL, run_variant, under_inductor
 
 DEMO_VARIANTS = ("eager", "checkpoint", "inductor", "inductor-b0.5", "lynx-b0.7", "lynx-b0.5", "lynx-b0.2")
@@ -110,6 +110,9 @@ def run_demo(preset: Optional[str] = None, *, batch_size: Optional[int] = None, 
             torch.set_num_threads(1)
         for i, name in enumerate(names):
             start = time.perf_counter()
+            # said before it runs: a compiled variant is silent while it compiles (~40 s on 2 cores)
+            progress(f"[{i + 1}/{len(names)}] {name} ({what({'variant': name, 'style': style})}): "
+                     f"{warmup} warm-up step(s), the first compiling, then {steps} timed ...")
             torch.compiler.reset()
             row, grads = run_variant(name, copy.deepcopy(base), lambda m: m(x).loss, device=device, warmup=warmup,
                                      steps=steps, solver=solver, ref_grads=ref, style=style)
