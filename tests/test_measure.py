@@ -80,10 +80,10 @@ print("measured")
 
 def test_a_measured_step_freeing_older_memory_leaves_no_allocator_warning():
     """A step that frees memory allocated before the measure started: torch's CPU allocator
-    writes "Memory block of unknown size was allocated before the profiling started" (once per
-    process, from C++) under a plain memory-profiling profiler; under lynx's measure, which
-    leaves such frees out of its reading, nothing (issue T: no leaked profiler noise). Each in
-    a process of its own, as the warning is written once per process."""
+    writes "Memory block of unknown size was allocated before the profiling started" (from C++)
+    under a plain memory-profiling profiler; under lynx's measure, which leaves such frees out
+    of its reading, nothing (issue T: no leaked profiler noise). Each in a process of its own,
+    as the warning is written at a process's first such free (then every 1000th)."""
     import subprocess
     import sys
 

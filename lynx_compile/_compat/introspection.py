@@ -111,10 +111,10 @@ _LOG_LEVEL_ERROR = 2  # c10's levels: INFO 0, WARNING 1, ERROR 2
 def cpu_allocator_warning_off() -> Any:
     """While the block runs, c10's own log (not Python's warnings) writes ERROR lines only.
 
-    The CPU allocator's reporter writes one WARNING per process, "Memory block of unknown size
-    was allocated before the profiling started, profiler results will not include the
-    deallocation event", when memory allocated before a memory-profiling profiler started is
-    freed while it runs: true of about every step lynx measures (the previous step's tensors),
+    The CPU allocator's reporter writes "Memory block of unknown size was allocated before the
+    profiling started, profiler results will not include the deallocation event" (a WARNING, at
+    a process's first such free and every 1000th) when memory allocated before a
+    memory-profiling profiler started is freed while it runs: true of about every step lynx measures (the previous step's tensors),
     and lynx's reading already leaves such frees out (``memory.measure.live_series``), so the
     line tells the user nothing. c10's log level is a C global of ``libc10``
     (``caffe2_log_level``), set through ctypes (no Python API); c10's other WARNING lines in the
