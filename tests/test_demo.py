@@ -49,7 +49,6 @@ def test_demo_per_block_rows_gradients_budget_refusal_table_and_plot(tmp_path, c
     assert refused["result"].startswith("refused: ") and "memory_budget >=" in refused["result"], refused
     assert short_result(refused).startswith("refused (reachable >= 0.")
     assert "USDT" not in err and "USDT" not in out  # the profiler's start/stop lines are dropped
-    assert "Memory block of unknown size" not in err  # nor the CPU allocator's line on older frees
     # each variant said before it runs (compiling is silent otherwise), then its result
     n = len(SMALL_VARIANTS)
     for i, name in enumerate(SMALL_VARIANTS):

@@ -110,7 +110,6 @@ from lynx_compile._compat.introspection import (
     collective_held_allocations,
     cpu_allocation_events,
     cpu_allocator_counts_every_thread,
-    cpu_allocator_warning_off,
     dynamo_counters,
     inductor_cache_dir,
     inductor_metrics,
@@ -172,7 +171,7 @@ __all__ = [
     # module_hooks
     "ModuleCallHooks", "call_is_compiled", "outermost_module_call",
     # introspection
-    "collective_held_allocations", "cpu_allocation_events", "cpu_allocator_counts_every_thread", "cpu_allocator_warning_off", "dynamo_counters", "inductor_cache_dir", "inductor_metrics", "inductor_output_code",
+    "collective_held_allocations", "cpu_allocation_events", "cpu_allocator_counts_every_thread", "dynamo_counters", "inductor_cache_dir", "inductor_metrics", "inductor_output_code",
     "profiler_marks", "profiler_running", "record_function_ops",
     # tracing
     "REGION_BUDGET_KEY", "adopt_unbacked_symbols", "annotate_region", "detect_fake_mode", "is_plain_fake", "dispatch_mode_base", "dynamo_passthrough_error",

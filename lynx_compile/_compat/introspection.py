@@ -103,33 +103,10 @@ def cpu_allocator_counts_every_thread() -> Any:
         yield found
 
 
-_LOG_LEVEL_FLAG = "FLAGS_caffe2_log_level"
-_LOG_LEVEL_ERROR = 2  # c10's levels: INFO 0, WARNING 1, ERROR 2
-
-
 @contextlib.contextmanager
-def cpu_allocator_warning_off() -> Any:
-    """While the block runs, c10's own log (not Python's warnings) writes ERROR lines only.
-
-    The CPU allocator's reporter writes "Memory block of unknown size was allocated before the
-    profiling started, profiler results will not include the deallocation event" (a WARNING, at
-    a process's first such free and every 1000th) when memory allocated before a
-    memory-profiling profiler started is freed while it runs: true of about every step lynx measures (the previous step's tensors),
-    and lynx's reading already leaves such frees out (``memory.measure.live_series``), so the
-    line tells the user nothing. c10's log level is a C global of ``libc10``
-    (``caffe2_log_level``), set through ctypes (no Python API); c10's other WARNING lines in the
-    block are dropped too (``TORCH_WARN`` goes through Python's warnings, untouched)."""
-    import ctypes
-
-    with _c10_flag_set(ctypes.c_int, _LOG_LEVEL_FLAG, _LOG_LEVEL_ERROR, only_raise=True):
-        yield
-
-
-@contextlib.contextmanager
-def _c10_flag_set(ctype: Any, name: str, value: Any, only_raise: bool = False) -> Any:
+def _c10_flag_set(ctype: Any, name: str, value: Any) -> Any:
     """``libc10``'s C global ``name`` (of ctypes type ``ctype``) set to ``value`` in the block and
-    restored after it (``only_raise``: left as it is where it is already higher); yields whether
-    the global was found."""
+    restored after it; yields whether the global was found."""
     import ctypes
 
     flag = None
@@ -143,8 +120,7 @@ def _c10_flag_set(ctype: Any, name: str, value: Any, only_raise: bool = False) -
         yield False
         return
     before = flag.value
-    if not (only_raise and before >= value):
-        flag.value = value
+    flag.value = value
     try:
         yield True
     finally:

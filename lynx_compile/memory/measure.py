@@ -215,8 +215,7 @@ def cpu_peak_bytes(fn: Callable[[], Any], exclude: Callable[[], set[int]] | None
     from lynx_compile import _compat
 
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
-    with _compat.cpu_allocator_counts_every_thread() as every_thread, _compat.cpu_allocator_warning_off(), \
-            without_collection():
+    with _compat.cpu_allocator_counts_every_thread() as every_thread, without_collection():
         with without_kineto_log():  # only around start / stop: what fn() writes goes through as written
             prof.start()
         try:

@@ -49,7 +49,6 @@ class ProfilerRecording:
         # frees on threads the profiler does not follow are counted in the events' totals
         self._counting = contextlib.ExitStack()
         self._every_thread = self._counting.enter_context(_compat.cpu_allocator_counts_every_thread())
-        self._counting.enter_context(_compat.cpu_allocator_warning_off())  # the allocator's line on old frees
         with without_kineto_log():
             self._profiler.start()
         return True
