@@ -64,4 +64,3 @@ def test_memory_from_before_the_window_freed_in_it_does_not_count():
     activations = 4 * 32 * 64 * 4  # each layer's output (the last one's: the sum's input)
     assert len(peaks) == 1 and min(peaks) >= grads, peaks
     assert min(peaks) <= grads + 2 * activations + 64 * 1024, (peaks, grads, activations)
-

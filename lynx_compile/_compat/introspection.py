@@ -99,20 +99,11 @@ def cpu_allocator_counts_every_thread() -> Any:
     of ``libc10``, set here through ctypes (no Python API); False where it is not found."""
     import ctypes
 
-    with _c10_flag_set(ctypes.c_bool, _REPORT_FLAG, True) as found:
-        yield found
-
-
-@contextlib.contextmanager
-def _c10_flag_set(ctype: Any, name: str, value: Any) -> Any:
-    """``libc10``'s C global ``name`` (of ctypes type ``ctype``) set to ``value`` in the block and
-    restored after it; yields whether the global was found."""
-    import ctypes
-
     flag = None
-    for lib in ("libc10.so", "libc10.dylib"):
+    for name in ("libc10.so", "libc10.dylib"):
         try:
-            flag = ctype.in_dll(ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", lib)), name)
+            flag = ctypes.c_bool.in_dll(ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", name)),
+                                        _REPORT_FLAG)
             break
         except (OSError, ValueError):
             continue
@@ -120,7 +111,7 @@ def _c10_flag_set(ctype: Any, name: str, value: Any) -> Any:
         yield False
         return
     before = flag.value
-    flag.value = value
+    flag.value = True
     try:
         yield True
     finally:
