@@ -528,7 +528,7 @@ def write_results(out: str, env: dict, argv: Sequence[str], hbm_gbs: float, sett
         lines += ["", "## Training step with the recompute on the side stream", "",
                   "lynx policy full + fuse_kernels; side_stream=False: recompute on demand on the main stream; "
                   "True: each block's recompute segment on a secondary stream, launched one segment ahead "
-                  "(lynx_compile.runtime.side_stream). ms_step = forward + backward, median.", ""]
+                  "(lynx_compile.runtime.side_stream_runner). ms_step = forward + backward, median.", ""]
         lines += md_table(backward_rows, BACKWARD_KEYS)
     with open(out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -2,7 +2,7 @@
 
 Not a test: it measures nothing on a GPU. It profiles each model's layer with lynx's own planning
 trace (meta device, fake tensor-parallel group, analytic costs of the cluster's accelerator;
-``lynx_compile.sim.profile``), then simulates one training iteration per strategy with
+``lynx_compile.sim.layer_profile``), then simulates one training iteration per strategy with
 ``lynx_compile.sim`` (``sim.scale.evaluate``). One command regenerates every table and plot:
 
     python benchmarks/bench_paper_scale.py            # profiles cached in results/paper_scale_profiles.json
@@ -35,7 +35,7 @@ import warnings
 
 import torch
 
-from lynx_compile.sim.profile import LayerProfile, plan_search_time, profile_layer
+from lynx_compile.sim.layer_profile import LayerProfile, plan_search_time, profile_layer
 from lynx_compile.sim.scale import CLUSTERS, STRATEGIES, Layout, evaluate
 from lynx_compile.sim.timeline import plot_gantt, to_chrome_trace
 

@@ -20,7 +20,7 @@ _LAZY = {
     "backend": "lynx_compile.compiler.dynamo_backend",
     "LynxConfig": "lynx_compile.config",
     "make_config": "lynx_compile.config",
-    "RecomputePlan": "lynx_compile.plan",
+    "RecomputePlan": "lynx_compile.recompute_plan",
     "pipeline": "lynx_compile.pipelining",
     "region_budget": "lynx_compile.recompute.regions",
 }
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from lynx_compile.config import LynxConfig, make_config
     from lynx_compile.compiler.dynamo_backend import LynxBackend, backend
     from lynx_compile.pipelining import pipeline
-    from lynx_compile.plan import RecomputePlan
+    from lynx_compile.recompute_plan import RecomputePlan
     from lynx_compile.recompute.regions import region_budget
 
 

@@ -160,7 +160,7 @@ class LynxConfig:
     side_stream: bool = False
     """Run each recompute segment of the backward on a secondary CUDA stream, launched one
     segment ahead so it overlaps the main stream's gradient ops (pass ``side_stream_pass``,
-    runtime ``lynx_compile.runtime.side_stream``). The graph shows it as
+    runtime ``lynx_compile.runtime.side_stream_runner``). The graph shows it as
     ``lynx.side_stream_begin / end / wait`` ops; on CPU they are no-ops and the backward runs
     inline. Needs ``compiler='eager'``. Off by default until validated on a GPU."""
 

@@ -23,7 +23,7 @@ from typing import Callable
 
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from lynx_compile.plan import RecomputePlan
+from lynx_compile.recompute_plan import RecomputePlan
 
 
 #: Ops that aot_autograd traces as one node but eager autograd runs as several (measured on

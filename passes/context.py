@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lynx_compile.decisions import CandidateKey
-from lynx_compile.plan import RecomputePlan
+from lynx_compile.recompute_plan import RecomputePlan
 from lynx_compile.step.model import GraphChoices
 
 if TYPE_CHECKING:  # the config module checks pass names against this package
@@ -38,7 +38,7 @@ class GraphRecord:
     """What the passes and the planner counted and read: the costs' source and hardware, the
     candidates weighed, the plan cache's answer, offload and window counts (the decisions
     themselves are ``plan.decisions``)."""
-    plan: Any = None  # lynx_compile.plan.RecomputePlan once partitioned
+    plan: Any = None  # lynx_compile.recompute_plan.RecomputePlan once partitioned
     reference_peak_bytes: int | None = None  # no-recompute peak (the budget's 100%)
     timings: list[PassTiming] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)

@@ -124,7 +124,7 @@ def offload_name(name: str) -> str:
 
 def offload_forward_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     from lynx_compile.memory.storage import _nbytes
-    from lynx_compile.runtime.offload import OFFLOAD, OFFLOAD_WAIT
+    from lynx_compile.runtime.offload_ops import OFFLOAD, OFFLOAD_WAIT
 
     names = _offloaded_names(ctx)
     if not names:
@@ -165,7 +165,7 @@ def offload_forward_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
 
 def offload_backward_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     from lynx_compile.memory.storage import _nbytes
-    from lynx_compile.runtime.offload import RELOAD, RELOAD_WAIT
+    from lynx_compile.runtime.offload_ops import RELOAD, RELOAD_WAIT
 
     names = _offloaded_names(ctx)
     if not names:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import lynx_compile
-from lynx_compile.plan import RecomputePlan
+from lynx_compile.recompute_plan import RecomputePlan
 from lynx_compile.tools.cli import main
 
 

@@ -17,7 +17,7 @@ from lynx_compile.compiler.dynamo_backend import find_backend_error
 from lynx_compile.budget import Budget, check_device_budget, format_bytes
 from lynx_compile.decisions import BudgetError
 from lynx_compile.models import build_model, example_batch
-from lynx_compile.plan import RecomputePlan
+from lynx_compile.recompute_plan import RecomputePlan
 from lynx_compile.tools.cli import main
 
 COMPILERS = ("eager", "inductor")

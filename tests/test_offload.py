@@ -14,8 +14,8 @@ from lynx_compile.solver import RematProblem, Unit
 from lynx_compile.solver.evaluate import evaluate
 from lynx_compile.solver.heuristic import solve_heu
 from lynx_compile.solver.milp import solve_milp
-from lynx_compile.runtime.offload import OFFLOAD as OFFLOAD_OP
-from lynx_compile.runtime.offload import RELOAD, offload_reference, reload_reference
+from lynx_compile.runtime.offload_ops import OFFLOAD as OFFLOAD_OP
+from lynx_compile.runtime.offload_ops import RELOAD, offload_reference, reload_reference
 
 MS = 1e-3
 

@@ -13,7 +13,7 @@ import json
 import torch
 
 from lynx_compile.distributed.agreement import plan_fingerprint
-from lynx_compile.plan import RecomputePlan
+from lynx_compile.recompute_plan import RecomputePlan
 
 
 def _plan() -> RecomputePlan:

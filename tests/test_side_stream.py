@@ -1,4 +1,4 @@
-"""Side-stream recompute (``passes/side_stream.py``, ``lynx_compile/runtime/side_stream.py``):
+"""Side-stream recompute (``passes/side_stream.py``, ``lynx_compile/runtime/side_stream_runner.py``):
 markers in the graph, pieces run in order, gradients equal eager, memory as planned."""
 import copy
 import glob
@@ -13,7 +13,7 @@ from lynx_compile.models.presets import build_model, example_batch
 from lynx_compile.passes import GraphRecord, PassContext, meta
 from lynx_compile.passes.side_stream import side_stream_pass
 from lynx_compile.runtime import stream_ops
-from lynx_compile.runtime.side_stream import InlineStreams, SideStreamRunner, split_at_markers
+from lynx_compile.runtime.side_stream_runner import InlineStreams, SideStreamRunner, split_at_markers
 
 aten = torch.ops.aten
 
@@ -166,7 +166,7 @@ def test_cuda_side_stream_gradients_equal_eager():
         {"policy": "full", "side_stream": True, "side_stream_extra_bytes": 1 << 30}))
     torch.compile(model, backend=backend)(idx).loss.backward()
     ref(idx).loss.backward()
-    from lynx_compile.runtime.side_stream import CudaStreams
+    from lynx_compile.runtime.side_stream_runner import CudaStreams
 
     assert isinstance(backend.side_stream_runners[0].streams, CudaStreams)
     for p, q in zip(model.parameters(), ref.parameters()):

@@ -1,4 +1,4 @@
-"""Paper-scale evaluation (``lynx_compile.sim.scale`` / ``sim.profile``, ``lynx simulate``):
+"""Paper-scale evaluation (``lynx_compile.sim.scale`` / ``sim.layer_profile``, ``lynx simulate``):
 strategies priced against hand-computed iterations and memory, OOM reported with its need."""
 import json
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from lynx_compile.sim.profile import LayerPoint, LayerProfile
+from lynx_compile.sim.layer_profile import LayerPoint, LayerProfile
 from lynx_compile.sim.scale import CLUSTERS, STATE_BYTES_PER_PARAM_BYTE, Cluster, Layout, evaluate, model_flops
 
 MB = 1 << 20

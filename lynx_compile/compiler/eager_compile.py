@@ -4,7 +4,7 @@
     dynamo graph ──aot_autograd(partition_fn=lynx_partition)──▶ forward, backward
         forward  ── recompute_in_wait: runtime.prefetch.GraphRuntime (the backward's recompute
                     prefix run early, at a pipeline's gradient wait)
-        backward ── side_stream: runtime.side_stream.SideStreamRunner (recompute on a second stream)
+        backward ── side_stream: runtime.side_stream_runner.SideStreamRunner (recompute on a second stream)
                  ── otherwise: runtime.weight_split.WeightDeferral (weight gradients left for later)
                  ── every backward reports its gradients to a running memory measurement
 
@@ -105,8 +105,8 @@ class EagerCompile:
 
     def _side_stream_runner(self, gm: fx.GraphModule, compile_one: Callable) -> Callable:
         """The backward cut at its side-stream markers: CUDA streams when the graph runs on a
-        GPU, else the same pieces inline (``lynx_compile.runtime.side_stream``)."""
-        from lynx_compile.runtime.side_stream import CudaStreams, InlineStreams, SideStreamRunner
+        GPU, else the same pieces inline (``lynx_compile.runtime.side_stream_runner``)."""
+        from lynx_compile.runtime.side_stream_runner import CudaStreams, InlineStreams, SideStreamRunner
 
         devices = {v.device for p in gm.graph.find_nodes(op="placeholder")
                    if isinstance(v := p.meta.get("val"), torch.Tensor)}

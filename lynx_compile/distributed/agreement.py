@@ -17,7 +17,7 @@ import hashlib
 import json
 from typing import Any, Iterator, Mapping
 
-from lynx_compile.plan import RecomputePlan
+from lynx_compile.recompute_plan import RecomputePlan
 
 WORLD = "world"
 """Planning group sentinel: every rank of the default group compiles this same graph."""

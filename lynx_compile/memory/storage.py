@@ -143,7 +143,7 @@ def allocations(node: fx.Node) -> list[tuple[str, int]]:
 HOST_OUTPUT_OPS: set = set()
 """Ops whose output lives in host memory, not on the device: they allocate no device bytes.
 The module that defines such an op registers it (:func:`register_host_output_op`;
-``runtime/offload.py``'s ``lynx.offload``), so memory never imports what runs the graphs."""
+``runtime/offload_ops.py``'s ``lynx.offload``), so memory never imports what runs the graphs."""
 
 
 def register_host_output_op(op) -> None:

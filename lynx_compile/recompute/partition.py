@@ -34,7 +34,7 @@ from lynx_compile.passes import user_tags
 from lynx_compile.passes.context import TakeOnce
 from lynx_compile.passes.find_blocks import WHOLE_GRAPH, structural_hash
 from lynx_compile.passes.mark_recomputed import recomputed_source
-from lynx_compile.plan import BlockSummary, RecomputePlan, TensorDecision
+from lynx_compile.recompute_plan import BlockSummary, RecomputePlan, TensorDecision
 from lynx_compile.step.model import USER, GraphChoices
 
 log = logging.getLogger("lynx_compile")

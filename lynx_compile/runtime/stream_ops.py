@@ -11,7 +11,7 @@ graph with them, so the dump of the graph shows what runs where::
     first main-stream use of segment k's outputs
 
 The ops themselves do nothing: they take no part in the values computed (no outputs, no
-mutation). ``SideStreamRunner`` (``runtime/side_stream.py``) reads them to cut the graph into
+mutation). ``SideStreamRunner`` (``runtime/side_stream_runner.py``) reads them to cut the graph into
 pieces and launches the pieces on CUDA streams. Anywhere else (CPU, or a graph run as it is) they
 are no-ops, and the graph runs inline in its order. They are registered as side-effectful so
 dead-code elimination keeps them.

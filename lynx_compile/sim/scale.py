@@ -1,7 +1,7 @@
 """One paper-scale training configuration under one recompute strategy, simulated.
 
 ``evaluate(profile, strategy, cluster, layout) -> Outcome``: picks each stage's per-layer
-recompute decision from the profile's points (``sim/profile.py``) under the device memory, cuts
+recompute decision from the profile's points (``sim/layer_profile.py``) under the device memory, cuts
 the layers into pipeline stages, builds a ``StepSim`` and replays it (``sim/step.py``).
 
 Strategies (``STRATEGIES``):
@@ -36,7 +36,7 @@ from typing import Any
 
 from lynx_compile.costs.comm import LINKS, collective_time
 
-from .profile import LayerPoint, LayerProfile
+from .layer_profile import LayerPoint, LayerProfile
 from .step import LayerSim, StageSim, StepResult, StepSim, simulate_iteration
 
 STRATEGIES = ("none", "full", "selective", "uniform", "torch", "checkmate", "lynx-heu", "lynx-opt",

@@ -295,7 +295,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                          f"{cluster.name}; choose --tp and --pp whose product divides {cluster.devices}")
     layout = Layout(tp=args.tp, pp=args.pp, dp=cluster.devices // devices, microbatch=args.microbatch,
                     global_batch=args.global_batch, fsdp=args.fsdp)
-    from lynx_compile.sim.profile import profile_layer
+    from lynx_compile.sim.layer_profile import profile_layer
 
     _say(f"profiling {args.model} (tp={args.tp}, micro-batch {args.microbatch}) on {cluster.hardware} ...")
     warnings.filterwarnings("ignore", message=".*autograd kernel was not registered.*")
