@@ -64,10 +64,6 @@ class LynxConfig:
     ``device_budget`` that is reachable. The plan records both (``resident_bytes``,
     ``device_budget_bytes``)."""
 
-    _resident: tuple[int, str] | None = field(default=None, repr=False)
-    """Not an option: (bytes, what they are) resident at the step's start, set per compiled
-    graph by :meth:`with_resident` when ``device_budget`` is given."""
-
     solver: Solver = "auto"
     """Optimizer for ``policy="lynx"``: ``glpk`` / ``highs`` solve the MILP (Lynx-OPT), ``heu``
     runs the block heuristic (Lynx-HEU), ``auto`` picks HiGHS when installed, else GLPK, else
@@ -214,21 +210,9 @@ class LynxConfig:
     @property
     def budget(self) -> Budget | None:
         """``memory_budget`` and ``device_budget`` as the one ``Budget`` value every check uses
-        (None: no budget); a device budget carries the resident bytes once :meth:`with_resident`
-        has set them."""
-        budget = Budget.of(self.memory_budget, self.device_budget)
-        if budget is not None and self._resident is not None:
-            budget = budget.with_resident(*self._resident)
-        return budget
-
-    def with_resident(self, nbytes: int, source: str) -> "LynxConfig":
-        """This config for one compiled graph once the bytes resident at the step's start are
-        known (``source``: what they are, how they were read). Unchanged without
-        ``device_budget``; a ``BudgetError`` when they alone fill it."""
-        if self.device_budget is None:
-            return self
-        Budget.of(None, self.device_budget).with_resident(nbytes, source)  # raises when nothing is left
-        return dataclasses.replace(self, _resident=(int(nbytes), source))
+        (None: no budget). A device budget's resident bytes are the compiled graph's, not an
+        option: ``GraphRecord.resident``, and ``PassContext.budget`` the budget with them."""
+        return Budget.of(self.memory_budget, self.device_budget)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -87,10 +87,14 @@ class _VariantsBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: list, **_: Any):
         from lynx_compile.caches.source_digest import lynx_source_digest
         from lynx_compile.memory import grad_in_graph
+        from lynx_compile.memory.resident import resident_bytes
 
-        # where each config puts the parameter gradients, as its own LynxBackend decides
+        # where each config puts the parameter gradients, and what a device budget holds
+        # besides the step, as its own LynxBackend decides
         records = [GraphRecord(graph_id=next(_graph_ids), policy=c.policy,
-                               grads_in_graph=grad_in_graph.decide(c, example_inputs, switchable=runs_as_pieces(c)))
+                               grads_in_graph=grad_in_graph.decide(c, example_inputs, switchable=runs_as_pieces(c)),
+                               resident=(resident_bytes(example_inputs, plan_only=True)
+                                         if c.device_budget is not None else None))
                    for c in self.configs]
         for mine, record in zip(self.records, records):
             mine.append(record)

@@ -11,7 +11,7 @@ graph it compiles after its own post-grad passes, for lynx's own placements
 from .alias_clones import alias_clones_pass
 from .annotate_costs import annotate_costs_pass
 from .apply_decisions import apply_decisions_pass
-from .context import GraphRecord, PassContext
+from .context import GraphRecord, PassContext, graph_budget
 from .find_blocks import find_blocks_pass
 from .fuse_recompute import fuse_recompute_pass
 from .insert_recompute import insert_recompute_pass
@@ -46,7 +46,7 @@ def check_pass_names(names: tuple[str, ...]) -> None:
 
 
 __all__ = ["check_pass_names", "PREPARE_PIPELINE", "JOINT_PIPELINE", "APPLY_PIPELINE", "FORWARD_PIPELINE",
-           "BACKWARD_PIPELINE", "POST_GRAD_PIPELINE", "GraphRecord", "PassContext", "run_passes",
+           "BACKWARD_PIPELINE", "POST_GRAD_PIPELINE", "GraphRecord", "PassContext", "graph_budget", "run_passes",
            "annotate_costs_pass", "find_blocks_pass", "apply_decisions_pass", "mark_recomputed_pass",
            "insert_recompute_pass", "fuse_recompute_pass", "offload_forward_pass", "offload_backward_pass",
            "side_stream_pass", "alias_clones_pass", "split_late_addmm_pass", "split_shared_pointwise_pass",

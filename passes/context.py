@@ -10,6 +10,7 @@ from lynx_compile.recompute_plan import RecomputePlan
 from lynx_compile.step.model import GraphChoices
 
 if TYPE_CHECKING:  # the config module checks pass names against this package
+    from lynx_compile.budget import Budget
     from lynx_compile.config import LynxConfig
 
     from .user_tags import UserTags
@@ -56,6 +57,11 @@ class GraphRecord:
     """An input is an activation with gradients (not a parameter): the graph is a piece of a
     model compiled in pieces and is planned as one (``partition.lynx_partition``); set only
     where the backend plans pieces together (``step.recorder``)."""
+    resident: tuple[int, str] | None = None
+    """(bytes, what they are) allocated on the device as this graph's step starts (parameters,
+    buffers, optimizer state, the batch: ``memory.resident``), read when it compiles, where
+    ``device_budget`` is given: the budget of its plan is ``device_budget`` less these
+    (:func:`graph_budget`)."""
     fsdp: tuple[int, int, int] | None = None
     """FSDP2's collectives around this graph's backward (``distributed.fsdp.FsdpComm``), when
     its parameters are ``fully_shard``-ed over several ranks."""
@@ -148,6 +154,7 @@ class GraphRecord:
         data["saved_names"] = tuple(data.get("saved_names", ()))
         data["saved_symbols"] = tuple(data.get("saved_symbols", ()))
         data["fsdp"] = tuple(data["fsdp"]) if data.get("fsdp") else None
+        data["resident"] = tuple(data["resident"]) if data.get("resident") else None
         seg = data.get("segment_costs")
         if isinstance(seg, dict) and isinstance(seg.get("blocks"), dict):  # JSON made the block indices text
             data["segment_costs"] = {**seg, "blocks": {int(k): v for k, v in seg["blocks"].items()}}
@@ -175,6 +182,20 @@ class PassContext:
     region_check: Any = None
     """Regions of the model with their own budget (``lynx_compile.recompute.regions.RegionCheck``,
     bound to the no-recompute partition); None: none annotated, or a policy other than lynx."""
+
+    @property
+    def budget(self) -> "Budget | None":
+        """This graph's budget: :func:`graph_budget`."""
+        return graph_budget(self.config, self.record)
+
+
+def graph_budget(config: "LynxConfig", record: GraphRecord) -> "Budget | None":
+    """The budget the options give (``config.budget``) for the graph of ``record``: a device
+    budget with the bytes resident as the graph's step starts (``record.resident``)."""
+    budget = config.budget
+    if budget is not None and record.resident is not None and budget.device_nbytes is not None:
+        budget = budget.with_resident(*record.resident)
+    return budget
 
 
 class TakeOnce:

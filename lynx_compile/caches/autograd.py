@@ -55,6 +55,7 @@ def cache_key(gm: fx.GraphModule, example_inputs: list, config: LynxConfig, reco
                                 "step_choice": None if record.step_choice is None else str(record.step_choice),
                                 "provisional": record.provisional, "new_grad_bytes": record.new_grad_bytes,
                                 "fsdp": list(record.fsdp) if record.fsdp is not None else None,
+                                "resident": list(record.resident) if record.resident is not None else None,
                                 "grads_in_graph": list(record.grads_in_graph or ()),
                                 "unbacked_sizes": sorted((record.unbacked_sizes or {}).items())})
 

@@ -30,7 +30,7 @@ from lynx_compile.decisions import BudgetError, CandidateKey
 from lynx_compile.errors import LynxOptionError, shown_as_raised, without_tracebacks
 from lynx_compile.memory import optimizer_state
 from lynx_compile.memory.resident import resident_bytes
-from lynx_compile.passes import GraphRecord, check_pass_names
+from lynx_compile.passes import GraphRecord, check_pass_names, graph_budget
 
 log = logging.getLogger("lynx_compile")
 _graph_ids = itertools.count()
@@ -240,19 +240,18 @@ class LynxBackend:
     def _compile(self, gm: fx.GraphModule, example_inputs: list, record: GraphRecord) -> Callable:
         config = self.config
         if config.device_budget is not None:  # what is on the device as this graph's step starts
-            config = config.with_resident(*resident_bytes(example_inputs, plan_only=self.plan_only))
+            record.resident = resident_bytes(example_inputs, plan_only=self.plan_only)
+            graph_budget(config, record)  # (a BudgetError when they alone fill device_budget)
         on_meta = any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in example_inputs)
-        if self.config.compiler == "inductor" and not on_meta:
+        if config.compiler == "inductor" and not on_meta:
             # (Meta-device models — paper-scale planning — take the aot_autograd path below: the
             # same min-cut base, without Inductor's joint passes, which reject meta tensors.)
-            return self._compile_inductor(gm, example_inputs, record, config)
+            return self._compile_inductor(gm, example_inputs, record)
         return self.eager(gm, example_inputs, record, config, self.planning_group, self.weight_deferrals)
 
-    def _compile_inductor(self, gm: fx.GraphModule, example_inputs: list, record: GraphRecord,
-                          config: LynxConfig) -> Callable:
+    def _compile_inductor(self, gm: fx.GraphModule, example_inputs: list, record: GraphRecord) -> Callable:
         """Inductor's pipeline with lynx's partition (``lynx_compile.compiler.inductor_partition``); Inductor's own
-        estimate of the compiled step's peak goes on the plan once the backward is compiled.
-        ``config``: this graph's (``self.config`` with its resident bytes)."""
+        estimate of the compiled step's peak goes on the plan once the backward is compiled."""
         from lynx_compile.distributed.agreement import planning_group
         from lynx_compile.compiler.inductor_partition import (BufferReuse, CompiledPeak, LynxPartitioner, LynxPostGrad,
                                                               WeightSplitCompile)
@@ -260,10 +259,11 @@ class LynxBackend:
         # policy lynx with no budget (and no plan file) keeps torch.compile's own partition: no
         # placement of lynx's to keep, so Inductor runs as in torch.compile (bit for bit: its
         # addmm of a tied weight's two gradients is not split, qwen3's tied embedding)
-        own_placement = self.config.policy not in ("none", "torch") and not (
-            self.config.policy == "lynx" and config.budget is None and not config.plan)
+        config = self.config
+        own_placement = config.policy not in ("none", "torch") and not (
+            config.policy == "lynx" and config.budget is None and not config.plan)
         split = None
-        if self.config.weight_split and not self.plan_only:
+        if config.weight_split and not self.plan_only:
             from lynx_compile.runtime.weight_split import WeightDeferral
 
             deferral = WeightDeferral([t if isinstance(t, torch.nn.Parameter) else None for t in example_inputs])

@@ -1,5 +1,5 @@
 """What is on the device as a compiled graph's step starts: the bytes ``device_budget`` holds
-besides the step's peak (``LynxConfig.with_resident``)."""
+besides the step's peak (``GraphRecord.resident``, ``passes.graph_budget``)."""
 from __future__ import annotations
 
 import torch

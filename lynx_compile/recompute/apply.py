@@ -105,7 +105,8 @@ def scratch_context(ctx: PassContext, policy: str, label: str) -> PassContext:
     return dataclasses.replace(
         ctx, config=dataclasses.replace(ctx.config, policy=policy, dump_dir=None),
         record=GraphRecord(graph_id=r.graph_id, policy=label, blocks=r.blocks, block_hashes=r.block_hashes,
-                           reference_peak_bytes=r.reference_peak_bytes, problem=r.problem, unit_index=r.unit_index))
+                           reference_peak_bytes=r.reference_peak_bytes, problem=r.problem, unit_index=r.unit_index,
+                           resident=r.resident))
 
 
 def realize(joint: fx.GraphModule, ctx: PassContext, decisions: Decisions, kw: dict, *,

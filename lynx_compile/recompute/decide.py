@@ -108,7 +108,6 @@ def decide_piece(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: int 
 
 def _plan_piece(joint, ctx: PassContext, kw: dict, budget: int | None, reference_saved: int, frac: float):
     """:func:`decide_piece`'s candidates weighed, the provisional choice made."""
-    cfg = ctx.config
     scored, own = [], None
     regions = ctx.region_check
     if (budget is not None or regions is not None) and ctx.record.reference_peak_bytes:
@@ -184,7 +183,7 @@ def _plan_piece(joint, ctx: PassContext, kw: dict, budget: int | None, reference
     else:
         name, cost, applied = min(scored, key=lambda c: (c[2].mem.saved_bytes, c[1]))
         msg = (f"graph {ctx.record.graph_id} is one block or a piece of a model (no module-list children; "
-               f"a graph break or a per-block compile), where {cfg.budget.given()} bounds the "
+               f"a graph break or a per-block compile), where {ctx.budget.given()} bounds the "
                f"bytes it saves for its backward ({budget} B of {reference_saved} B); no plan saves that "
                f"little (least: '{name}', {applied.mem.saved_bytes} B), so that one is used. If this graph "
                "should not be separate, TORCH_LOGS=graph_breaks shows why dynamo split the model.")
@@ -313,9 +312,9 @@ def smallest_reachable(joint, ctx: PassContext, kw: dict, reference_peak: int) -
     return best, peaks[best]
 
 
-def budget_error(config, reference_peak, smallest, predicted) -> BudgetError:
-    """The refusal of a baseline policy's plan above the budget (``lynx_compile.budget``);
+def budget_error(ctx: PassContext, reference_peak, smallest, predicted) -> BudgetError:
+    """The refusal of a baseline policy's plan above the graph's budget (``lynx_compile.budget``);
     ``smallest``: (policy, peak) of :func:`smallest_reachable`."""
     policy, peak = smallest
-    have = f"policy {config.policy!r} predicts a peak of {predicted} B; " if predicted is not None else ""
-    return refuse(config.budget, reference_peak, peak, f"{have}the lowest peak is reached with policy {policy!r}")
+    have = f"policy {ctx.config.policy!r} predicts a peak of {predicted} B; " if predicted is not None else ""
+    return refuse(ctx.budget, reference_peak, peak, f"{have}the lowest peak is reached with policy {policy!r}")

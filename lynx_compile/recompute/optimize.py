@@ -127,12 +127,12 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, base_fw: fx.GraphModule, 
             except InfeasibleBudget as e:
                 if applied is not None:  # a re-solve round, not the budget itself
                     raise budget_error(
-                        cfg.budget, problem.reference_peak,
+                        ctx.budget, problem.reference_peak,
                         max(applied.mem.peak_bytes, e.smallest),
                         f"at the edge of what can be reached: the smallest reachable peak in the "
                         f"optimizer's model is {e.smallest} B, and the plan solved for this budget peaked "
                         f"at {applied.mem.peak_bytes} B when the rewritten graphs were simulated exactly") from e
-                raise _infeasible(cfg, e, problem) from e
+                raise _infeasible(ctx, e, problem) from e
             decisions, solver, status, exposed = unit_decisions(problem, index, sol), sol.solver, sol.status, sol.exposed_s
             kept = frozenset(sol.keep)
             solve_s += sol.solve_s
@@ -157,7 +157,7 @@ def plan_lynx(joint: fx.GraphModule, ctx: PassContext, base_fw: fx.GraphModule, 
         target = min(target, model_peak) - max(peak - budget, budget // 200)
         decisions = None
     else:
-        raise budget_error(cfg.budget, problem.reference_peak, applied.mem.peak_bytes,
+        raise budget_error(ctx.budget, problem.reference_peak, applied.mem.peak_bytes,
                            f"after {MAX_ROUNDS} rounds the best plan still peaks at {applied.mem.peak_bytes} B")
     source = decisions.source
     if source == "solver" and cfg.plan_cache:
@@ -229,8 +229,8 @@ SMALLEST = CandidateKey("lynx", smallest=True)
 """The candidate name of :func:`plan_smallest`'s plan."""
 
 
-def _infeasible(cfg: LynxConfig, e: InfeasibleBudget, problem: RematProblem) -> BudgetError:
-    return budget_error(cfg.budget, problem.reference_peak, e.smallest,
+def _infeasible(ctx: PassContext, e: InfeasibleBudget, problem: RematProblem) -> BudgetError:
+    return budget_error(ctx.budget, problem.reference_peak, e.smallest,
                         "below what can be reached in the optimizer's model")
 
 

@@ -22,7 +22,7 @@ from lynx_compile.recompute import regions as region_budgets
 from lynx_compile.recompute import seeds
 from lynx_compile.recompute.apply import Applied, realize, scratch_context, untagged_partition
 from lynx_compile.budget import budget_error as refuse
-from lynx_compile.budget import format_bytes
+from lynx_compile.budget import Budget, format_bytes
 from lynx_compile.config import LynxConfig
 from lynx_compile.recompute.decide import budget_error, decide, decide_piece, incoming_bytes, smallest_reachable, step_candidate
 from lynx_compile.decisions import BudgetError, CandidateKey, Decisions
@@ -41,24 +41,24 @@ log = logging.getLogger("lynx_compile")
 __all__ = ["BudgetError", "lynx_partition", "build_plan", "segment_costs"]
 
 
-def _budget_bytes(config: LynxConfig, reference_peak: int) -> int | None:
-    return None if config.budget is None else config.budget.bytes_of(reference_peak)
+def _budget_bytes(budget: Budget | None, reference_peak: int) -> int | None:
+    return None if budget is None else budget.bytes_of(reference_peak)
 
 
 _warned_loose: set[str] = set()
 
 
-def _warn_loose_budget(config: LynxConfig, reference_peak: int) -> None:
+def _warn_loose_budget(budget: Budget, reference_peak: int) -> None:
     """A ``memory_budget`` in bytes at or above a whole graph's no-recompute peak constrains
     nothing: said once per budget (a size typed for another model, a unit slip: '48MB' for
     '48KB'). Not a ``device_budget``: "the device's memory" is meant to hold a step that fits."""
-    given = config.budget.given()
+    given = budget.given()
     if given in _warned_loose:
         return
     _warned_loose.add(given)
     log.warning("lynx: %s (%d B) is at or above this graph's no-recompute peak (%s, %d B): it constrains "
                 "nothing (a fraction such as memory_budget=0.7 is relative to that peak)",
-                given, config.budget.nbytes, format_bytes(reference_peak), reference_peak)
+                given, budget.nbytes, format_bytes(reference_peak), reference_peak)
 
 
 def lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
@@ -125,13 +125,13 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
         record.notes.append(f"{user.describe()}: replaced by policy {config.policy!r}, applied as named "
                             "(policy 'lynx', the default, keeps them)")
     if piece:  # one block or a piece of a model: what adds up across graphs is what each saves
-        budget = _budget_bytes(config, reference.saved_bytes)
+        budget = _budget_bytes(ctx.budget, reference.saved_bytes)
     else:
-        budget = _budget_bytes(config, reference.peak_bytes)
+        budget = _budget_bytes(ctx.budget, reference.peak_bytes)
         if record.step_choice is not None and record.step_choice.plan_within is not None:
             budget = record.step_choice.plan_within  # the step's plan: a tighter peak (step.recorder)
-        elif config.budget is not None and (config.budget.nbytes or 0) >= reference.peak_bytes:
-            _warn_loose_budget(config, reference.peak_bytes)
+        elif ctx.budget is not None and (ctx.budget.nbytes or 0) >= reference.peak_bytes:
+            _warn_loose_budget(ctx.budget, reference.peak_bytes)
     if ctx.user_tags is not None and budget is None and record.step_choice is None and region_check is None:
         # no budget: the user's checkpointing, partitioned as torch.compile partitions it, is the plan
         applied, outcome = _users_partition(joint, ctx, kw, scratch=False), None
@@ -200,7 +200,7 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
             record.stats["plan_fingerprint"] = check_plan_agreement(record.plan, record.graph_id, positions=positions)
 
     if budget is not None and piece and mem.saved_bytes > budget and config.policy != "lynx":
-        raise refuse(config.budget, reference.saved_bytes, None,
+        raise refuse(ctx.budget, reference.saved_bytes, None,
                      f"this graph is one block or a piece of a model, where the budget applies to the "
                      f"activations it saves ({budget} B of {reference.saved_bytes} B); policy {config.policy!r} "
                      f"saves {mem.saved_bytes} B. Use policy 'lynx' (it picks the cheapest plan that fits) "
@@ -214,13 +214,13 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
             log.warning("lynx: %s", msg)
             record.notes.append(msg)
         elif config.policy == "lynx":  # only a plan from a file can get here
-            raise refuse(config.budget, reference.peak_bytes, None,
+            raise refuse(ctx.budget, reference.peak_bytes, None,
                          f"the plan in {config.plan!r} peaks at {mem.peak_bytes} B, above the budget; "
                          f"re-plan with `lynx plan --policy lynx {_budget_flags(config)} "
                          f"--out {config.plan}`")
         else:
             smallest = smallest_reachable(joint, ctx, kw, reference.peak_bytes)
-            raise budget_error(config, reference.peak_bytes, smallest, mem.peak_bytes)
+            raise budget_error(ctx, reference.peak_bytes, smallest, mem.peak_bytes)
     _log_plan(record)
     return fw, bw
 
@@ -328,7 +328,7 @@ def build_plan(policy: str, joint: fx.GraphModule, applied: Applied, ctx: PassCo
         forward_peak_bytes=mem.forward_peak_bytes, backward_peak_bytes=mem.backward_peak_bytes,
         peak_at=mem.peak_at, recompute_s=recompute_s,
         reference_peak_bytes=ctx.record.reference_peak_bytes or 0, budget_bytes=budget, budget_scope=budget_scope,
-        **_device_budget_fields(ctx.config),
+        **_device_budget_fields(ctx.budget),
         notes=tuple(ctx.record.notes), decisions=applied.decisions,
         solver=outcome.solver if outcome else "", solver_status=outcome.status if outcome else "",
         # a policy's own plan: its on-demand recompute as candidates are priced (by kernel under Inductor)
@@ -339,9 +339,8 @@ def build_plan(policy: str, joint: fx.GraphModule, applied: Applied, ctx: PassCo
         block_ops=_block_ops(joint, ctx, applied.decisions) if outcome else {})
 
 
-def _device_budget_fields(config: LynxConfig) -> dict:
+def _device_budget_fields(budget: Budget | None) -> dict:
     """The plan's ``device_budget_bytes`` / ``resident_bytes`` / ``resident_source``."""
-    budget = config.budget
     if budget is None or budget.device_nbytes is None:
         return {}
     return dict(device_budget_bytes=budget.device_nbytes, resident_bytes=budget.resident,

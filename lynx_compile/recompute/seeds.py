@@ -345,7 +345,7 @@ def _refusal(ctx: PassContext, reference_peak: int, floor: dict[CandidateKey, Ap
     candidates of every budget the optimizer does not reach, which every such budget tries
     again); without any, the optimizer's own smallest (``failure``'s)."""
     if not floor:
-        return refuse(ctx.config.budget, reference_peak, getattr(failure, "smallest_bytes", None),
+        return refuse(ctx.budget, reference_peak, getattr(failure, "smallest_bytes", None),
                       f"no plan reaches it. lynx's optimizer: {getattr(failure, 'why', failure)}")
     name = min(floor, key=lambda n: floor[n].mem.peak_bytes)  # of equal peaks, the first tried
     low = floor[name].mem
@@ -358,7 +358,7 @@ def _refusal(ctx: PassContext, reference_peak: int, floor: dict[CandidateKey, Ap
     if ctx.user_tags is not None and ctx.user_tags.must_save:
         why += (f"; the {len(ctx.user_tags.must_save)} values the model's selective checkpointing policy marks "
                 "MUST_SAVE are saved in every plan (mark them PREFER_SAVE to let lynx recompute them)")
-    return refuse(ctx.config.budget, reference_peak, low.peak_bytes, why)
+    return refuse(ctx.budget, reference_peak, low.peak_bytes, why)
 
 
 def baseline_candidates(joint: fx.GraphModule, ctx: PassContext, kw: dict, policies: tuple[str, ...],
