@@ -53,9 +53,9 @@ def test_each_microbatch_runs_its_variant_and_gradients_equal_eager(compiler):
     assert all(p.grad is None for p in model.parameters())
     # only the variant that ran a micro-batch holds its weight gradients
     for j, v in ((0, 1), (1, 0), (2, 1)):
-        held = [j in d.pending for b in backend.backends for d in b.weight_deferrals]
+        held = [j in d.pending for b in backend.backends for d in b.runtimes.weight_deferrals]
         assert held == [v == 0, v == 1], (j, held)
-        assert backend.run_weights(j) == 1
+        assert backend.runtimes.run_weights(j) == 1
     assert _worst(model, ref) < 1e-5
 
 

@@ -80,16 +80,16 @@ def _runtime_carry(stage, x):
         out = stage(x)
     with microbatch(1), defer_weights(1):
         out.backward(torch.randn_like(out))
-    held = sum(d.pending_bytes(1) for d in backend.weight_deferrals if 1 in d.pending)
+    held = sum(d.pending_bytes(1) for d in backend.runtimes.weight_deferrals if 1 in d.pending)
     params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
     carried = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-               for d in backend.weight_deferrals for t in d.pending.get(1, (0, 0, []))[2]}
+               for d in backend.runtimes.weight_deferrals for t in d.pending.get(1, (0, 0, []))[2]}
     saved = {t.untyped_storage().data_ptr() for t in kept}
     carried_saved = sum(n for ptr, n in carried.items() if ptr in saved and ptr not in params)
     # layer norm's backward (dx, dgamma, dbeta) runs in B; W gets dgamma and dbeta, not the tuple
-    assert all(isinstance(t, torch.Tensor) for d in backend.weight_deferrals for t in d.pending.get(1, (0, 0, []))[2])
+    assert all(isinstance(t, torch.Tensor) for d in backend.runtimes.weight_deferrals for t in d.pending.get(1, (0, 0, []))[2])
     assert all(p.grad is None for p in stage.parameters())  # W has not run: the carry is what is held
-    assert backend.run_weights(1) >= 1
+    assert backend.runtimes.run_weights(1) >= 1
     torch.compiler.reset()
     return held, backend.plans[-1].saved_bytes, carried_saved
 

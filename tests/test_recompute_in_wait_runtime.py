@@ -65,10 +65,10 @@ def test_saved_tensors_die_at_their_microbatch_backward(policy):
     for p in params:
         p.grad = None
     # policy full: the backward has a recompute prefix, run early for every micro-batch
-    early = backend.run_early if policy == "full" else None
+    early = backend.runtimes.run_early if policy == "full" else None
     left = _left_allocated(lambda: _microbatches(compiled, xs, early), params)
-    assert [rt.split is not None for rt in backend.runtimes] == [policy == "full"]
+    assert [rt.split is not None for rt in backend.runtimes.prefetch] == [policy == "full"]
     if policy == "full":
-        assert backend.runtimes[0].early_runs == MICRO
+        assert backend.runtimes.prefetch[0].early_runs == MICRO
     # before the fix, policy none left every micro-batch's saved tensors allocated (~1.5 MiB here)
     assert left == eager, (left, eager)

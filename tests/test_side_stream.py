@@ -40,7 +40,7 @@ def test_side_stream_keeps_loss_and_gradients_equal_to_eager(policy, options):
     torch.testing.assert_close(loss, want)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5, msg=name)
-    runner = backend.side_stream_runners[0]
+    runner = backend.runtimes.side_stream_runners[0]
     decided = backend.records[0].stats["side_stream"]
     assert runner.num_segments == decided["segments"] > 0
     if policy == "full":  # one recompute segment per block
@@ -54,7 +54,7 @@ def test_side_stream_keeps_loss_and_gradients_equal_to_eager(policy, options):
 
 def test_side_pieces_hold_only_recompute_and_launch_one_segment_ahead():
     *_, backend = _compile_and_step("full", side_stream=True, side_stream_extra_bytes=1 << 30)
-    runner = backend.side_stream_runners[0]
+    runner = backend.runtimes.side_stream_runners[0]
     for step in runner.steps:
         if step.kind == "side":
             ops = [n for n in step.piece.graph.nodes if n.op == "call_function"]
@@ -168,6 +168,6 @@ def test_cuda_side_stream_gradients_equal_eager():
     ref(idx).loss.backward()
     from lynx_compile.runtime.side_stream_runner import CudaStreams
 
-    assert isinstance(backend.side_stream_runners[0].streams, CudaStreams)
+    assert isinstance(backend.runtimes.side_stream_runners[0].streams, CudaStreams)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4)

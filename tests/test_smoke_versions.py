@@ -90,7 +90,7 @@ def test_weight_split_under_inductor_matches_eager(reference):
     with defer_weights(0):
         loss = compiled(x).loss
         loss.backward()
-    assert backend.run_weights(0) == 1
+    assert backend.runtimes.run_weights(0) == 1
     grads = {n.removeprefix("_orig_mod."): p.grad for n, p in compiled.named_parameters()}
     assert _rel(loss.detach(), ref_loss) <= 1e-5
     for name, ref in ref_grads.items():

@@ -37,8 +37,8 @@ def test_deferred_weight_gradients_equal_eager(options):
         loss.backward()
     assert torch.allclose(h.grad, h_ref.grad, rtol=1e-5, atol=1e-7)
     assert all(p.grad is None for p in block.parameters())
-    assert backend.run_weights(3) == 1  # W
-    assert backend.run_weights(3) == 0  # once
+    assert backend.runtimes.run_weights(3) == 1  # W
+    assert backend.runtimes.run_weights(3) == 0  # once
     for p, r in zip(block.parameters(), ref.parameters()):
         assert torch.allclose(p.grad, r.grad, rtol=1e-5, atol=1e-7)
 
@@ -67,4 +67,4 @@ def test_without_defer_the_backward_is_whole():
     backend = lynx_compile.LynxBackend(lynx_compile.make_config({"compiler": "eager", "policy": "full"}))
     torch.compile(block, backend=backend)(h).square().mean().backward()
     assert all(p.grad is not None for p in block.parameters())
-    assert backend.run_weights(0) == 0
+    assert backend.runtimes.run_weights(0) == 0

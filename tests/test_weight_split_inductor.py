@@ -39,9 +39,9 @@ def test_deferred_weight_gradients_equal_eager_under_inductor(name, options):
         compiled(x).loss.backward()
     # B ran: every parameter's gradient is a weight gradient, so none is there yet
     assert all(p.grad is None for p in model.parameters())
-    deferral = next(d for d in backend.weight_deferrals if "mb0" in d.pending)
+    deferral = next(d for d in backend.runtimes.weight_deferrals if "mb0" in d.pending)
     assert deferral.pending_bytes("mb0") > 0
-    assert backend.run_weights("mb0") == 1 and not deferral.pending
+    assert backend.runtimes.run_weights("mb0") == 1 and not deferral.pending
     assert _worst(model, ref) < 1e-5
 
     # outside defer_weights the same compiled pieces run B, then W at once

@@ -31,6 +31,7 @@ from lynx_compile.errors import LynxOptionError, shown_as_raised, without_traceb
 from lynx_compile.memory import optimizer_state
 from lynx_compile.memory.resident import resident_bytes
 from lynx_compile.passes import GraphRecord, check_pass_names, graph_budget
+from lynx_compile.runtime.step_runtimes import StepRuntimes
 
 log = logging.getLogger("lynx_compile")
 _graph_ids = itertools.count()
@@ -76,8 +77,10 @@ class LynxBackend:
         self.config = config
         self.plan_only = plan_only
         self.records: list[GraphRecord] = []
-        self.eager = EagerCompile(config, plan_only=plan_only)  # compiler="eager" (and meta-device models)
-        self.weight_deferrals: list = []  # WeightDeferral per graph (eager without side stream; inductor with weight_split)
+        self.runtimes = StepRuntimes()
+        """What the compiled graphs run with besides their code (prefetch, side-stream runners,
+        weight deferrals), for the caller that drives micro-batches (``runtime.step_runtimes``)."""
+        self.eager = EagerCompile(config, self.runtimes, plan_only=plan_only)  # compiler="eager" (and meta-device models)
         from lynx_compile.distributed.agreement import WORLD
 
         self.planning_group = WORLD
@@ -247,7 +250,7 @@ class LynxBackend:
             # (Meta-device models — paper-scale planning — take the aot_autograd path below: the
             # same min-cut base, without Inductor's joint passes, which reject meta tensors.)
             return self._compile_inductor(gm, example_inputs, record)
-        return self.eager(gm, example_inputs, record, config, self.planning_group, self.weight_deferrals)
+        return self.eager(gm, example_inputs, record, self.planning_group)
 
     def _compile_inductor(self, gm: fx.GraphModule, example_inputs: list, record: GraphRecord) -> Callable:
         """Inductor's pipeline with lynx's partition (``lynx_compile.compiler.inductor_partition``); Inductor's own
@@ -267,7 +270,7 @@ class LynxBackend:
             from lynx_compile.runtime.weight_split import WeightDeferral
 
             deferral = WeightDeferral([t if isinstance(t, torch.nn.Parameter) else None for t in example_inputs])
-            self.weight_deferrals.append(deferral)
+            self.runtimes.weight_deferrals.append(deferral)
             split = WeightSplitCompile(deferral)
         # Inductor's estimate reads the forward and one backward; B and W are two graphs
         peak = None if self.plan_only or split is not None else CompiledPeak(record=record)
@@ -294,25 +297,6 @@ class LynxBackend:
                     return compiled
         return compiled
 
-    def run_early(self, key: Any) -> int:
-        """Run the recompute prefix of micro-batch ``key``'s backward in every graph now (see
-        ``lynx_compile.runtime.prefetch``); returns how many graphs ran one."""
-        return self.eager.run_early(key)
-
-    @property
-    def runtimes(self) -> list:
-        """``GraphRuntime`` per graph when ``config.recompute_in_wait`` (the eager compiler)."""
-        return self.eager.runtimes
-
-    @property
-    def side_stream_runners(self) -> list:
-        """``SideStreamRunner`` per backward when ``config.side_stream`` (the eager compiler)."""
-        return self.eager.side_stream_runners
-
-    def run_weights(self, key: Any) -> int:
-        """Run the weight gradients that micro-batch ``key``'s backward deferred (inside
-        ``runtime.weight_split.defer_weights(key)``) in every graph now; returns how many ran."""
-        return sum(d.run_weights(key) for d in self.weight_deferrals)
 
 
 # device_budget counts the optimizer state off CUDA (created by the first optimizer.step(), after

@@ -24,24 +24,22 @@ from lynx_compile.config import LynxConfig
 from lynx_compile.errors import PlanningDone
 from lynx_compile.passes import GraphRecord
 from lynx_compile.recompute.partition import lynx_partition
+from lynx_compile.runtime.step_runtimes import StepRuntimes
 
 
 class EagerCompile:
     """The eager compiler's path for one backend: ``config`` (the backend's options: side stream,
-    recompute in wait, tracing), ``plan_only`` (stop once the plan is made). ``runtimes`` and
-    ``side_stream_runners`` hold what each compiled graph runs with."""
+    recompute in wait, tracing), ``runtimes`` (the backend's ``runtime.step_runtimes.StepRuntimes``:
+    what each compiled graph runs with goes there), ``plan_only`` (stop once the plan is made)."""
 
-    def __init__(self, config: LynxConfig, *, plan_only: bool = False):
+    def __init__(self, config: LynxConfig, runtimes: StepRuntimes, *, plan_only: bool = False):
         self.config = config
+        self.runtimes = runtimes
         self.plan_only = plan_only
-        self.runtimes: list = []  # GraphRuntime per graph when config.recompute_in_wait
-        self.side_stream_runners: list = []  # SideStreamRunner per backward when config.side_stream
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: list, record: GraphRecord, config: LynxConfig,
-                 group: Any, weight_deferrals: list) -> Callable:
-        """``gm`` compiled with ``config`` (this graph's: ``self.config`` with its resident bytes),
-        planned in the ranks of ``group``; a ``WeightDeferral`` it makes goes on ``weight_deferrals``."""
-        partition_fn = functools.partial(lynx_partition, config=config, record=record)
+    def __call__(self, gm: fx.GraphModule, example_inputs: list, record: GraphRecord, group: Any) -> Callable:
+        """``gm`` compiled, planned in the ranks of ``group``."""
+        partition_fn = functools.partial(lynx_partition, config=self.config, record=record)
         compiler = fw_compiler = self._compiler
         deferral = None
         if not self.config.side_stream and not self.plan_only:
@@ -50,13 +48,13 @@ class EagerCompile:
             # dynamo hands a module's parameters to the backend as graph inputs
             deferral = WeightDeferral([t if isinstance(t, torch.nn.Parameter) else None for t in example_inputs],
                                       grads_in_graph=bool(record.grads_in_graph and record.grads_in_graph.applies))
-            weight_deferrals.append(deferral)
+            self.runtimes.weight_deferrals.append(deferral)
         bw_compiler = functools.partial(self._bw_compiler, deferral=deferral)
         if self.config.recompute_in_wait and not self.plan_only:
             from lynx_compile.runtime.prefetch import GraphRuntime
 
             runtime = GraphRuntime()
-            self.runtimes.append(runtime)
+            self.runtimes.prefetch.append(runtime)
             fw_compiler = functools.partial(self._fw_compiler_early, runtime=runtime, record=record)
             bw_compiler = functools.partial(self._bw_compiler, runtime=runtime, deferral=deferral)
         from lynx_compile.distributed.agreement import planning_group
@@ -65,11 +63,6 @@ class EagerCompile:
             return _compat.aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler,
                                         inference_compiler=compiler,
                                         partition_fn=partition_fn)(gm, example_inputs)
-
-    def run_early(self, key: Any) -> int:
-        """Run the recompute prefix of micro-batch ``key``'s backward in every graph now (see
-        ``lynx_compile.runtime.prefetch``); returns how many graphs ran one."""
-        return sum(rt.run_early(key) for rt in self.runtimes)
 
     def _fw_compiler_early(self, gm: fx.GraphModule, example_inputs: list, *, runtime, record) -> Callable:
         runtime.saved_names = record.saved_names
@@ -113,7 +106,7 @@ class EagerCompile:
         cuda = [d for d in devices if d.type == "cuda"]
         streams = CudaStreams(cuda[0]) if cuda else InlineStreams()
         runner = SideStreamRunner(gm, compile_one, streams)
-        self.side_stream_runners.append(runner)
+        self.runtimes.side_stream_runners.append(runner)
         return runner
 
     def _compiler(self, gm: fx.GraphModule, example_inputs: list) -> Callable:

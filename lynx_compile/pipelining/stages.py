@@ -113,7 +113,7 @@ class LynxPipelineStage(PipelineStage):
         it can split off for :meth:`backward_weight_one_chunk`; autograd runs the rest."""
         t0 = time.perf_counter()
         if self.recompute_in_wait:
-            self.early_recomputes += self.lynx_backend.run_early(bwd_chunk_id)
+            self.early_recomputes += self.lynx_backend.runtimes.run_early(bwd_chunk_id)
         t1 = time.perf_counter()
         for work in self._pending.pop(bwd_chunk_id, ()):
             work.wait()
@@ -150,7 +150,7 @@ class LynxPipelineStage(PipelineStage):
                                "backward_one_chunk(full_backward=False) first")
         self._weight_done.remove(bwd_chunk_id)
         if self.lynx_backend is not None:
-            self.deferred_weights += self.lynx_backend.run_weights(bwd_chunk_id)
+            self.deferred_weights += self.lynx_backend.runtimes.run_weights(bwd_chunk_id)
         if last_backward:  # zero-bubble schedules flag the last backward on W
             self._wait_sends()
 

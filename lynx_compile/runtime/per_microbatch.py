@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch.fx as fx
 
 from lynx_compile.runtime.prefetch import current_microbatch
+from lynx_compile.runtime.step_runtimes import StepRuntimes
 
 
 class PerMicrobatchBackend:
@@ -92,9 +93,8 @@ class PerMicrobatchBackend:
 
         return run
 
-    def run_early(self, key: Any) -> int:
-        return sum(b.run_early(key) for b in self.backends)
-
-    def run_weights(self, key: Any) -> int:
-        return sum(b.run_weights(key) for b in self.backends)
+    @property
+    def runtimes(self) -> StepRuntimes:
+        """Every variant's runtimes as one (``runtime.step_runtimes``)."""
+        return StepRuntimes.joined(b.runtimes for b in self.backends)
 

@@ -49,6 +49,6 @@ def test_fused_recompute_on_the_side_stream_keeps_gradients_equal_to_eager():
     ref(idx).loss.backward()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, atol=2e-5, rtol=1e-4, msg=name)
-    side_ops = {str(n.target) for s in backend.side_stream_runners[0].steps if s.kind == "side"
+    side_ops = {str(n.target) for s in backend.runtimes.side_stream_runners[0].steps if s.kind == "side"
                 for n in s.piece.graph.nodes if n.op == "call_function"}
     assert "lynx.causal_softmax.default" in side_ops
