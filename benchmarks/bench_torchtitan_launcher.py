@@ -14,8 +14,8 @@ budgets each run named.
 
 Per lynx run: each step's loss against Inductor's (the tolerance: ``ERR_MULTIPLE`` times
 Inductor's largest difference from eager, as ``tests/test_torchtitan_trainer.py``), each
-rank's measured forward + backward peak per step from step 3 (the launcher's
-``step_peak_bytes_by_rank``: CPU allocator events once lynx's own record of the step is done)
+rank's measured forward + backward peak per step (the launcher's ``step_peak_bytes_by_rank``:
+on CPU the profiler's allocator events, the step lynx records read from lynx's own recording)
 against lynx's step budget (``budget_bytes`` of its plans) and against Inductor's peak on the
 same rank and step. Writes ``<out>/<stem>.md`` and ``.csv``.
 
@@ -111,7 +111,7 @@ def row_of(model: str, parallel: str, asked: float, lynx: dict, inductor: dict, 
     row.update(status="ok", steps=len(lynx["losses"]), loss_diff=worst, loss_tol=tol, losses_ok=worst <= tol,
                budget_MB=budget / 1e6 if budget else None,
                peak_MB_by_rank=" / ".join(f"{p / 1e6:.2f}" for p in peaks),
-               steps_MB_by_rank=" / ".join(",".join("-" if b is None else f"{b / 1e6:.2f}" for b in steps[2:])
+               steps_MB_by_rank=" / ".join(",".join("-" if b is None else f"{b / 1e6:.2f}" for b in steps)
                                            for steps in lynx["step_peak_bytes_by_rank"]),
                inductor_MB_by_rank=" / ".join(f"{p / 1e6:.2f}" for p in theirs),
                worst_over_budget=max(peaks) / budget if budget else None,
@@ -129,12 +129,14 @@ regions as torch.compile partitions them (the model's own checkpointing)."""
 
 TIMED_FROM_STEP = 5
 """Step times are the median of the steps from this one: lynx compiles its pieces again for the
-step's plan at step 3 (and on CPU the peak is measured from step 3 on, under the profiler)."""
+step's plan at step 3 (and on CPU every step but the one lynx records runs under the profiler that
+measures its peak)."""
 
 
 def _worst_peaks(result: dict) -> list[int]:
-    """Each rank's largest measured step peak over the steps measured (3+ on CPU)."""
-    return [max(b for b in steps[2:] if b is not None) for steps in result["step_peak_bytes_by_rank"]]
+    """Each rank's largest measured step peak over the steps measured (every step: on CPU the one
+    lynx records as lynx measured it, none where it took the step's plan from the plan cache)."""
+    return [max(b for b in steps if b is not None) for steps in result["step_peak_bytes_by_rank"]]
 
 
 def peer_row(model: str, parallel: str, name: str, result: dict, inductor: dict, eager: dict) -> dict:

@@ -156,19 +156,29 @@ EARLY = [(10, 1000, 100, 100), (20, 2000, 50, 150), (25, 1000, -100, 50), (30, 3
          (35, 3000, -60, 50), (45, 1000, 30, 80), (50, 2000, -50, 30), (55, 1000, -30, 0)]
 LATE = [(10, 1000, 100, 100), (20, 2000, 50, 150), (30, 3000, 60, 210), (35, 3000, -60, 50),
         (45, 1000, 30, 80), (50, 2000, -50, 30), (55, 1000, -30, 0)]
+# LATER: the worker got to it only after the mark at 40 (between t=45 and t=50, a block of 30 B
+# at 4000 allocated meanwhile); NEVER: not within the window at all.
+LATER = [(10, 1000, 100, 100), (20, 2000, 50, 150), (30, 3000, 60, 210), (35, 3000, -60, 150),
+         (45, 4000, 30, 180), (50, 2000, -50, 30), (55, 4000, -30, 0)]
+NEVER = [*LATER[:5], (50, 2000, -50, 130), (55, 4000, -30, 100)]
 
 
 def test_a_collectives_held_buffer_reads_alike_whichever_thread_frees_it():
     """Issue S items 1 and 4: held to the next mark, the copy reads live through the all-gather
-    in both runs (the later free's step: 210 B), and gone at the mark (level 50). Read as freed,
-    the early run's first segment peaks at 150 and the late one's at 210: two plans for one
+    in every run (the later free's step: 210 B), and gone at the mark (level 50), however late
+    gloo's worker frees it. Read as freed, the early run's first segment peaks at 150, the late
+    one's at 210, and the later ones carry it into the next segment: other plans for one
     command. Hand-computed."""
     from lynx_compile.step.memory_marks import segment_memory
 
     marks = [40, 70, 90]
     assert segment_memory(EARLY, marks, every_thread=True) == ([150, 80, 0], [50, 0, 0])
     assert segment_memory(LATE, marks, every_thread=True) == ([210, 80, 0], [50, 0, 0])
-    for events in (EARLY, LATE):
+    assert segment_memory(LATER, marks, every_thread=True) == ([210, 180, 0], [150, 0, 0])
+    assert segment_memory(NEVER, marks, every_thread=True) == ([210, 180, 100], [150, 100, 100])
+    # a free the worker made (LATE, LATER, NEVER) is read as the step's thread made it, in the
+    # segment it allocated the buffer in (session 42: 1 run in 24 planned otherwise, FSDP2)
+    for events in (EARLY, LATE, LATER, NEVER):
         assert segment_memory(events, marks, every_thread=True, held=HELD) == ([210, 80, 0], [50, 0, 0])
     # freed after a mark: held to the next one (live through the all-gather, gone at 70)
     assert segment_memory(EARLY, [22, 70, 90], every_thread=True, held=HELD) == ([150, 210, 0], [150, 0, 0])

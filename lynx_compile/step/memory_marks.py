@@ -98,7 +98,8 @@ def segment_memory(events: list[tuple[int, ...]], mark_times: list[int | None],
     from lynx_compile.memory.measure import live_series
 
     order = sorted((t, i) for i, t in enumerate(mark_times) if t is not None)
-    series = held_to_next_mark(events, live_series(events, every_thread), held, [t for t, _ in order])
+    series = held_to_next_mark(events, live_series(events, every_thread), held, [t for t, _ in order],
+                               every_thread)
     out: list[int | None] = [None] * len(mark_times)
     levels: list[int | None] = [None] * len(mark_times)
     live = peak = 0
@@ -114,11 +115,13 @@ def segment_memory(events: list[tuple[int, ...]], mark_times: list[int | None],
 
 
 def held_to_next_mark(events: Sequence[tuple[int, ...]], series: list[tuple[int, int, int]],
-                      held: Collection[tuple[int, int]], marks: Sequence[int]) -> list[tuple[int, int, int]]:
+                      held: Collection[tuple[int, int]], marks: Sequence[int],
+                      every_thread: bool = True) -> list[tuple[int, int, int]]:
     """``series`` (``memory.measure.live_series``: per event of ``events``, time, bytes live at it,
     bytes live after it) with each allocation in ``held`` (time, address: buffers a collective's
-    work holds, ``_compat.collective_held_allocations``) counted live from its free up to the first
-    of the sorted ``marks`` after it (not at the mark itself: the next segment starts without it).
+    work holds, ``_compat.collective_held_allocations``) counted live up to the first of the
+    sorted ``marks`` after its free as the step's own thread made it (not at the mark itself: the
+    next segment starts without it).
 
     Such a buffer is freed by whichever thread drops the work last: the step's thread after it
     waits, or the process group's worker when it gets the CPU after finishing (a free the
@@ -126,14 +129,22 @@ def held_to_next_mark(events: Sequence[tuple[int, ...]], series: list[tuple[int,
     the first event after it). Which one, and when, changes from run to run: gloo's copy of
     FSDP2's reduce-scatter input (22 MB, deepseek_v3's MoE block) was freed before the next
     block's parameters were all-gathered in one run and after them in another, and that step
-    read 16.85 MB higher (issue S items 1 and 4). Held to the next piece boundary, the step
-    reads the same in both and counts the later of the two. A buffer whose free the events do
-    not show (no total, or no drop of its size) is left as ``series`` has it; one freed after
-    the next boundary in some runs and before it in others still reads apart. A functional
-    collective's output (a compiled TP block's all-gather: the work holds it too, and gloo's
-    worker freed it in some runs, the block in others, moving llama3's backward segment by 256
-    KiB) is held like the process group's own buffers since session 40; the tensors a caller
-    makes and hands to a collective are not (``docs/budget_pieces.md``)."""
+    read 16.85 MB higher (issue S items 1 and 4). A functional collective's output (a compiled TP
+    block's all-gather: the work holds it too, and gloo's worker freed it in some runs, the block
+    in others, moving llama3's backward segment by 256 KiB) is held like the process group's own
+    buffers since session 40; the tensors a caller makes and hands to a collective are not
+    (``docs/budget_pieces.md``).
+
+    - A free the step's thread made (recorded): live to the first mark after it.
+    - A free the worker made (not recorded; ``every_thread``: read from the total's unexplained
+      drops) means the step's thread had dropped the buffer before, at a point the events do not
+      show: it is read as made in the segment the buffer was allocated in, so live to the first
+      mark after its allocation, whenever the worker got to it. In session 42 the worker freed
+      FSDP2's reduce-scatter copy (199,936 B, gpt-tiny's block) after the next backward's mark in
+      1 of 24 runs, and the step's plan came out another (1,420,168 B predicted, 1,425,544 in the
+      others): read so, the step reads the same in every run. It under-counts the worker's
+      delay (CPU only: a CUDA step is read from the caching allocator, ``AllocatorRecording``).
+    """
     if not held or not marks:
         return series
     held = set(held)
@@ -153,6 +164,7 @@ def held_to_next_mark(events: Sequence[tuple[int, ...]], series: list[tuple[int,
         elif ptr in open_:
             freed_at[open_.pop(ptr)] = k
     waiting = sorted(set(open_.values()) | unseen)  # frees not recorded: from the total's unexplained drops
+    by_worker = set(waiting) if every_thread and len(events[0]) > 3 else set()
     if waiting and len(events[0]) > 3:
         queue: list[int] = []
         for k in range(1, len(events)):
@@ -163,17 +175,35 @@ def held_to_next_mark(events: Sequence[tuple[int, ...]], series: list[tuple[int,
                 drop -= sizes[queue[0]]
                 freed_at[queue.pop(0)] = k
     out = list(series)
-    for i, k in freed_at.items():
-        at = bisect.bisect_right(marks, events[k][0])
-        until = marks[at] if at < len(marks) else None
-        j = k
-        while j < len(out) and (until is None or out[j][0] < until):
-            t, level, after = out[j]
-            last = until is not None and (j + 1 == len(out) or out[j + 1][0] >= until)
-            # live at every event up to the mark; gone at the mark (the next segment starts without it)
-            out[j] = (t, level + sizes[i], after + (0 if last else sizes[i]))
-            j += 1
+    for i in sorted(sizes.keys() & (freed_at.keys() | by_worker)):
+        k = freed_at.get(i, len(events))  # the worker's free not seen at all: after the window
+        if i in by_worker:  # read as freed in the segment it was allocated in
+            release = bisect.bisect_right(marks, events[i][0])
+            if release < len(marks) and (k == len(events) or events[k][0] >= marks[release]):
+                _count(out, range(i, k), marks[release], -sizes[i], after_mark=True)
+                continue
+        at = bisect.bisect_right(marks, events[k][0]) if k < len(events) else len(marks)
+        _count(out, range(k, len(out)), marks[at] if at < len(marks) else None, sizes[i])
     return out
+
+
+def _count(out: list[tuple[int, int, int]], span: range, mark: int | None, nbytes: int, *,
+           after_mark: bool = False) -> None:
+    """Add ``nbytes`` to the series ``out`` over ``span``: at the events before ``mark`` (all of
+    them without one), and after the last of them; or (``after_mark``) at the events from
+    ``mark`` on, and after the last event before it (the segment after ``mark`` starts with it)."""
+    for j in span:
+        t, level, after = out[j]
+        if after_mark:
+            if t >= mark:
+                out[j] = (t, level + nbytes, after + nbytes)
+            elif j + 1 == len(out) or out[j + 1][0] >= mark:
+                out[j] = (t, level, after + nbytes)
+            continue
+        if mark is not None and t >= mark:
+            break
+        last = mark is not None and (j + 1 == len(out) or out[j + 1][0] >= mark)
+        out[j] = (t, level + nbytes, after + (0 if last else nbytes))
 
 
 class AllocatorRecording:

@@ -125,6 +125,12 @@ class StepRecorder:
         self.measured_note = ""
         """The transients of the candidates that ran, where the recording measured them other
         than lynx's memory model (``StepModel.measured``), for the step's log line."""
+        self.recorded_peak_bytes: int | None = None
+        """The recorded step's peak as this process measured it, once recorded: the highest bytes
+        allocated above the step's start (the activation inputs of its first call counted) from
+        its first piece call to its backward's end. A tool measuring every step reads it for the
+        step lynx recorded, which its own profiler cannot measure (on CPU the recording is a
+        profiler: ``step.memory_marks``)."""
         self._before = 0
         """Bytes the step allocated before the recording started, added to every segment: the
         activation inputs (the embedding's output) of the call it started at, the step's module
@@ -463,6 +469,8 @@ class StepRecorder:
                                "Python's profile hook, so lynx could not see whether .grad was allocated)")
             self.mark_grads = [0] * len(self.marks)
         self._grads = None
+        seen = [p for p in peaks if p is not None]
+        self.recorded_peak_bytes = max(seen) + self._before if seen else None
         self.model, as_ran = self._model(peaks, levels)
         if not _with_choices(self.model.graphs.values()):
             # the step called whole graphs only (another model compiled whole with the same

@@ -297,16 +297,16 @@ def train_step(run: Run, step: int, tokens: torch.Tensor, labels: torch.Tensor, 
     return global_loss, float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm), peak
 
 
-MEASURED_FROM_STEP = 3
-"""On CPU the step's peak is read from the profiler's allocator events, which lynx's own step
-record reads in steps 1-2 (it records nothing while another profiler runs): measured from step 3."""
-
-
-def step_peak_measure(device: torch.device, step: int) -> Callable[[Callable[[], Any]], int | None]:
+def step_peak_measure(device: torch.device, step: int,
+                      recorder: Any = None) -> Callable[[Callable[[], Any]], int | None]:
     """How step ``step``'s forward and backward peak is measured, in bytes above what is allocated
     as it starts: CUDA ``max_memory_allocated``; CPU the profiler's allocator events
-    (``lynx_compile.memory.measure.cpu_peak_bytes``) from :data:`MEASURED_FROM_STEP` on, else
-    None (not measured)."""
+    (``lynx_compile.memory.measure.cpu_peak_bytes``), except for the step lynx records
+    (``recorder``: the lynx backend's ``step.recorder.StepRecorder``, None for another backend):
+    that step's profile is lynx's own (it records nothing while another profiler runs, and would
+    record the next step, unmeasured then), so its peak is the one lynx measured,
+    ``StepRecorder.recorded_peak_bytes`` (None where lynx recorded no step then: a plan from the
+    plan cache; the step then runs unmeasured)."""
     def cuda(fn: Callable[[], Any]) -> int:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -316,9 +316,12 @@ def step_peak_measure(device: torch.device, step: int) -> Callable[[Callable[[],
         return torch.cuda.max_memory_allocated(device) - start
 
     def cpu(fn: Callable[[], Any]) -> int | None:
-        if step < MEASURED_FROM_STEP:
+        from lynx_compile.step.recorder import RECORDED_STEP
+
+        if recorder is not None and step == RECORDED_STEP:
+            before = recorder.recorded_peak_bytes
             fn()
-            return None
+            return recorder.recorded_peak_bytes if before is None else None
         from lynx_compile.memory.measure import cpu_peak_bytes
 
         return cpu_peak_bytes(fn)
@@ -339,10 +342,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     rows = slice(batch_rank * args.batch_size, (batch_rank + 1) * args.batch_size)
     tokens, labels = tokens[rows].to(device), labels[rows].to(device)  # (local batch, seq) each
     losses, grad_norms, peaks, seconds = [], [], [], []
+    recorder = _lynx_bound().step_recorder if args.compile_backend == "lynx" else None
     for step in range(1, args.steps + 1):
         start = time.perf_counter()
         loss, grad_norm, peak = train_step(run, step, tokens, labels, args.spmd_backend,
-                                           measure=step_peak_measure(device, step))
+                                           measure=step_peak_measure(device, step, recorder))
         seconds.append(time.perf_counter() - start)
         losses.append(loss)
         grad_norms.append(grad_norm)
@@ -360,7 +364,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             # allocator events that measure the peak
             "step_s": seconds,
             # each rank's forward + backward peak per step, bytes above the step's start (None:
-            # not measured; CPU measures from step MEASURED_FROM_STEP)
+            # not measured; on CPU the step lynx records is measured by lynx's recording:
+            # step_peak_measure)
             "step_peak_bytes_by_rank": by_rank}
 
 
@@ -368,11 +373,7 @@ def lynx_summary() -> dict[str, Any]:
     """What the ``lynx`` backend compiled in this process (the bound backend of the options in
     ``$LYNX_OPTIONS``, or of none): its options and, per graph plan, what it recomputed and the
     step's predicted peak against the step without recompute."""
-    import lynx_compile
-    from lynx_compile.config import options_from_env
-
-    options = options_from_env() or {}
-    bound = lynx_compile.backend(**options)
+    bound = _lynx_bound()
     # each plan with its fingerprint as the ranks compared it (check_plan_agreement; None: not compared)
     plans = [{"fingerprint": r.stats.get("plan_fingerprint"), "solver": str(p.solver),
               "recomputed": len(p.recomputed), "saved": len(p.saved), "budget_scope": p.budget_scope,
@@ -381,7 +382,21 @@ def lynx_summary() -> dict[str, Any]:
               # the step's plan taken from the plan cache (a run before kept it), not recorded
               "step_plan_cached": any(n.startswith("from the plan cache") for n in p.notes)}
              for r in bound.records if (p := r.plan) is not None]
-    return {"options": options, "graphs": len(bound.records), "plans": plans}
+    return {"options": _lynx_options(), "graphs": len(bound.records), "plans": plans}
+
+
+def _lynx_options() -> dict[str, Any]:
+    from lynx_compile.config import options_from_env
+
+    return options_from_env() or {}
+
+
+def _lynx_bound() -> Any:
+    """The ``lynx`` backend ``--compile-backend lynx`` compiles with: the one bound to the options
+    in ``$LYNX_OPTIONS`` (``lynx_compile.backend``: identical options, the same backend)."""
+    import lynx_compile
+
+    return lynx_compile.backend(**_lynx_options())
 
 
 def _options_problem(backend: str) -> str | None:
