@@ -5,7 +5,8 @@ after it starts, ``step.model.Segment.start``).
 
 ``ProfilerRecording`` (CPU: the allocator has no counters) reads a memory-profiling profiler's
 allocator events; ``AllocatorRecording`` (CUDA) the caching allocator's peak statistics. Both:
-``start()`` (False when it cannot start), ``cancel()`` (stop without reading), ``mark(i)``, ``stop_after_backward(then)`` (called from
+``start()`` (False when it cannot start), ``restart()`` (the recording starts again here),
+``cancel()`` (stop without reading), ``mark(i)``, ``stop_after_backward(then)`` (called from
 inside the backward that ends the step: ``then()`` once it can be read), ``finish(n_marks)`` (per
 mark: its segment's peak and its level, None for a mark not seen).
 """
@@ -23,6 +24,8 @@ from lynx_compile import _compat
 log = logging.getLogger("lynx_compile")
 MARK = "lynx.piece."
 """Prefix of the ``record_function`` names of the marks."""
+RESTART = "lynx.restart."
+"""Prefix of the ``record_function`` name of a recording's restart (``ProfilerRecording.restart``)."""
 
 
 class ProfilerRecording:
@@ -35,6 +38,7 @@ class ProfilerRecording:
 
     def __init__(self):
         self._profiler = None
+        self._restarts = 0
 
     def start(self) -> bool:
         if _compat.profiler_running():
@@ -55,6 +59,15 @@ class ProfilerRecording:
 
     def mark(self, i: int) -> None:
         with torch.profiler.record_function(f"{MARK}{i}"):
+            pass
+
+    def restart(self) -> None:
+        """The recording starts again here: what the profiler recorded before is left out when it
+        is read (``finish``). The profiler is not stopped and started again: stopped inside
+        profiler ranges that began under it (the frames dynamo compiled), its freed event storage
+        is written to when they end while another profiler is on (``StepRecorder.outside_recording``)."""
+        self._restarts += 1
+        with torch.profiler.record_function(f"{RESTART}{self._restarts}"):
             pass
 
     def cancel(self) -> None:
@@ -82,6 +95,9 @@ class ProfilerRecording:
         prof, self._profiler = self._profiler, None
         events = _compat.cpu_allocation_events(prof, "cpu", totals=True)
         times = _compat.profiler_marks(prof, MARK)
+        if self._restarts:  # the window starts at the last restart
+            start = _compat.profiler_marks(prof, RESTART)[f"{RESTART}{self._restarts}"]
+            events = [e for e in events if e[0] >= start]
         return segment_memory(events, [times.get(f"{MARK}{i}") for i in range(n_marks)], self._every_thread,
                               held=_compat.collective_held_allocations(prof))
 
@@ -218,6 +234,9 @@ class AllocatorRecording:
         self._peaks: list[int] = []
         self._levels: list[int] = []
         return True
+
+    def restart(self) -> None:
+        self.start()
 
     def mark(self, i: int) -> None:
         self._peaks.append(torch.cuda.max_memory_allocated() - self._base)

@@ -283,11 +283,44 @@ class StepRecorder:
 
     def outside_recording(self, compile_again: Callable[[], None]) -> None:
         """A piece compiles again before the step's first piece call (``Piece._accumulate_in_graph``):
-        a recording started at the step's module call would count the compile, so it is dropped
-        and starts at the piece call instead (``_before``)."""
-        if self.state == "recording" and not self.calls:
-            self._cancel_recording()
-        compile_again()
+        a recording started at the step's module call would count the compile, so it starts
+        again at the piece call instead (``_before``): the recording's window is cut there
+        (``restart``), the profiler running on through the compile.
+
+        Not stopped and a new one started: this call runs inside the frames dynamo compiled
+        (their "Torch-Compiled Region" profiler ranges began under the recording's profiler),
+        and when a range that began under a stopped profiler ends while another one is on,
+        torch's exit callback writes the range's end into the stopped profiler's freed event
+        storage (torch 2.13, ``onFunctionExit``: it checks that a profiler is on, not which).
+        That heap corruption crashed the process about once in 50 runs of
+        ``test_piece_budget.py``'s HF GPT-2 test, later and elsewhere (in the garbage
+        collector, a compiled backward, the profiler's stop)."""
+        if self.state != "recording" or self.calls:
+            compile_again()
+            return
+        if self._grads is not None:  # the compile's own backward (AOTAutograd's trace) is not the step's
+            self._grads.stop()
+            self._grads = None
+        self.state, self._from_start = "warming", False
+        try:
+            compile_again()
+        except BaseException:
+            self._recording.cancel()  # (no profiler of lynx's starts before these frames return)
+            self._recording = None
+            raise
+        if not _with_choices(p.record.step for p in self.pieces):
+            # nothing to plan together any more (_start_recording's "done", at the piece call):
+            # stopped here, with no profiler of lynx's started before these frames return
+            self._recording.cancel()
+            self._recording = None
+            return
+        gc.collect()  # as _start_recording collects before it starts
+        self._recording.restart()
+        self._resident = device_budget.resident_bytes(self.pieces, self._device_type, RECORDED_STEP)
+        self._grads = GradWatch()
+        if not self._grads.start():
+            self._grads = None
+        self.state = "recording"
 
     def _unhook(self) -> None:
         if self._root_hooks is not None:
