@@ -105,6 +105,10 @@ def run_demo(preset: Optional[str] = None, *, batch_size: Optional[int] = None, 
     warmup = max([warmup, *(min_warmup(n, style) for n in names)])
     threads = torch.get_num_threads()
     rows, ref = [], None
+    if device == "cpu":  # torch's own line, which lynx cannot keep quiet without risk (docs/demo.md)
+        progress("(torch's CPU allocator may write one warning, 'Memory block of unknown size was allocated "
+                 "before the profiling started': memory from before a measurement freed during it, which the "
+                 "measure leaves out; it changes no number)")
     try:
         if device == "cpu":
             torch.set_num_threads(1)
