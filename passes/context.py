@@ -193,7 +193,7 @@ def graph_budget(config: "LynxConfig", record: GraphRecord) -> "Budget | None":
     """The budget the options give (``config.budget``) for the graph of ``record``: a device
     budget with the bytes resident as the graph's step starts (``record.resident``)."""
     budget = config.budget
-    if budget is not None and record.resident is not None and budget.device_nbytes is not None:
+    if budget is not None and record.resident is not None:  # (unchanged without a device budget)
         budget = budget.with_resident(*record.resident)
     return budget
 

@@ -298,7 +298,6 @@ class LynxBackend:
         return compiled
 
 
-
 # device_budget counts the optimizer state off CUDA (created by the first optimizer.step(), after
 # the first compile): every optimizer that steps once this module is loaded (torch.compile with
 # backend="lynx" loads it) is remembered, weakly (one set insertion per optimizer.step())

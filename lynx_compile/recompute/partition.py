@@ -124,14 +124,15 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
     if user is not None and config.policy != "lynx":
         record.notes.append(f"{user.describe()}: replaced by policy {config.policy!r}, applied as named "
                             "(policy 'lynx', the default, keeps them)")
+    limit = ctx.budget  # this graph's (a device budget less what is resident)
     if piece:  # one block or a piece of a model: what adds up across graphs is what each saves
-        budget = _budget_bytes(ctx.budget, reference.saved_bytes)
+        budget = _budget_bytes(limit, reference.saved_bytes)
     else:
-        budget = _budget_bytes(ctx.budget, reference.peak_bytes)
+        budget = _budget_bytes(limit, reference.peak_bytes)
         if record.step_choice is not None and record.step_choice.plan_within is not None:
             budget = record.step_choice.plan_within  # the step's plan: a tighter peak (step.recorder)
-        elif ctx.budget is not None and (ctx.budget.nbytes or 0) >= reference.peak_bytes:
-            _warn_loose_budget(ctx.budget, reference.peak_bytes)
+        elif limit is not None and (limit.nbytes or 0) >= reference.peak_bytes:
+            _warn_loose_budget(limit, reference.peak_bytes)
     if ctx.user_tags is not None and budget is None and record.step_choice is None and region_check is None:
         # no budget: the user's checkpointing, partitioned as torch.compile partitions it, is the plan
         applied, outcome = _users_partition(joint, ctx, kw, scratch=False), None
@@ -200,7 +201,7 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
             record.stats["plan_fingerprint"] = check_plan_agreement(record.plan, record.graph_id, positions=positions)
 
     if budget is not None and piece and mem.saved_bytes > budget and config.policy != "lynx":
-        raise refuse(ctx.budget, reference.saved_bytes, None,
+        raise refuse(limit, reference.saved_bytes, None,
                      f"this graph is one block or a piece of a model, where the budget applies to the "
                      f"activations it saves ({budget} B of {reference.saved_bytes} B); policy {config.policy!r} "
                      f"saves {mem.saved_bytes} B. Use policy 'lynx' (it picks the cheapest plan that fits) "
@@ -214,7 +215,7 @@ def _lynx_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
             log.warning("lynx: %s", msg)
             record.notes.append(msg)
         elif config.policy == "lynx":  # only a plan from a file can get here
-            raise refuse(ctx.budget, reference.peak_bytes, None,
+            raise refuse(limit, reference.peak_bytes, None,
                          f"the plan in {config.plan!r} peaks at {mem.peak_bytes} B, above the budget; "
                          f"re-plan with `lynx plan --policy lynx {_budget_flags(config)} "
                          f"--out {config.plan}`")

@@ -191,35 +191,43 @@ def held_to_next_mark(events: Sequence[tuple[int, ...]], series: list[tuple[int,
                 drop -= sizes[queue[0]]
                 freed_at[queue.pop(0)] = k
     out = list(series)
-    for i in sorted(sizes.keys() & (freed_at.keys() | by_worker)):
+    for i in sorted(freed_at.keys() | by_worker):
         k = freed_at.get(i, len(events))  # the worker's free not seen at all: after the window
         if i in by_worker:  # read as freed in the segment it was allocated in
             release = bisect.bisect_right(marks, events[i][0])
             if release < len(marks) and (k == len(events) or events[k][0] >= marks[release]):
-                _count(out, range(i, k), marks[release], -sizes[i], after_mark=True)
+                _gone_from_mark(out, range(i, k), marks[release], sizes[i])
                 continue
         at = bisect.bisect_right(marks, events[k][0]) if k < len(events) else len(marks)
-        _count(out, range(k, len(out)), marks[at] if at < len(marks) else None, sizes[i])
+        _live_to_mark(out, k, marks[at] if at < len(marks) else None, sizes[i])
     return out
 
 
-def _count(out: list[tuple[int, int, int]], span: range, mark: int | None, nbytes: int, *,
-           after_mark: bool = False) -> None:
-    """Add ``nbytes`` to the series ``out`` over ``span``: at the events before ``mark`` (all of
-    them without one), and after the last of them; or (``after_mark``) at the events from
-    ``mark`` on, and after the last event before it (the segment after ``mark`` starts with it)."""
-    for j in span:
+def _ends_before(out: list[tuple[int, int, int]], j: int, mark: int) -> bool:
+    """Event ``j`` is the last one before ``mark``."""
+    return j + 1 == len(out) or out[j + 1][0] >= mark
+
+
+def _live_to_mark(out: list[tuple[int, int, int]], start: int, mark: int | None, nbytes: int) -> None:
+    """``nbytes`` more live in the series ``out`` from event ``start`` up to ``mark`` (to the end
+    without one), and after the last event before it (gone at the mark)."""
+    for j in range(start, len(out)):
         t, level, after = out[j]
-        if after_mark:
-            if t >= mark:
-                out[j] = (t, level + nbytes, after + nbytes)
-            elif j + 1 == len(out) or out[j + 1][0] >= mark:
-                out[j] = (t, level, after + nbytes)
-            continue
         if mark is not None and t >= mark:
             break
-        last = mark is not None and (j + 1 == len(out) or out[j + 1][0] >= mark)
+        last = mark is not None and _ends_before(out, j, mark)
         out[j] = (t, level + nbytes, after + (0 if last else nbytes))
+
+
+def _gone_from_mark(out: list[tuple[int, int, int]], span: range, mark: int, nbytes: int) -> None:
+    """``nbytes`` less live in the series ``out`` over ``span`` from ``mark`` on, and after the
+    last event before it (the segment after ``mark`` starts without it)."""
+    for j in span:
+        t, level, after = out[j]
+        if t >= mark:
+            out[j] = (t, level - nbytes, after - nbytes)
+        elif _ends_before(out, j, mark):
+            out[j] = (t, level, after - nbytes)
 
 
 class AllocatorRecording:

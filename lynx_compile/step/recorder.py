@@ -298,29 +298,21 @@ class StepRecorder:
         if self.state != "recording" or self.calls:
             compile_again()
             return
-        if self._grads is not None:  # the compile's own backward (AOTAutograd's trace) is not the step's
-            self._grads.stop()
-            self._grads = None
+        self._stop_grad_watch()  # the compile's own backward (AOTAutograd's trace) is not the step's
         self.state, self._from_start = "warming", False
         try:
             compile_again()
         except BaseException:
-            self._recording.cancel()  # (no profiler of lynx's starts before these frames return)
-            self._recording = None
+            self._cancel_recording()  # (no profiler of lynx's starts before these frames return)
             raise
         if not _with_choices(p.record.step for p in self.pieces):
             # nothing to plan together any more (_start_recording's "done", at the piece call):
             # stopped here, with no profiler of lynx's started before these frames return
-            self._recording.cancel()
-            self._recording = None
+            self._cancel_recording()
             return
         gc.collect()  # as _start_recording collects before it starts
         self._recording.restart()
-        self._resident = device_budget.resident_bytes(self.pieces, self._device_type, RECORDED_STEP)
-        self._grads = GradWatch()
-        if not self._grads.start():
-            self._grads = None
-        self.state = "recording"
+        self._window_opened()
 
     def _unhook(self) -> None:
         if self._root_hooks is not None:
@@ -469,20 +461,29 @@ class StepRecorder:
         gc.collect()
         if not recording.start():
             return
-        self._resident = device_budget.resident_bytes(self.pieces, self._device_type, RECORDED_STEP)
         self._recording = recording
+        self._window_opened()
+
+    def _window_opened(self) -> None:
+        """The recording's window starts here (``_start_recording``, or cut again by
+        ``outside_recording``): what the device holds besides the step, read now, and the watch of
+        ``.grad``."""
+        self._resident = device_budget.resident_bytes(self.pieces, self._device_type, RECORDED_STEP)
         self._grads = GradWatch()
         if not self._grads.start():
             self._grads = None
         self.state = "recording"
 
+    def _stop_grad_watch(self) -> None:
+        if self._grads is not None:
+            self._grads.stop()
+            self._grads = None
+
     def _cancel_recording(self) -> None:
         """Drop a recording that started at a module call that was not the step's (nothing marked)."""
         self._recording.cancel()
         self._recording = None
-        if self._grads is not None:
-            self._grads.stop()
-            self._grads = None
+        self._stop_grad_watch()
         self.state, self._from_start = "warming", False
 
     def _finish_recording(self) -> None:

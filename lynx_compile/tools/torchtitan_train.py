@@ -373,7 +373,8 @@ def lynx_summary() -> dict[str, Any]:
     """What the ``lynx`` backend compiled in this process (the bound backend of the options in
     ``$LYNX_OPTIONS``, or of none): its options and, per graph plan, what it recomputed and the
     step's predicted peak against the step without recompute."""
-    bound = _lynx_bound()
+    options = _lynx_options()
+    bound = _lynx_bound(options)
     # each plan with its fingerprint as the ranks compared it (check_plan_agreement; None: not compared)
     plans = [{"fingerprint": r.stats.get("plan_fingerprint"), "solver": str(p.solver),
               "recomputed": len(p.recomputed), "saved": len(p.saved), "budget_scope": p.budget_scope,
@@ -382,7 +383,7 @@ def lynx_summary() -> dict[str, Any]:
               # the step's plan taken from the plan cache (a run before kept it), not recorded
               "step_plan_cached": any(n.startswith("from the plan cache") for n in p.notes)}
              for r in bound.records if (p := r.plan) is not None]
-    return {"options": _lynx_options(), "graphs": len(bound.records), "plans": plans}
+    return {"options": options, "graphs": len(bound.records), "plans": plans}
 
 
 def _lynx_options() -> dict[str, Any]:
@@ -391,12 +392,13 @@ def _lynx_options() -> dict[str, Any]:
     return options_from_env() or {}
 
 
-def _lynx_bound() -> Any:
+def _lynx_bound(options: dict[str, Any] | None = None) -> Any:
     """The ``lynx`` backend ``--compile-backend lynx`` compiles with: the one bound to the options
-    in ``$LYNX_OPTIONS`` (``lynx_compile.backend``: identical options, the same backend)."""
+    in ``$LYNX_OPTIONS`` (``options``, where already read; ``lynx_compile.backend``: identical
+    options, the same backend)."""
     import lynx_compile
 
-    return lynx_compile.backend(**_lynx_options())
+    return lynx_compile.backend(**(_lynx_options() if options is None else options))
 
 
 def _options_problem(backend: str) -> str | None:
