@@ -229,15 +229,15 @@ def write(rows: list[dict], args: argparse.Namespace, argv: Sequence[str], peers
           f"Command: `python benchmarks/bench_torchtitan_launcher.py {' '.join(argv)}`", "",
           f"debugmodel cut to {args.layers or 'all'} layers, batch 2 x 128 per data-parallel rank, float32, "
           f"{args.steps} steps; peaks: each rank's measured forward + backward step peak (bytes above the step's "
-          "start, CPU allocator events) over steps 3+, the worst step (steps_MB_by_rank: each of those steps, "
-          "by rank); worst_over_budget: the larger rank's peak "
+          "start, CPU allocator events; step 2, the step lynx records, as lynx's recording read it) over every "
+          "step, the worst step (steps_MB_by_rank: each step, by rank); worst_over_budget: the larger rank's peak "
           "over lynx's step budget; losses_ok: every step's loss within "
           f"{ERR_MULTIPLE:g}x Inductor's own largest difference from eager.", "",
           "| " + " | ".join(KEYS) + " |", "|" + "---|" * len(KEYS)]
     md += ["| " + " | ".join(cell(r.get(k)) for k in KEYS) + " |" for r in rows]
     if peers:
         md += ["", "## Beside the peers", "",
-               "Each run's worst measured step peak per rank (steps 3+) and, of_inductor, the larger rank's "
+               "Each run's worst measured step peak per rank (every step) and, of_inductor, the larger rank's "
                f"over Inductor's on that rank; step_ms: rank 0's median step time over steps {TIMED_FROM_STEP}+ (CPU, under "
                "the profiler that measures the peak; 2 shared cores); losses_ok as above. torch's budget is "
                "torchtitan's `MemoryBudgetAC` (`activation_memory_budget` of each compiled block's saved "

@@ -187,11 +187,46 @@ def test_a_collectives_held_buffer_reads_alike_whichever_thread_frees_it():
     assert segment_memory(EARLY, [5, 8, 22], every_thread=True, held=HELD) == ([0, 0, 150], [0, 0, 150])
 
 
-def _held_in_one_gloo_process(tmp_path, work) -> tuple[list, set, dict]:
+# A tensor the step made and handed to a collective (address 1, 100 B, taken by the collective
+# from t=15 to 20), then a 200 B buffer (t=30). The step's thread frees the first after its use
+# (t=25), or gloo's worker does as the work finishes (t=35, unrecorded: the total shows it at
+# t=40). A 300 B gradient handed to an all-reduce (t=50-55) stays live past the window.
+HANDED = [(15, 20, 1, True), (50, 55, 3, True)]
+BY_STEP = [(10, 1, 100, 100), (25, 1, -100, 0), (30, 2, 200, 200), (40, 2, -200, 0), (45, 3, 300, 300)]
+BY_WORKER = [(10, 1, 100, 100), (30, 2, 200, 300), (40, 2, -200, 0), (45, 3, 300, 300)]
+
+
+def test_a_tensor_handed_to_a_collective_reads_alike_whichever_thread_frees_it():
+    """Issue S item 1 (llama3 TP, the eager compiler's refusal: 0.859 in 1 of 16 runs, 0.857 in
+    the others): freed by the worker, the handed tensor read live through the 200 B buffer's
+    allocation (300 B); read as freed where the collective that took it last ended, the segment
+    peaks at 200 B as when the step's thread frees it. The gradient, live at the end, is left.
+    Hand-computed."""
+    from lynx_compile.step.memory_marks import segment_memory
+
+    marks = [42, 60]
+    assert segment_memory(BY_STEP, marks, every_thread=True) == ([200, 300], [0, 300])
+    assert segment_memory(BY_WORKER, marks, every_thread=True) == ([300, 300], [0, 300])
+    for events in (BY_STEP, BY_WORKER):
+        assert segment_memory(events, marks, every_thread=True, inputs=HANDED) == ([200, 300], [0, 300])
+    # taken by an op that is not a collective: as read (no work held it)
+    assert segment_memory(BY_WORKER, marks, every_thread=True, inputs=[(15, 20, 1, False)]) == ([300, 300], [0, 300])
+    # its last use after the worker's free cannot be its free: as read
+    assert segment_memory(BY_WORKER, marks, every_thread=True, inputs=[(15, 41, 1, True)]) == ([300, 300], [0, 300])
+    # a collective's own held buffer is read by held_to_next_mark's rule, not this one
+    assert segment_memory(BY_WORKER, marks, every_thread=True, inputs=HANDED, held={(10, 1)}) == ([300, 300], [0, 300])
+    # a gradient handed to an all-reduce (300 B, live on) does not take another buffer's free
+    # (400 B, by the worker: the total drops 400 B before t=30): only a drop of its own size is
+    other = [(10, 3, 300, 300), (20, 2, 400, 700), (30, 4, 50, 350)]
+    assert segment_memory(other, marks, every_thread=True, inputs=[(12, 14, 3, True)]) == \
+        segment_memory(other, marks, every_thread=True) == ([700, 350], [350, 350])
+
+
+def _held_in_one_gloo_process(tmp_path, work) -> tuple[list, set, dict, list]:
     """``work()`` run in a one-rank gloo process group under a memory profile, lynx's counting of
     every thread on (as the step record runs it): the allocator events, the buffers
-    ``_compat.collective_held_allocations`` finds, and the size of each allocation by (time,
-    address)."""
+    ``_compat.collective_held_allocations`` finds, the size of each allocation by (time,
+    address), and the ops' tensor inputs (``_compat.tensor_inputs``)."""
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
@@ -199,7 +234,7 @@ def _held_in_one_gloo_process(tmp_path, work) -> tuple[list, set, dict]:
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True)
         with _compat.cpu_allocator_counts_every_thread():
             prof.start()
             work()
@@ -208,7 +243,7 @@ def _held_in_one_gloo_process(tmp_path, work) -> tuple[list, set, dict]:
         dist.destroy_process_group()
     events = _compat.cpu_allocation_events(prof, totals=True)
     sizes = {(t, ptr): size for t, ptr, size, _ in events if size > 0}
-    return events, _compat.collective_held_allocations(prof), sizes
+    return events, _compat.collective_held_allocations(prof), sizes, _compat.tensor_inputs(prof)
 
 
 def test_gloos_reduce_scatter_copy_is_the_buffer_its_work_holds(tmp_path):
@@ -225,7 +260,7 @@ def test_gloos_reduce_scatter_copy_is_the_buffer_its_work_holds(tmp_path):
         del grads
         dist.all_gather_into_tensor(gathered, mine, async_op=True).wait()
 
-    events, held, sizes = _held_in_one_gloo_process(tmp_path, work)
+    events, held, sizes, _ = _held_in_one_gloo_process(tmp_path, work)
     assert len(held) == 1 and [sizes[k] for k in held] == [256 * 64 * 4], (held, events)
     grads_made = min(t for t, _, size, _ in events if size > 0)
     assert min(held)[0] > grads_made  # the clone, not the caller's tensor
@@ -246,10 +281,15 @@ def test_a_functional_collectives_output_is_a_buffer_its_work_holds(tmp_path):
         gathered = funcol.wait_tensor(funcol.all_gather_tensor(mine, 0, dist.group.WORLD))
         total.append(float(gathered.sum()))
 
-    events, held, sizes = _held_in_one_gloo_process(tmp_path, work)
+    events, held, sizes, inputs = _held_in_one_gloo_process(tmp_path, work)
     assert total == [float(mine.sum())]
     assert [sizes[k] for k in held] == [128 * 64 * 4], (held, events)
     assert all(ptr != mine.data_ptr() for _, ptr in held)
+    # the input is one the collective was handed (``_compat.tensor_inputs``): a tensor the caller
+    # made, freed by whichever thread drops it last (handed_gone_at_last_use); so is the output,
+    # to ``wait_tensor``
+    handed = {ptr for _, _, ptr, collective in inputs if collective}
+    assert handed == {mine.data_ptr()} | {ptr for _, ptr in held}, handed
 
 
 def test_the_allocator_counts_a_free_on_another_thread_while_lynx_records():

@@ -204,11 +204,13 @@ def test_the_same_command_again_plans_alike(runs):
 
 def test_tp_with_the_eager_compiler_names_one_budget_twice_and_trains_at_it(tmp_path):
     """llama3 on 2 blocks under TP, ``compiler="eager"``, at 0.5: out of reach beside the LM head
-    and loss, refused naming the step's smallest budget; the same command again (one plan cache)
-    is refused naming the same budget at the end of step 1, from the first run's kept refusal
-    (issue S item 1; fresh runs named 0.817-0.941 on 6 blocks before session 29; in session 41, with
-    the plan cache off, 0.857 twice in each of 3 runs of this test under a spinning load, but
-    0.857 then 0.839 in a full suite's run). Asking for the
+    and loss, refused naming the step's smallest budget; the same command again on a fresh
+    machine (the plan cache off: the step recorded again) is refused naming the same budget
+    (issue S item 1; fresh runs named 0.817-0.941 on 6 blocks before session 29; 0.857 then 0.839
+    in session 41's suite; 0.859 in 1 of 16 runs in session 42, a sequence-parallel all-gather's
+    input freed by gloo's worker read live through its segment's peak: read since session 43 as
+    freed where the all-gather ended, ``step.memory_marks.handed_gone_at_last_use``, 44 of 44
+    fresh runs 0.857, 16 of them beside a spinning process). Asking for the
     named budget trains 4 steps (issue S item 3; under load, at most the budget that run names
     once more, within 0.03 of the first: issue S item 1 is open): every piece compiled again at step 3 with the
     step's choice, losses within 4 x float32's precision of eager's (no compile). Before session
@@ -219,8 +221,8 @@ def test_tp_with_the_eager_compiler_names_one_budget_twice_and_trains_at_it(tmp_
     parallel, extra, cache = "tp", ("--layers", "2"), str(tmp_path / "cache")
     options = {"memory_budget": 0.5, "compiler": "eager"}
     named, _ = _refused(tmp_path, "tp-eager-0.5", parallel, options, extra, cache)
-    again, text = _refused(tmp_path, "tp-eager-0.5-again", parallel, options, extra, cache)
-    assert "from the plan cache" in text, text[-3000:]
+    again, text = _refused(tmp_path, "tp-eager-0.5-again", parallel, {**options, "plan_cache": False}, extra)
+    assert "from the plan cache" not in text, text[-3000:]
     assert again == named and 0.5 < named < 1.0, (named, again)
     eager = _run(tmp_path, parallel, "eager", name="tp-eager-2-blocks", extra=extra)
     at = named

@@ -117,6 +117,7 @@ from lynx_compile._compat.introspection import (
     profiler_marks,
     profiler_running,
     record_function_ops,
+    tensor_inputs,
 )
 from lynx_compile._compat.module_hooks import ModuleCallHooks, call_is_compiled, outermost_module_call
 from lynx_compile._compat.partitioner import (
@@ -172,7 +173,7 @@ __all__ = [
     "ModuleCallHooks", "call_is_compiled", "outermost_module_call",
     # introspection
     "collective_held_allocations", "cpu_allocation_events", "cpu_allocator_counts_every_thread", "dynamo_counters", "inductor_cache_dir", "inductor_metrics", "inductor_output_code",
-    "profiler_marks", "profiler_running", "record_function_ops",
+    "profiler_marks", "profiler_running", "record_function_ops", "tensor_inputs",
     # tracing
     "REGION_BUDGET_KEY", "adopt_unbacked_symbols", "annotate_region", "detect_fake_mode", "is_plain_fake", "dispatch_mode_base", "dynamo_passthrough_error",
     "eager_dispatch", "refuse_unbacked_retrace", "static_tracing",

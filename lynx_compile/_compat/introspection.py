@@ -81,6 +81,27 @@ def collective_held_allocations(prof: Any, device_type: str = "cpu") -> set[tupl
     return out
 
 
+def tensor_inputs(prof: Any, device_type: str = "cpu") -> list[tuple[int, int, int, bool]]:
+    """(start ns, end ns, address, is a collective) per tensor input on ``device_type`` of every
+    op a finished profile recorded with ``record_shapes=True`` (a tensor list's tensors each;
+    the address is its storage's): which op took which memory, and when the last one that took
+    it ended. Ops Inductor fuses into its own kernels are not recorded (only the aten ops and
+    collectives its generated code calls)."""
+    from torch._C._profiler import _EventType, _TensorMetadata
+
+    out: list[tuple[int, int, int, bool]] = []
+    for node in _walk(prof.profiler.kineto_results.experimental_event_tree()):
+        if node.typed[0] != _EventType.TorchOp:
+            continue
+        collective = node.name.startswith(COLLECTIVE_OP_PREFIXES)
+        for value in node.typed[1].inputs:
+            for tensor in value if isinstance(value, list) else (value,):
+                if (isinstance(tensor, _TensorMetadata) and tensor.storage_data_ptr
+                        and tensor.device.type == device_type):
+                    out.append((node.start_time_ns, node.end_time_ns, tensor.storage_data_ptr, collective))
+    return out
+
+
 _REPORT_FLAG = "FLAGS_caffe2_report_cpu_memory_usage"
 
 

@@ -49,7 +49,8 @@ class ProfilerRecording:
 
         from lynx_compile.memory.measure import without_kineto_log
 
-        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
+        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True,
+                                 record_shapes=True)  # which op took which tensor: handed_gone_at_last_use
         # frees on threads the profiler does not follow are counted in the events' totals
         self._counting = contextlib.ExitStack()
         self._every_thread = self._counting.enter_context(_compat.cpu_allocator_counts_every_thread())
@@ -99,23 +100,28 @@ class ProfilerRecording:
             start = _compat.profiler_marks(prof, RESTART)[f"{RESTART}{self._restarts}"]
             events = [e for e in events if e[0] >= start]
         return segment_memory(events, [times.get(f"{MARK}{i}") for i in range(n_marks)], self._every_thread,
-                              held=_compat.collective_held_allocations(prof))
+                              held=_compat.collective_held_allocations(prof), inputs=_compat.tensor_inputs(prof))
 
 
 def segment_memory(events: list[tuple[int, ...]], mark_times: list[int | None],
                    every_thread: bool = False,
-                   held: Collection[tuple[int, int]] = ()) -> tuple[list[int | None], list[int | None]]:
+                   held: Collection[tuple[int, int]] = (),
+                   inputs: Sequence[tuple[int, int, int, bool]] = ()) -> tuple[list[int | None], list[int | None]]:
     """Per mark, the highest live bytes between the previous mark and it, and the live bytes at
     the mark, from allocator ``events`` (time, address, signed bytes[, allocator's total])
     relative to the first event's start; None for a mark with no time. How the live bytes are
     read (frees of tensors from before the window, frees on threads the profiler does not
     follow, ``every_thread``): ``memory.measure.live_series``. The allocations ``held`` (time,
-    address) are counted live to the first mark after their free: :func:`held_to_next_mark`."""
+    address) are counted live to the first mark after their free: :func:`held_to_next_mark`; the
+    tensors handed to a collective (``inputs``, the ops' tensor inputs) and freed by the process
+    group's worker, to the end of their last use: :func:`handed_gone_at_last_use`."""
     from lynx_compile.memory.measure import live_series
 
     order = sorted((t, i) for i, t in enumerate(mark_times) if t is not None)
+    drops = unexplained_drops(events)
     series = held_to_next_mark(events, live_series(events, every_thread), held, [t for t, _ in order],
-                               every_thread)
+                               every_thread, drops)
+    series = handed_gone_at_last_use(events, series, inputs, held, every_thread, drops)
     out: list[int | None] = [None] * len(mark_times)
     levels: list[int | None] = [None] * len(mark_times)
     live = peak = 0
@@ -132,7 +138,7 @@ def segment_memory(events: list[tuple[int, ...]], mark_times: list[int | None],
 
 def held_to_next_mark(events: Sequence[tuple[int, ...]], series: list[tuple[int, int, int]],
                       held: Collection[tuple[int, int]], marks: Sequence[int],
-                      every_thread: bool = True) -> list[tuple[int, int, int]]:
+                      every_thread: bool = True, drops: list[int] | None = None) -> list[tuple[int, int, int]]:
     """``series`` (``memory.measure.live_series``: per event of ``events``, time, bytes live at it,
     bytes live after it) with each allocation in ``held`` (time, address: buffers a collective's
     work holds, ``_compat.collective_held_allocations``) counted live up to the first of the
@@ -149,7 +155,7 @@ def held_to_next_mark(events: Sequence[tuple[int, ...]], series: list[tuple[int,
     block's all-gather: the work holds it too, and gloo's worker freed it in some runs, the block
     in others, moving llama3's backward segment by 256 KiB) is held like the process group's own
     buffers since session 40; the tensors a caller makes and hands to a collective are not
-    (``docs/budget_pieces.md``).
+    (``docs/budget_pieces.md``): :func:`handed_gone_at_last_use` reads those.
 
     - A free the step's thread made (recorded): live to the first mark after it.
     - A free the worker made (not recorded; ``every_thread``: read from the total's unexplained
@@ -167,29 +173,8 @@ def held_to_next_mark(events: Sequence[tuple[int, ...]], series: list[tuple[int,
     sizes = {k: e[2] for k, e in enumerate(events) if e[2] > 0 and (e[0], e[1]) in held}
     if not sizes:
         return series
-    from lynx_compile.memory.measure import freed_unseen
-
-    unseen = freed_unseen(events) & sizes.keys()
-    freed_at: dict[int, int] = {}  # held allocation -> index of the first event after its free
-    open_: dict[int, int] = {}  # address -> held allocation whose free may be recorded
-    for k, (_, ptr, size, *_rest) in enumerate(events):
-        if size > 0:
-            open_.pop(ptr, None)
-            if k in sizes and k not in unseen:
-                open_[ptr] = k
-        elif ptr in open_:
-            freed_at[open_.pop(ptr)] = k
-    waiting = sorted(set(open_.values()) | unseen)  # frees not recorded: from the total's unexplained drops
-    by_worker = set(waiting) if every_thread and len(events[0]) > 3 else set()
-    if waiting and len(events[0]) > 3:
-        queue: list[int] = []
-        for k in range(1, len(events)):
-            while waiting and waiting[0] < k:
-                queue.append(waiting.pop(0))
-            drop = events[k - 1][3] - (events[k][3] - events[k][2])  # freed between the two events
-            while queue and 0 < sizes[queue[0]] <= drop:
-                drop -= sizes[queue[0]]
-                freed_at[queue.pop(0)] = k
+    freed_at, by_worker = _frees(events, sizes, {}, every_thread,
+                                 unexplained_drops(events) if drops is None else drops)
     out = list(series)
     for i in sorted(freed_at.keys() | by_worker):
         k = freed_at.get(i, len(events))  # the worker's free not seen at all: after the window
@@ -201,6 +186,122 @@ def held_to_next_mark(events: Sequence[tuple[int, ...]], series: list[tuple[int,
         at = bisect.bisect_right(marks, events[k][0]) if k < len(events) else len(marks)
         _live_to_mark(out, k, marks[at] if at < len(marks) else None, sizes[i])
     return out
+
+
+def handed_gone_at_last_use(events: Sequence[tuple[int, ...]], series: list[tuple[int, int, int]],
+                            inputs: Sequence[tuple[int, int, int, bool]], held: Collection[tuple[int, int]],
+                            every_thread: bool = True, drops: list[int] | None = None) -> list[tuple[int, int, int]]:
+    """``series`` with each tensor the step made and handed to a collective (``inputs``:
+    ``_compat.tensor_inputs``) that the process group's worker freed read as freed where the
+    last op that took it ended.
+
+    The work holds what it was handed until it finishes; whichever thread drops such a tensor
+    last frees it. The step's own thread drops it just after its last use (the generated code
+    deletes a buffer after the call that takes it last): a free recorded there. When the work is
+    still running then, the worker frees it as it finishes, unrecorded (the allocator's total,
+    ``every_thread``, shows it at the first event after), and it read live up to there: a
+    sequence-parallel all-gather's 128 KiB input in llama3's TP block read through its
+    segment's peak in 1 of 16 runs of the eager compiler's refusal (0.859 named, 0.857 in the
+    others). The worker freeing it means the step's thread let go first, after the last use:
+    read so, the step reads alike whichever thread freed it. A free the total shows is taken for
+    a handed tensor's only where the drop is exactly its size, after its last use (a handed
+    tensor that lives on past the window, a gradient handed to an all-reduce, must not take
+    another buffer's free: read early, it would be counted gone while it is live); otherwise
+    the tensor is read as before. The buffers a collective's work holds of its own (``held``:
+    :func:`held_to_next_mark`) are not read here; ``drops`` are the total's unexplained drops
+    that reading left."""
+    if not every_thread or drops is None or not inputs:
+        return series
+    held = set(held)
+    last = {k: end for k, end in _last_uses(events, inputs).items() if (events[k][0], events[k][1]) not in held}
+    if not last:
+        return series
+    freed_at, by_worker = _frees(events, {k: events[k][2] for k in last}, last, every_thread, drops, exact=True)
+    out = list(series)
+    for i in sorted(by_worker & freed_at.keys()):
+        size, end, k = events[i][2], last[i], freed_at[i]
+        for j in range(i, k):
+            t, level, after = out[j]
+            if t >= end:
+                out[j] = (t, level - size, after - size)
+            elif j + 1 < len(out) and out[j + 1][0] >= end:  # gone after the last event before the use ended
+                out[j] = (t, level, after - size)
+    return out
+
+
+def _last_uses(events: Sequence[tuple[int, ...]], inputs: Sequence[tuple[int, int, int, bool]]) -> dict[int, int]:
+    """Per allocation (index in ``events``) a collective took (``inputs``: (start, end, address,
+    is a collective) per op's tensor input), the end of the last op that took it: the
+    allocation at that address most recently made when the op started."""
+    made: dict[int, list[tuple[int, int]]] = {}  # address -> (time, index) of its allocations
+    for k, (t, ptr, size, *_rest) in enumerate(events):
+        if size > 0:
+            made.setdefault(ptr, []).append((t, k))
+    last: dict[int, int] = {}
+    handed: set[int] = set()
+    for start, end, ptr, collective in inputs:
+        at = made.get(ptr)
+        n = bisect.bisect_right(at, (start, len(events))) if at else 0
+        if not n:
+            continue
+        k = at[n - 1][1]
+        last[k] = max(last.get(k, end), end)
+        if collective:
+            handed.add(k)
+    return {k: last[k] for k in handed}
+
+
+def unexplained_drops(events: Sequence[tuple[int, ...]]) -> list[int] | None:
+    """Per event (time, address, signed bytes, allocator's total), the bytes the total lost
+    between the previous event and it that no recorded event explains (frees on threads the
+    profiler does not follow); None without totals."""
+    if not events or len(events[0]) <= 3:
+        return None
+    return [0] + [events[k - 1][3] - (events[k][3] - events[k][2]) for k in range(1, len(events))]
+
+
+def _frees(events: Sequence[tuple[int, ...]], sizes: dict[int, int], after: dict[int, int],
+           every_thread: bool, drops: list[int] | None, exact: bool = False) -> tuple[dict[int, int], set[int]]:
+    """For the allocations ``sizes`` (index in ``events`` -> bytes): the index of the first event
+    after each one's free (a free recorded, or one the allocator's total shows: ``drops``, used
+    up here, matched to the allocations waiting, each from its allocation or from the time
+    ``after`` gives it on: first come first served by size, or with ``exact`` the first whose
+    size is the whole drop), and those the events do not record a free of (freed by another
+    thread: read so only with ``every_thread``)."""
+    from lynx_compile.memory.measure import freed_unseen
+
+    unseen = freed_unseen(events) & sizes.keys()
+    freed_at: dict[int, int] = {}
+    open_: dict[int, int] = {}  # address -> allocation whose free may be recorded
+    for k, (_, ptr, size, *_rest) in enumerate(events):
+        if size > 0:
+            open_.pop(ptr, None)
+            if k in sizes and k not in unseen:
+                open_[ptr] = k
+        elif ptr in open_:
+            freed_at[open_.pop(ptr)] = k
+    waiting = sorted(set(open_.values()) | unseen)  # frees not recorded: from the total's unexplained drops
+    by_worker = set(waiting) if every_thread and drops is not None else set()
+    if waiting and drops is not None:
+        times = [e[0] for e in events]
+        # the first event whose drop can be its free: after its allocation and after ``after``
+        ready = sorted((max(i + 1, bisect.bisect_left(times, after[i]) + 1) if i in after else i + 1, i)
+                       for i in waiting)
+        queue: list[int] = []
+        for k in range(1, len(events)):
+            while ready and ready[0][0] <= k:
+                queue.append(ready.pop(0)[1])
+            if exact:  # the first waiting whose size is the whole drop
+                i = next((i for i in queue if sizes[i] == drops[k]), None)
+                if i is not None:
+                    drops[k] = 0
+                    queue.remove(i)
+                    freed_at[i] = k
+                continue
+            while queue and 0 < sizes[queue[0]] <= drops[k]:
+                drops[k] -= sizes[queue[0]]
+                freed_at[queue.pop(0)] = k
+    return freed_at, by_worker
 
 
 def _ends_before(out: list[tuple[int, int, int]], j: int, mark: int) -> bool:
