@@ -209,8 +209,8 @@ def test_tp_with_the_eager_compiler_names_one_budget_twice_and_trains_at_it(tmp_
     (issue S item 1; fresh runs named 0.817-0.941 on 6 blocks before session 29; 0.857 then 0.839
     in session 41's suite; 0.859 in 1 of 16 runs in session 42, a sequence-parallel all-gather's
     input freed by gloo's worker read live through its segment's peak: read since session 43 as
-    freed where the all-gather ended, ``step.memory_marks.handed_gone_at_last_use``, 44 of 44
-    fresh runs 0.857, 16 of them beside a spinning process). Asking for the
+    freed where the all-gather ended, ``step.memory_marks.handed_gone_at_last_use``, 48 of 48
+    fresh runs 0.857, 8 of them beside a spinning process). Asking for the
     named budget trains 4 steps (issue S item 3; under load, at most the budget that run names
     once more, within 0.03 of the first: issue S item 1 is open): every piece compiled again at step 3 with the
     step's choice, losses within 4 x float32's precision of eager's (no compile). Before session

@@ -288,15 +288,20 @@ def _frees(events: Sequence[tuple[int, ...]], sizes: dict[int, int], after: dict
         ready = sorted((max(i + 1, bisect.bisect_left(times, after[i]) + 1) if i in after else i + 1, i)
                        for i in waiting)
         queue: list[int] = []
+        by_size: dict[int, list[int]] = {}  # exact: the waiting by size, first come first
+        r = 0
         for k in range(1, len(events)):
-            while ready and ready[0][0] <= k:
-                queue.append(ready.pop(0)[1])
+            while r < len(ready) and ready[r][0] <= k:
+                i = ready[r][1]
+                r += 1
+                if exact:
+                    by_size.setdefault(sizes[i], []).append(i)
+                else:
+                    queue.append(i)
             if exact:  # the first waiting whose size is the whole drop
-                i = next((i for i in queue if sizes[i] == drops[k]), None)
-                if i is not None:
+                if drops[k] > 0 and by_size.get(drops[k]):
+                    freed_at[by_size[drops[k]].pop(0)] = k
                     drops[k] = 0
-                    queue.remove(i)
-                    freed_at[i] = k
                 continue
             while queue and 0 < sizes[queue[0]] <= drops[k]:
                 drops[k] -= sizes[queue[0]]
