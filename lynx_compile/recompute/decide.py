@@ -89,10 +89,14 @@ def decide_piece(joint: fx.GraphModule, ctx: PassContext, kw: dict, budget: int 
     """A graph that is one block or a piece of a model (``find_blocks``: no module-list
     children): the budget bounds the bytes it saves for its backward, which is what adds up
     across the pieces (its own peak is mostly the one block's backward, the same under any
-    plan). Baseline policies are applied as asked. Policy lynx takes the candidate (none, full,
-    selective, torch's min-cut at the budget and half of it) that saves no more than
-    ``budget`` with the least exposed recompute; when none does (a loss-only graph saves what
-    nothing recomputes), the one that saves least, with a warning naming the graph break."""
+    plan). Baseline policies are applied as asked. Policy lynx, before a step is recorded
+    (``record.provisional``: a model compiled in pieces under a step recorder), takes the
+    candidate of least memory in a step of any number of calls (``step.model.provisional_pick``;
+    none at a budget of the whole step) until the step's plan chooses; without a recorder, the
+    candidate (none, full, selective, torch's min-cut at the budget and half of it, lynx's
+    optimizer) that saves no more than ``budget`` with the least exposed recompute; when none
+    does (a loss-only graph saves what nothing recomputes), the one that saves least, with a
+    warning naming the graph break."""
     cfg = ctx.config
     if cfg.policy != "lynx":
         return decide(joint, ctx, kw, None, reference_saved)
