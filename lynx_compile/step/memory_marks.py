@@ -218,14 +218,8 @@ def handed_gone_at_last_use(events: Sequence[tuple[int, ...]], series: list[tupl
         return series
     freed_at, by_worker = _frees(events, {k: events[k][2] for k in last}, last, every_thread, drops, exact=True)
     out = list(series)
-    for i in sorted(by_worker & freed_at.keys()):
-        size, end, k = events[i][2], last[i], freed_at[i]
-        for j in range(i, k):
-            t, level, after = out[j]
-            if t >= end:
-                out[j] = (t, level - size, after - size)
-            elif j + 1 < len(out) and out[j + 1][0] >= end:  # gone after the last event before the use ended
-                out[j] = (t, level, after - size)
+    for i in sorted(by_worker & freed_at.keys()):  # gone from the end of its last use to the worker's free
+        _gone_from_mark(out, range(i, freed_at[i]), last[i], events[i][2])
     return out
 
 
@@ -326,8 +320,8 @@ def _live_to_mark(out: list[tuple[int, int, int]], start: int, mark: int | None,
 
 
 def _gone_from_mark(out: list[tuple[int, int, int]], span: range, mark: int, nbytes: int) -> None:
-    """``nbytes`` less live in the series ``out`` over ``span`` from ``mark`` on, and after the
-    last event before it (the segment after ``mark`` starts without it)."""
+    """``nbytes`` less live in the series ``out`` over ``span`` from ``mark`` (a time) on, and
+    after the last event before it (what follows ``mark`` starts without it)."""
     for j in span:
         t, level, after = out[j]
         if t >= mark:
