@@ -292,6 +292,47 @@ def test_a_functional_collectives_output_is_a_buffer_its_work_holds(tmp_path):
     assert handed == {mine.data_ptr()} | {ptr for _, ptr in held}, handed
 
 
+def test_the_recorded_steps_peak_is_read_as_every_other_step_is_measured(tmp_path):
+    """One gloo process, a step whose reduce-scatter clones a 64 KiB input (the work holds the
+    clone), then two 64 KiB tensors live at once. The recording's plan reading holds the clone to
+    the next mark (3 x 64 KiB in the segment); its ``peak_bytes`` reads the events as
+    ``memory.measure.cpu_peak_bytes`` measures a step (the clone freed where the allocator freed
+    it): 2 x 64 KiB, hand-computed, and what ``cpu_peak_bytes`` measures of the same work. A tool
+    measuring every step reads the recorded one this way (``StepRecorder.recorded_peak_bytes``)."""
+    import time
+
+    import torch.distributed as dist
+
+    from lynx_compile.memory.measure import cpu_peak_bytes
+    from lynx_compile.step.memory_marks import ProfilerRecording
+
+    K = 256 * 64 * 4
+    scattered = torch.empty(256, 64)
+
+    def work():
+        grads = torch.randn(256, 64)
+        handle = dist.reduce_scatter_tensor(scattered, grads, async_op=True)
+        handle.wait()
+        del handle, grads
+        time.sleep(0.05)  # the worker has dropped the work: the clone is freed
+        x, y = torch.randn(256, 64), torch.randn(256, 64)
+        return x, y
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        recording = ProfilerRecording()
+        assert recording.start()
+        kept = work()
+        recording.mark(0)
+        del kept
+        peaks, _ = recording.finish(1)
+        measured = cpu_peak_bytes(work)
+    finally:
+        dist.destroy_process_group()
+    assert peaks == [3 * K]  # the plan's reading: the clone held to the mark
+    assert recording.peak_bytes == measured == 2 * K
+
+
 def test_the_allocator_counts_a_free_on_another_thread_while_lynx_records():
     """torch's own CPU allocator: a tensor made while profiling and freed on a thread the profiler
     does not follow. The profiler records no free; with lynx's counting on, the next event's total

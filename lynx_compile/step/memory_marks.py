@@ -39,6 +39,10 @@ class ProfilerRecording:
     def __init__(self):
         self._profiler = None
         self._restarts = 0
+        self.peak_bytes: int | None = None
+        """Once finished: the window's highest live bytes read as every other step is measured
+        (``memory.measure.live_series``, as ``cpu_peak_bytes``: no buffer held), for a tool that
+        measures every step and cannot run its own profiler over this one."""
 
     def start(self) -> bool:
         if _compat.profiler_running():
@@ -99,6 +103,9 @@ class ProfilerRecording:
         if self._restarts:  # the window starts at the last restart
             start = _compat.profiler_marks(prof, RESTART)[f"{RESTART}{self._restarts}"]
             events = [e for e in events if e[0] >= start]
+        from lynx_compile.memory.measure import live_series
+
+        self.peak_bytes = max((at for _, at, _ in live_series(events, self._every_thread)), default=0)
         return segment_memory(events, [times.get(f"{MARK}{i}") for i in range(n_marks)], self._every_thread,
                               held=_compat.collective_held_allocations(prof), inputs=_compat.tensor_inputs(prof))
 
@@ -359,4 +366,5 @@ class AllocatorRecording:
 
     def finish(self, n_marks: int) -> tuple[list[int | None], list[int | None]]:
         pad = lambda xs: [*xs, *([None] * (n_marks - len(xs)))][:n_marks]  # noqa: E731
+        self.peak_bytes = max(self._peaks, default=None)  # the allocator's own: nothing held
         return pad(self._peaks), pad(self._levels)
