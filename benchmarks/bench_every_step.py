@@ -6,10 +6,11 @@ measure: a run that needs its budget must hold it from step 1).
 
 Each row in its own process (``bench_peers.prepare``: the same models, batches and peers as
 ``bench_peers.py``). Every step starts with ``.grad`` None (``zero_grad()``'s default), so the
-gradients the step creates count. Steps 1 and 3-``--steps`` are measured
-(``lynx_compile.memory.measure.cpu_peak_bytes``: the CPU allocator's events, bytes above the
-step's start); step 2 is not, as a model compiled in pieces records its step there and lynx's
-recording waits for a step no other profiler measures. ``worst``: the highest measured step as a
+gradients the step creates count. Every step is measured
+(``lynx_compile.step.measured_peak.step_peak_bytes``: the CPU allocator's events, bytes above
+the step's start); step 2 of lynx with a model compiled in pieces is the step lynx records, read
+from lynx's own recording as the other steps are ("-": lynx recorded nothing there, a model
+compiled whole or a plan from the plan cache; it ran unmeasured). ``worst``: the highest measured step as a
 fraction of ``inductor``'s highest (torch.compile with no recompute, the budget's 100%);
 ``budget``: lynx's budget in bytes as a fraction of the same (each plan's own reference may
 differ by the memory outside its graphs).
@@ -32,29 +33,27 @@ RESULTS = os.path.join(HERE, "results")
 
 
 def run_row(model: str, peer: str, steps: int) -> dict[str, Any]:
-    """In the row's own process: each step's measured peak (None: step 2, not measured)."""
+    """In the row's own process: each step's measured peak (None: not measured, lynx's recorded
+    step where lynx recorded nothing)."""
     import torch
 
     import bench_peers
     from lynx_compile.compiler.dynamo_backend import find_backend_error
     from lynx_compile.decisions import BudgetError
-    from lynx_compile.memory.measure import cpu_peak_bytes
+    from lynx_compile.step.measured_peak import step_peak_bytes
 
     torch.set_num_threads(1)
     module, make_loss = bench_peers.build(model)
     fn, loss_backend = bench_peers.prepare(peer, model, module, bench_peers.peer_budget(peer))
     loss_of = make_loss(loss_backend)
     params = [p for p in module.parameters() if p.requires_grad]
+    recorder = getattr(loss_backend, "step_recorder", None)  # lynx's (None: another peer)
     peaks: list[int | None] = []
     try:
-        for i in range(1, steps + 1):
+        for _ in range(steps):
             for p in params:
                 p.grad = None
-            if i == 2:
-                loss_of(fn).backward()
-                peaks.append(None)
-            else:
-                peaks.append(cpu_peak_bytes(lambda: loss_of(fn).backward()))
+            peaks.append(step_peak_bytes(lambda: loss_of(fn).backward(), torch.device("cpu"), recorder))
     except Exception as exc:  # noqa: BLE001 - a refusal is a result
         refusal = find_backend_error(exc, BudgetError)
         return {"model": model, "peer": peer, "peaks": peaks,
@@ -83,14 +82,14 @@ def _child(model: str, peer: str, steps: int, timeout: float) -> dict[str, Any]:
 
 
 def table(rows: list[dict[str, Any]], steps: int) -> list[str]:
-    head = ["model", "peer", *[f"step {i} MiB" for i in range(1, steps + 1) if i != 2], "worst", "budget", "result"]
+    head = ["model", "peer", *[f"step {i} MiB" for i in range(1, steps + 1)], "worst", "budget", "result"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         ref = next((max(p for p in x["peaks"] if p) for x in rows
                     if x["model"] == r["model"] and x["peer"] == "inductor" and x["result"] == "ok"), None)
         measured = [p for p in r["peaks"] if p]
-        cells = [f"{p / MIB:.3f}" if p else "-" for i, p in enumerate(r["peaks"], 1) if i != 2]
-        cells += ["-"] * (steps - 1 - len(cells))
+        cells = [f"{p / MIB:.3f}" if p else "-" for p in r["peaks"]]
+        cells += ["-"] * (steps - len(cells))
         worst = f"{max(measured) / ref:.3f}" if ref and measured else "-"
         budget = f"{r['budget_bytes'] / ref:.3f}" if ref and r.get("budget_bytes") else "-"
         lines.append("| " + " | ".join([r["model"], r["peer"], *cells, worst, budget, r["result"][:120]]) + " |")

@@ -170,6 +170,15 @@ class StepRecorder:
     def tracking(self) -> bool:
         return self.state in ("warming", "recording")
 
+    def records_next_step(self) -> bool:
+        """The next step is the one this recorder records (step ``RECORDED_STEP`` or, where a
+        profiler ran over that one, the first after it without one): some piece has choices. On
+        CPU it runs under lynx's profiler, and a tool measuring it reads ``recorded_peak_bytes``
+        (``step.measured_peak``). A step plan taken from the plan cache as the step starts
+        records nothing: ``recorded_peak_bytes`` stays None."""
+        return (self.state == "warming" and self.steps_seen + 1 >= RECORDED_STEP
+                and _with_choices(p.record.step for p in self.pieces))
+
     def piece(self, compiled: Callable, record: Any, rebuild: Callable, device_type: str,
               params: tuple = (), returned: tuple = ()) -> Piece:
         """The callable to give dynamo for a graph compiled on ``device_type`` as ``compiled``;

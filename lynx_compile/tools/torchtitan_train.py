@@ -297,36 +297,14 @@ def train_step(run: Run, step: int, tokens: torch.Tensor, labels: torch.Tensor, 
     return global_loss, float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm), peak
 
 
-def step_peak_measure(device: torch.device, step: int,
-                      recorder: Any = None) -> Callable[[Callable[[], Any]], int | None]:
-    """How step ``step``'s forward and backward peak is measured, in bytes above what is allocated
-    as it starts: CUDA ``max_memory_allocated``; CPU the profiler's allocator events
-    (``lynx_compile.memory.measure.cpu_peak_bytes``), except for the step lynx records
-    (``recorder``: the lynx backend's ``step.recorder.StepRecorder``, None for another backend):
-    that step's profile is lynx's own (it records nothing while another profiler runs, and would
-    record the next step, unmeasured then), so its peak is the one lynx measured,
-    ``StepRecorder.recorded_peak_bytes`` (None where lynx recorded no step then: a plan from the
-    plan cache; the step then runs unmeasured)."""
-    def cuda(fn: Callable[[], Any]) -> int:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        start = torch.cuda.memory_allocated(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - start
+def step_peak_measure(device: torch.device, recorder: Any = None) -> Callable[[Callable[[], Any]], int | None]:
+    """How a step's forward and backward peak is measured, in bytes above what is allocated as it
+    starts: ``step.measured_peak.step_peak_bytes`` (CUDA ``max_memory_allocated``; CPU the
+    profiler's allocator events, lynx's recorded step as lynx's recording measured it;
+    ``recorder``: the lynx backend's ``step.recorder.StepRecorder``, None for another backend)."""
+    from lynx_compile.step.measured_peak import step_peak_bytes
 
-    def cpu(fn: Callable[[], Any]) -> int | None:
-        from lynx_compile.step.recorder import RECORDED_STEP
-
-        if recorder is not None and step == RECORDED_STEP:
-            before = recorder.recorded_peak_bytes
-            fn()
-            return recorder.recorded_peak_bytes if before is None else None
-        from lynx_compile.memory.measure import cpu_peak_bytes
-
-        return cpu_peak_bytes(fn)
-
-    return cuda if device.type == "cuda" else cpu
+    return lambda fn: step_peak_bytes(fn, device, recorder)
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
@@ -346,7 +324,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     for step in range(1, args.steps + 1):
         start = time.perf_counter()
         loss, grad_norm, peak = train_step(run, step, tokens, labels, args.spmd_backend,
-                                           measure=step_peak_measure(device, step, recorder))
+                                           measure=step_peak_measure(device, recorder))
         seconds.append(time.perf_counter() - start)
         losses.append(loss)
         grad_norms.append(grad_norm)
