@@ -229,7 +229,7 @@ def write(rows: list[dict], args: argparse.Namespace, argv: Sequence[str], peers
           f"Command: `python benchmarks/bench_torchtitan_launcher.py {' '.join(argv)}`", "",
           f"debugmodel cut to {args.layers or 'all'} layers, batch 2 x 128 per data-parallel rank, float32, "
           f"{args.steps} steps; peaks: each rank's measured forward + backward step peak (bytes above the step's "
-          "start, CPU allocator events; step 2, the step lynx records, as lynx's recording read it) over every "
+          "start, CPU allocator events; step 2, the step lynx records, from lynx's recording read as the others are: step.measured_peak) over every "
           "step, the worst step (steps_MB_by_rank: each step, by rank); worst_over_budget: the larger rank's peak "
           "over lynx's step budget; losses_ok: every step's loss within "
           f"{ERR_MULTIPLE:g}x Inductor's own largest difference from eager.", "",

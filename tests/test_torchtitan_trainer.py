@@ -149,7 +149,7 @@ def test_lynx_at_a_budget_is_within_inductors_tolerance(runs):
     for p in lynx["plans"]:
         assert p["step_peak_bytes"] <= BUDGET[parallel] * p["step_reference_bytes"] * 1.001, p
     # each rank's measured forward + backward peak, every step (CPU: step 2, the step lynx
-    # records, as lynx's recording measured it), printed against Inductor's and the plans' step
+    # records, from lynx's recording, read as the other steps are measured), printed against Inductor's and the plans' step
     # budget: not asserted
     # against either, as under gloo the step's memory moves between identical runs (TP at 0.97:
     # lynx 1.06x Inductor's on one rank in one run, 0.95x in another; docs/torchtitan.md)
