@@ -104,3 +104,34 @@ def test_per_block_with_grads_allocated_at_every_start(caplog):
     # each step zeroes .grad first: the last step's gradients, equal to Inductor's
     for p, q in zip(model.parameters(), plain.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+class _Recorder:
+    """A step recorder as ``step_peak_bytes`` reads it: its next step is the recorded one, and
+    running the step sets what its recording measured."""
+
+    def __init__(self, measured):
+        self.recorded_peak_bytes, self._measured = None, measured
+
+    def records_next_step(self):
+        return self.recorded_peak_bytes is None
+
+    def run(self):
+        self.recorded_peak_bytes = self._measured
+
+
+def test_the_recorded_step_is_read_from_the_recording_on_cuda_too():
+    """On CUDA lynx's recording resets the allocator's peak statistics at each mark, so an outer
+    ``max_memory_allocated`` would read the last segment's: the recorded step's peak is the
+    recording's on every device (no CUDA call is made for it); a step the recording does not
+    record is measured by the device's own measure; a step recorded from the plan cache (nothing
+    set by the step) reads None."""
+    for device in (torch.device("cuda"), torch.device("cpu")):
+        recorder = _Recorder(123_456)
+        assert step_peak_bytes(recorder.run, device, recorder) == 123_456
+    recorder = _Recorder(123_456)
+    recorder.run()  # recorded already: the next step is measured by the CPU profiler
+    assert step_peak_bytes(lambda: torch.ones(1024), torch.device("cpu"), recorder) == 4096
+    silent = _Recorder(None)
+    assert step_peak_bytes(lambda: None, torch.device("cpu"), silent) is None
+

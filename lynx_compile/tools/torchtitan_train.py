@@ -299,8 +299,8 @@ def train_step(run: Run, step: int, tokens: torch.Tensor, labels: torch.Tensor, 
 
 def step_peak_measure(device: torch.device, recorder: Any = None) -> Callable[[Callable[[], Any]], int | None]:
     """How a step's forward and backward peak is measured, in bytes above what is allocated as it
-    starts: ``step.measured_peak.step_peak_bytes`` (CUDA ``max_memory_allocated``; CPU the
-    profiler's allocator events, lynx's recorded step as lynx's recording measured it;
+    starts: ``step.measured_peak.step_peak_bytes`` (CUDA ``max_memory_allocated``, CPU the
+    profiler's allocator events; lynx's recorded step as lynx's recording measured it;
     ``recorder``: the lynx backend's ``step.recorder.StepRecorder``, None for another backend)."""
     from lynx_compile.step.measured_peak import step_peak_bytes
 
