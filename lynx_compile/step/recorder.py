@@ -176,8 +176,11 @@ class StepRecorder:
         CPU it runs under lynx's profiler, and a tool measuring it reads ``recorded_peak_bytes``
         (``step.measured_peak``). A step plan taken from the plan cache as the step starts
         records nothing: ``recorded_peak_bytes`` stays None."""
-        return (self.state == "warming" and self.steps_seen + 1 >= RECORDED_STEP
-                and _with_choices(p.record.step for p in self.pieces))
+        return self._recording_due() and _with_choices(p.record.step for p in self.pieces)
+
+    def _recording_due(self) -> bool:
+        """Step ``RECORDED_STEP`` or later is next, and none has been recorded yet."""
+        return self.state == "warming" and self.steps_seen + 1 >= RECORDED_STEP
 
     def piece(self, compiled: Callable, record: Any, rebuild: Callable, device_type: str,
               params: tuple = (), returned: tuple = ()) -> Piece:
@@ -237,8 +240,7 @@ class StepRecorder:
             self._cached_step(calls)
         if self.state == "recorded":
             self._apply()
-        elif (self.state == "warming" and self.steps_seen + 1 >= RECORDED_STEP and not self.calls
-              and torch.is_grad_enabled()):
+        elif self._recording_due() and not self.calls and torch.is_grad_enabled():
             self._start_recording()
 
     def _wait_for_start(self) -> None:

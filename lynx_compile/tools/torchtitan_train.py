@@ -73,6 +73,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import importlib
 import json
 import os
@@ -84,6 +85,7 @@ from typing import Any, Callable
 
 import torch
 
+from lynx_compile.step.measured_peak import step_peak_bytes
 from lynx_compile.tools.torchtitan_models import MODELS, VOCAB, available, batch, compile_config, materialize, \
     model_config, model_spec
 
@@ -260,7 +262,7 @@ def train_step(run: Run, step: int, tokens: torch.Tensor, labels: torch.Tensor, 
     """``Trainer.train_step`` for one micro-batch (no gradient accumulation, no PP): the loss as
     the trainer logs it (summed over the loss mesh), the gradient norm before clipping, and what
     ``measure(forward_and_backward)`` returns (the peak bytes of the step's forward and backward:
-    :func:`step_peak_measure`; None without it)."""
+    :func:`lynx_compile.step.measured_peak.step_peak_bytes`; None without it)."""
     import spmd_types as spmd
     from torchtitan.components.loss import IGNORE_INDEX
     from torchtitan.distributed import utils as dist_utils
@@ -297,16 +299,6 @@ def train_step(run: Run, step: int, tokens: torch.Tensor, labels: torch.Tensor, 
     return global_loss, float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm), peak
 
 
-def step_peak_measure(device: torch.device, recorder: Any = None) -> Callable[[Callable[[], Any]], int | None]:
-    """How a step's forward and backward peak is measured, in bytes above what is allocated as it
-    starts: ``step.measured_peak.step_peak_bytes`` (CUDA ``max_memory_allocated``, CPU the
-    profiler's allocator events; lynx's recorded step as lynx's recording measured it;
-    ``recorder``: the lynx backend's ``step.recorder.StepRecorder``, None for another backend)."""
-    from lynx_compile.step.measured_peak import step_peak_bytes
-
-    return lambda fn: step_peak_bytes(fn, device, recorder)
-
-
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``args.steps`` training steps on one fixed batch (each data-parallel rank its rows);
     returns (on every rank) the per-step losses and gradient norms."""
@@ -321,10 +313,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     tokens, labels = tokens[rows].to(device), labels[rows].to(device)  # (local batch, seq) each
     losses, grad_norms, peaks, seconds = [], [], [], []
     recorder = _lynx_bound().step_recorder if args.compile_backend == "lynx" else None
+    measure = functools.partial(step_peak_bytes, device=device, recorder=recorder)
     for step in range(1, args.steps + 1):
         start = time.perf_counter()
         loss, grad_norm, peak = train_step(run, step, tokens, labels, args.spmd_backend,
-                                           measure=step_peak_measure(device, recorder))
+                                           measure=measure)
         seconds.append(time.perf_counter() - start)
         losses.append(loss)
         grad_norms.append(grad_norm)
@@ -343,7 +336,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             "step_s": seconds,
             # each rank's forward + backward peak per step, bytes above the step's start (None:
             # not measured; on CPU the step lynx records is measured by lynx's recording:
-            # step_peak_measure)
+            # step.measured_peak.step_peak_bytes)
             "step_peak_bytes_by_rank": by_rank}
 
 
